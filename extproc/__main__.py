@@ -1,0 +1,3 @@
+from extproc.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Workloads, trace readers, load generation and policy comparison (`demo`, `up`, `bench`, `analyze`)."""

@@ -1,0 +1,29 @@
+"""The `llm-extproc` command: serve | sim | demo | up | bench | analyze.
+
+Each subcommand's options live beside its implementation; heavy imports happen inside the
+command bodies so `llm-extproc --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from extproc.server.cli import serve
+from extproc.sim.cli import sim
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="llm-extproc",
+    help="LLM-inference-aware load balancing for vLLM fleets behind Envoy (ext_proc).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("serve")(serve)
+app.command("sim")(sim)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

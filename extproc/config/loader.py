@@ -1,0 +1,98 @@
+"""Load and validate the YAML configuration; apply environment overrides.
+
+Environment overrides (addresses only, so a container can move ports without a new file):
+`LLM_EXTPROC_GRPC_ADDRESS`, `LLM_EXTPROC_ADMIN_ADDRESS`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from extproc.config.schema import Config
+from extproc.models import DEFAULT_MODEL
+
+__all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "ENV_OVERRIDES"]
+
+ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    "LLM_EXTPROC_GRPC_ADDRESS": ("listen", "grpc"),
+    "LLM_EXTPROC_ADMIN_ADDRESS": ("listen", "admin"),
+}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names each offending key and value."""
+
+
+def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]).replace(".[", "[")
+        value = err.get("input")
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        if err["type"] == "missing":
+            lines.append(f"  {loc or '<root>'}: required key is missing")
+        elif err["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (value {shown})")
+        else:
+            lines.append(f"  {loc or '<root>'}: {err['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", env: Mapping[str, str] | None = None) -> Config:
+    """Validate a parsed mapping, applying environment overrides first.
+
+    Raises:
+        ConfigError: with every offending key and value.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"invalid configuration in {source}: top level must be a mapping, got {type(raw).__name__}")
+    data: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    for var, (section, key) in ENV_OVERRIDES.items():
+        value = (env if env is not None else os.environ).get(var)
+        if value:
+            data.setdefault(section, {})
+            if not isinstance(data[section], dict):
+                raise ConfigError(f"invalid configuration in {source}: {section} must be a mapping")
+            data[section][key] = value
+    try:
+        return Config.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(_format(exc, data, source)) from None
+
+
+def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Config:
+    """Load a YAML file.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or invalid values.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration {p}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"configuration {p} is not UTF-8") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"configuration {p} is not valid YAML: {exc}") from None
+    return config_from_mapping(raw or {}, source=str(p), env=env)
+
+
+def default_config(endpoints: list[str] | None = None, *, env: Mapping[str, str] | None = None) -> Config:
+    """The embedded default: the project's default model (Qwen3-8B, built-in tokenizer and
+    architecture) served by `endpoints` (default: one simulator at 127.0.0.1:8000)."""
+    raw = {
+        "models": [{"name": DEFAULT_MODEL, "aliases": ["qwen3-8b"], "max_model_len": 40960}],
+        "endpoints": [{"address": a, "models": [DEFAULT_MODEL]} for a in (endpoints or ["127.0.0.1:8000"])],
+    }
+    return config_from_mapping(raw, source="<default>", env=env)

@@ -1,0 +1,1 @@
+"""The request pipeline: parse → count → estimate → admit → schedule → mutate."""

@@ -1,0 +1,211 @@
+"""Token counting with the model's real tokenizer, chat template applied.
+
+The count is what the engine will prefill: for chat requests the model's chat template is
+rendered (as vLLM does, `add_generation_prompt=True`) and tokenized without adding special
+tokens again; for completions the prompt is tokenized with the tokenizer's special tokens.
+
+Caching repeated prefixes: multi-turn chats resend their whole history. A Hugging Face fast
+tokenizer splits its input at added tokens (e.g. `<|im_start|>`) *before* normalising and
+pre-tokenising, so the text between two added tokens is tokenized independently of the rest.
+We therefore cut the rendered prompt into segments at added-token boundaries, look each
+segment up in an LRU cache (bounded in tokens), and tokenize only the misses, in one
+`encode_batch` call that releases the GIL. The result equals
+`apply_chat_template(..., tokenize=True, return_dict=False)` token for token (tested).
+Added tokens with `lstrip`/`rstrip`/`normalized` set are not used as cut points, since
+they interact with their neighbours.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from extproc.errors import BadRequestError
+from extproc.models import builtin_tokenizer_dir
+
+__all__ = ["TokenCounter", "TokenizedPrompt", "TokenizerLoadError"]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer source could not be loaded (names the source and the reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedPrompt:
+    """A prompt as the engine sees it.
+
+    Attributes:
+        token_ids: the token ids (list of int).
+        text_chars: length of the rendered text (characters), for diagnostics.
+    """
+
+    token_ids: list[int]
+    text_chars: int
+
+    @property
+    def count(self) -> int:
+        """Number of tokens."""
+        return len(self.token_ids)
+
+
+class TokenCounter:
+    """Counts prompt tokens for one model, with a segment cache.
+
+    Thread-safe: `count_*` may run in worker threads concurrently.
+
+    Args:
+        tokenizer: a transformers fast tokenizer (`PreTrainedTokenizerFast` or subclass).
+        cache_tokens: bound of the segment cache (tokens held in total).
+    """
+
+    def __init__(self, tokenizer: Any, *, cache_tokens: int = 4_000_000) -> None:
+        self._tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        if backend is None:
+            raise TokenizerLoadError("tokenizer has no fast (Rust) backend; a tokenizer.json is required")
+        self._backend = backend
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_tokens = 0
+        self._cache_limit = cache_tokens
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        cut_tokens = []
+        for added in backend.get_added_tokens_decoder().values():
+            if not (added.lstrip or added.rstrip or added.normalized or added.single_word):
+                cut_tokens.append(added.content)
+        cut_tokens.sort(key=len, reverse=True)
+        self._cut_re = re.compile("(?=" + "|".join(map(re.escape, cut_tokens)) + ")") if cut_tokens else None
+        self._bos_ids: list[int] = list(backend.encode("", add_special_tokens=True).ids)
+
+    @classmethod
+    def from_source(cls, source: str) -> TokenCounter:
+        """Load from `builtin:qwen3` or a local directory holding `tokenizer.json`.
+
+        Never touches the network (HF_HUB_OFFLINE, local_files_only).
+
+        Raises:
+            TokenizerLoadError: unknown built-in, missing directory or files, or a load failure.
+        """
+        if source.startswith("builtin:"):
+            try:
+                path = builtin_tokenizer_dir(source.removeprefix("builtin:"))
+            except LookupError as exc:
+                raise TokenizerLoadError(str(exc)) from None
+        else:
+            path = Path(source)
+            if not (path / "tokenizer.json").is_file():
+                raise TokenizerLoadError(f"tokenizer {source!r}: no tokenizer.json in that directory")
+        try:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as exc:  # transformers raises many types here
+            raise TokenizerLoadError(f"tokenizer {source!r} failed to load: {exc}") from None
+        return cls(tok)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The underlying transformers tokenizer."""
+        return self._tok
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render the chat template to text (what the engine tokenizes).
+
+        Raises:
+            BadRequestError: the template rejects the conversation (e.g. a role it does not know).
+        """
+        kwargs = dict(chat_template_kwargs or {})
+        kwargs.pop("tokenize", None)
+        kwargs.pop("return_dict", None)
+        kwargs.pop("add_generation_prompt", None)
+        try:
+            return self._tok.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja2 TemplateError, TypeError from odd content
+            raise BadRequestError(f"chat template rejected the messages: {exc}", param="messages") from None
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`, using and filling the segment cache."""
+        segments = self._cut_re.split(text) if self._cut_re is not None else [text]
+        ids: list[list[int] | None] = []
+        missing: list[int] = []
+        with self._lock:
+            for i, seg in enumerate(segments):
+                hit = self._cache.get(seg)
+                if hit is None:
+                    ids.append(None)
+                    missing.append(i)
+                else:
+                    self._cache.move_to_end(seg)
+                    ids.append(hit)
+            self.hits += len(segments) - len(missing)
+            self.misses += len(missing)
+        if missing:
+            encoded = self._backend.encode_batch([segments[i] for i in missing], add_special_tokens=False)
+            with self._lock:
+                for i, enc in zip(missing, encoded):
+                    seg_ids = enc.ids
+                    ids[i] = seg_ids
+                    if segments[i] not in self._cache and len(seg_ids) <= self._cache_limit // 4:
+                        self._cache[segments[i]] = seg_ids
+                        self._cache_tokens += len(seg_ids)
+                while self._cache_tokens > self._cache_limit and self._cache:
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_tokens -= len(old)
+        out: list[int] = list(self._bos_ids) if add_special_tokens else []
+        for part in ids:
+            out.extend(part)  # type: ignore[arg-type]
+        return out
+
+    def count_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> TokenizedPrompt:
+        """Tokenize a chat conversation as the engine will (template + generation prompt).
+
+        Raises:
+            BadRequestError: the chat template rejects the messages.
+        """
+        text = self.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        return TokenizedPrompt(self.encode(text, add_special_tokens=False), len(text))
+
+    def count_text(self, prompt: str) -> TokenizedPrompt:
+        """Tokenize a completions prompt (the tokenizer's own special tokens added, as vLLM does)."""
+        return TokenizedPrompt(self.encode(prompt, add_special_tokens=True), len(prompt))
+
+    def cache_stats(self) -> dict[str, int]:
+        """Segment cache figures: entries, tokens held, hits and misses (segments)."""
+        with self._lock:
+            return {"entries": len(self._cache), "tokens": self._cache_tokens, "hits": self.hits, "misses": self.misses}

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible vLLM simulator with a calibrated engine model (`llm-extproc sim`)."""

@@ -1,0 +1,80 @@
+"""Domain types shared across the request pipeline.
+
+Scalars carry their unit in their name (`TokenCount` is tokens, `ByteCount` bytes); the
+dataclasses are plain records handed between pipeline stages, free of I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+__all__ = [
+    "ByteCount",
+    "TokenCount",
+    "BlockHash",
+    "EndpointAddress",
+    "RequestKind",
+    "LLMRequest",
+    "Decision",
+]
+
+TokenCount = NewType("TokenCount", int)
+ByteCount = NewType("ByteCount", int)
+BlockHash = NewType("BlockHash", int)
+EndpointAddress = NewType("EndpointAddress", str)
+"""`host:port` of an inference endpoint, exactly as written into `x-gateway-destination-endpoint`."""
+
+
+class RequestKind(str, enum.Enum):
+    """Which OpenAI API a request targets."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    """One parsed OpenAI-style generation request, as the scheduler sees it.
+
+    Attributes:
+        kind: chat or completion.
+        model: the model name the client asked for (may be an alias).
+        served_model: the canonical configured model name it resolved to.
+        prompt_tokens: tokens the engine will prefill, chat template applied (tokens).
+        max_tokens: the client's output cap (tokens), or None when unset.
+        n: number of choices; decode KV blocks multiply by n, prompt blocks are shared.
+        stream: whether the client asked for SSE.
+        include_usage: `stream_options.include_usage`.
+        user: the OpenAI `user` field (never logged verbatim).
+        body_bytes: size of the request body (bytes).
+        token_ids: the prompt's token ids when the counter kept them (for prefix hashing).
+    """
+
+    kind: RequestKind
+    model: str
+    served_model: str = ""
+    prompt_tokens: TokenCount = TokenCount(0)
+    max_tokens: int | None = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    body_bytes: ByteCount = ByteCount(0)
+    token_ids: list[int] | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """Where a request goes and why.
+
+    Attributes:
+        endpoint: the chosen endpoint address.
+        candidates: how many endpoints survived filtering.
+        reason: short machine-readable reason (e.g. `least-inflight`).
+    """
+
+    endpoint: EndpointAddress
+    candidates: int
+    reason: str
