@@ -1,1 +1,1 @@
-"""datastore"""
+"""Endpoint state: configuration, health, in-flight accounting (and later scraped engine metrics)."""

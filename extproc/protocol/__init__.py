@@ -1,1 +1,1 @@
-"""protocol"""
+"""Wire formats: OpenAI request models and (later) the incremental SSE parser."""

@@ -1,1 +1,1 @@
-"""scheduling"""
+"""Choosing an endpoint: filters drop endpoints, scorers rank them, a picker chooses."""

@@ -1,1 +1,1 @@
-"""server"""
+"""The ext_proc gRPC server: stream state machine, response builders, app lifecycle, admin HTTP."""

@@ -1,10 +1,60 @@
-"""`llm-extproc serve` (placeholder until the server lands)."""
+"""`llm-extproc serve`: run the ext_proc server until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import typer
 
+__all__ = ["serve"]
 
-def serve(config: str = typer.Option("", help="YAML config")) -> None:
-    """Run the ext_proc server."""
-    raise typer.Exit(2)
+
+def serve(
+    config: str = typer.Option(
+        "", "--config", "-c", help="YAML configuration (see deploy/config.example.yaml); default: embedded defaults"
+    ),
+    endpoint: list[str] = typer.Option(
+        [], "--endpoint", "-e", help="ip:port of an endpoint serving the default model (repeatable; only without --config)"
+    ),
+    log_level: str = typer.Option("info", help="debug, info, warning, error"),
+) -> None:
+    """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
+    import asyncio
+    import logging
+    import signal
+    import sys
+
+    from extproc.config import ConfigError, default_config, load_config
+    from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.server.app import ExtProcApp
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if config:
+            if endpoint:
+                raise ConfigError("--endpoint only applies without --config (list endpoints in the file)")
+            cfg = load_config(config)
+        else:
+            cfg = default_config(endpoint or None)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    async def run() -> None:
+        app = ExtProcApp(cfg)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await app.start()
+        except (TokenizerLoadError, RuntimeError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        print(
+            f"llm-extproc serving ext_proc on {cfg.listen.grpc} (port {app.grpc_port}), admin on port {app.admin_port}",
+            flush=True,
+        )
+        await stop.wait()
+        print("shutting down: waiting for in-flight streams", file=sys.stderr, flush=True)
+        await app.aclose()
+
+    asyncio.run(run())

@@ -1,0 +1,99 @@
+"""Active health probes of endpoints: `GET http://<address><path>` on a fixed period.
+
+The first probe sets an endpoint's health outright; after that it flips to unhealthy after `unhealthy_threshold` consecutive failures (timeout,
+connection error, or a non-2xx status) and back after `healthy_threshold` successes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from extproc.config.schema import HealthCheckConfig
+from extproc.datastore.endpoints import Datastore, Endpoint
+
+__all__ = ["HealthChecker"]
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    """Probes every endpoint of a datastore.
+
+    Args:
+        store: the datastore whose endpoints' `healthy` flags this maintains.
+        cfg: probe settings.
+    """
+
+    def __init__(self, store: Datastore, cfg: HealthCheckConfig) -> None:
+        self._store = store
+        self._cfg = cfg
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Probe once (so the first decisions see real health), then keep probing in the background."""
+        if not self._cfg.enabled:
+            return
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self._cfg.timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+        )
+        await self.probe_all()
+        self._task = asyncio.create_task(self._loop(), name="health-checker")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # never let the loop die
+                log.exception("health probe round failed")
+
+    async def probe_all(self) -> None:
+        """Probe every endpoint concurrently and update their health."""
+        await asyncio.gather(*(self._probe(ep) for ep in self._store.all()))
+
+    async def _probe(self, ep: Endpoint) -> None:
+        assert self._session is not None
+        error: str | None = None
+        try:
+            async with self._session.get(f"http://{ep.address}{self._cfg.path}") as resp:
+                await resp.read()
+                if not 200 <= resp.status < 300:
+                    error = f"status {resp.status}"
+        except asyncio.TimeoutError:
+            error = "timeout"
+        except aiohttp.ClientError as exc:
+            error = type(exc).__name__
+        if not ep.probed:
+            # The first probe decides outright: no reason to route to an endpoint that never answered.
+            ep.probed = True
+            ep.healthy = error is None
+        if error is None:
+            ep.consecutive_failures = 0
+            ep.consecutive_successes += 1
+            if not ep.healthy and ep.consecutive_successes >= self._cfg.healthy_threshold:
+                ep.healthy = True
+                log.info("endpoint %s healthy again", ep.address)
+        else:
+            ep.consecutive_successes = 0
+            ep.consecutive_failures += 1
+            ep.last_probe_error = error
+            if ep.healthy and ep.consecutive_failures >= self._cfg.unhealthy_threshold:
+                ep.healthy = False
+                log.warning("endpoint %s unhealthy: %s", ep.address, error)

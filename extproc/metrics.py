@@ -1,0 +1,85 @@
+"""Every Prometheus metric of the ext_proc server, on an injected registry.
+
+Names follow `llm_extproc_<subsystem>_<what>_<unit>`; label values are bounded (endpoints
+come from configuration, reasons from the error tree, phases from a fixed list). No request
+content, user id, API key or authorization header ever becomes a label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics", "DECISION_PHASES"]
+
+DECISION_PHASES = ("parse", "tokenize", "pick", "total")
+
+# Decisions are sub-millisecond to tens of milliseconds (tokenizing long prompts).
+_DECISION_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class Metrics:
+    """The server's metrics.
+
+    Args:
+        registry: where to register (tests pass a fresh `CollectorRegistry`).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "llm_extproc_requests_total",
+            "Requests seen by the ext_proc server, by outcome (routed, rejected, passthrough) and reason.",
+            ["outcome", "reason"],
+            registry=registry,
+        )
+        self.endpoint_inflight = Gauge(
+            "llm_extproc_endpoint_inflight_requests",
+            "Requests routed to an endpoint whose ext_proc stream has not ended yet.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.endpoint_healthy = Gauge(
+            "llm_extproc_endpoint_healthy",
+            "1 when the endpoint's health probes pass, else 0.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.endpoint_routed = Counter(
+            "llm_extproc_endpoint_routed_requests_total",
+            "Requests routed to each endpoint.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            "llm_extproc_decision_duration_seconds",
+            "Time to decide a request, by phase (parse, tokenize, pick, total), in seconds.",
+            ["phase"],
+            buckets=_DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Histogram(
+            "llm_extproc_prompt_tokens",
+            "Prompt tokens per routed generation request (chat template applied).",
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.streams_active = Gauge(
+            "llm_extproc_grpc_streams_active",
+            "ext_proc gRPC streams currently open.",
+            registry=registry,
+        )
+        self.tokenizer_cache_hits = Counter(
+            "llm_extproc_tokenizer_cache_hits_total",
+            "Prompt segments found in the token cache.",
+            ["model"],
+            registry=registry,
+        )
+        self.tokenizer_cache_misses = Counter(
+            "llm_extproc_tokenizer_cache_misses_total",
+            "Prompt segments tokenized afresh.",
+            ["model"],
+            registry=registry,
+        )

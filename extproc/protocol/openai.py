@@ -1,0 +1,242 @@
+"""OpenAI-style request models and parsing (`/v1/chat/completions`, `/v1/completions`).
+
+Models tolerate unknown fields (engines accept many extensions: `min_tokens`, `ignore_eos`,
+`chat_template_kwargs`, ...) and validate what routing depends on strictly: `max_tokens` must
+be an integer ≥ 1 (not a float, not a string, not a bool), `n` an integer in 1..128, `stream`
+a boolean. Errors name the offending parameter in OpenAI's `param` form (`messages[0].content`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import orjson
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from extproc.errors import InvalidJSONError, ValidationError
+from extproc.types import RequestKind
+
+__all__ = [
+    "CHAT_PATH",
+    "COMPLETIONS_PATH",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ParsedRequest",
+    "parse_body",
+    "route_kind",
+]
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+_KINDS = {CHAT_PATH: RequestKind.CHAT, COMPLETIONS_PATH: RequestKind.COMPLETION}
+
+
+def route_kind(method: str, path: str) -> RequestKind | None:
+    """The generation API a request targets, or None for any other method/path.
+
+    The query string is ignored; a trailing slash is tolerated.
+    """
+    if method != "POST":
+        return None
+    p = path.split("?", 1)[0]
+    if len(p) > 1 and p.endswith("/"):
+        p = p[:-1]
+    return _KINDS.get(p)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=False)
+
+
+class TextPart(_Open):
+    type: Literal["text", "input_text"]
+    text: StrictStr
+
+
+class ChatMessage(_Open):
+    role: StrictStr = Field(min_length=1)
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(_Open):
+    include_usage: StrictBool = False
+
+
+class _Common(_Open):
+    model: StrictStr = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = Field(default=1, ge=1, le=128)
+    user: StrictStr | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens` when both are set."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    """`POST /v1/completions`: `prompt` is a string, a list of strings, a token-id list, or a list of those."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class ParsedRequest:
+    """What the pipeline needs from a request body, with the template inputs normalised.
+
+    Attributes:
+        kind: chat or completion.
+        model: the requested model name.
+        max_tokens: the effective output cap (tokens) or None.
+        n, stream, include_usage, user: as sent.
+        messages: chat messages as plain dicts, text content parts joined with "\\n" the way
+            vLLM does for string-format chat templates.
+        tools, chat_template_kwargs: passed to the chat template.
+        prompts: completion prompts (strings) and `prompt_token_ids` (lists of ids).
+    """
+
+    __slots__ = (
+        "kind",
+        "model",
+        "max_tokens",
+        "n",
+        "stream",
+        "include_usage",
+        "user",
+        "messages",
+        "tools",
+        "chat_template_kwargs",
+        "prompts",
+        "prompt_token_ids",
+    )
+
+    def __init__(self, kind: RequestKind, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.max_tokens: int | None = None
+        self.n = 1
+        self.stream = False
+        self.include_usage = False
+        self.user: str | None = None
+        self.messages: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] | None = None
+        self.chat_template_kwargs: dict[str, Any] | None = None
+        self.prompts: list[str] = []
+        self.prompt_token_ids: list[list[int]] = []
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[dict[str,any]]", "function-after"):
+            continue  # union branch names pydantic inserts into locations
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
+    errors = exc.errors(include_url=False)
+    # Prefer the most specific error: a missing field over a union-branch mismatch.
+    first = next((e for e in errors if e["type"] == "missing"), errors[0])
+    param = _param(first["loc"])
+    if first["type"] == "missing":
+        return ValidationError(f"'{param}' is a required property", param=param)
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return ValidationError(f"Invalid value for '{param}': {first['msg']} (got {shown})", param=param)
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        ptype = part.get("type")
+        if ptype in ("text", "input_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise ValidationError(
+                f"messages[{index}].content[{j}]: unsupported content part type {ptype!r}; "
+                "this endpoint serves text models and accepts 'text' parts",
+                param=f"messages[{index}].content[{j}].type",
+            )
+    return "\n".join(texts)
+
+
+def parse_body(kind: RequestKind, body: bytes) -> ParsedRequest:
+    """Parse and validate a generation request body.
+
+    Args:
+        kind: from `route_kind` (decides the schema).
+        body: the raw request body (bytes).
+
+    Raises:
+        InvalidJSONError: not UTF-8 (the message gives the byte offset), not JSON, or not an object.
+        ValidationError: a field is missing, of the wrong type, or out of range.
+    """
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJSONError(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSONError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidJSONError(f"request body must be a JSON object, got {type(raw).__name__}")
+    return parse_mapping(kind, raw)
+
+
+def parse_mapping(kind: RequestKind, raw: Mapping[str, Any]) -> ParsedRequest:
+    """Validate an already-decoded JSON object; see `parse_body`."""
+    try:
+        if kind is RequestKind.CHAT:
+            req: _Common = ChatCompletionRequest.model_validate(raw)
+        else:
+            req = CompletionRequest.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise _validation_error(exc) from None
+    out = ParsedRequest(kind, req.model)
+    out.n = req.n
+    out.stream = req.stream
+    out.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    out.user = req.user
+    if isinstance(req, ChatCompletionRequest):
+        out.max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        messages = []
+        for i, m in enumerate(req.messages):
+            msg = m.model_dump(exclude_none=True)
+            msg["content"] = _content_text(m.content, i)
+            messages.append(msg)
+        out.messages = messages
+        out.tools = req.tools
+        out.chat_template_kwargs = req.chat_template_kwargs
+    else:
+        assert isinstance(req, CompletionRequest)
+        out.max_tokens = req.max_tokens
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            out.prompts = [prompt]
+        elif not prompt:
+            raise ValidationError("'prompt' must not be empty", param="prompt")
+        elif isinstance(prompt[0], str):
+            out.prompts = list(prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt[0], int):
+            out.prompt_token_ids = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            out.prompt_token_ids = [list(p) for p in prompt]  # type: ignore[union-attr]
+    return out

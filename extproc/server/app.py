@@ -1,0 +1,147 @@
+"""The server's lifecycle: load models, start the datastore, gRPC and admin servers; stop them.
+
+`grpc.aio` serves `envoy.service.ext_proc.v3.ExternalProcessor` and `grpc.health.v1.Health`
+on one port. SIGTERM → health NOT_SERVING, stop accepting new streams, let in-flight streams
+finish for up to `limits.shutdown_grace_s`, then cancel the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from extproc.config.schema import Config
+from extproc.datastore.endpoints import Datastore
+from extproc.datastore.health import HealthChecker
+from extproc.metrics import Metrics
+from extproc.pipeline.request import ModelRuntime, RequestPipeline
+from extproc.pipeline.tokens import TokenCounter
+from extproc.server.admin import AdminServer
+from extproc.server.extproc import ExtProcServicer
+
+__all__ = ["ExtProcApp", "load_models", "EXTPROC_SERVICE"]
+
+log = logging.getLogger(__name__)
+
+EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def load_models(config: Config) -> dict[str, ModelRuntime]:
+    """Load every model's tokenizer (shared between models with the same source).
+
+    Raises:
+        TokenizerLoadError: a tokenizer source cannot be loaded.
+    """
+    counters: dict[str, TokenCounter] = {}
+    out: dict[str, ModelRuntime] = {}
+    for m in config.models:
+        if m.tokenizer not in counters:
+            counters[m.tokenizer] = TokenCounter.from_source(m.tokenizer)
+        out[m.name] = ModelRuntime(m, counters[m.tokenizer])
+    return out
+
+
+class ExtProcApp:
+    """The whole ext_proc server process.
+
+    Args:
+        config: validated configuration.
+        registry: Prometheus registry (fresh per app; tests create several apps in one process).
+        models: preloaded model runtimes (default: loaded from config at start).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        registry: CollectorRegistry | None = None,
+        models: dict[str, ModelRuntime] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = Metrics(registry or CollectorRegistry())
+        self.store = Datastore(config.endpoints, on_change=self._on_inflight_change)
+        self._models = models
+        self._executor: ThreadPoolExecutor | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._checker = HealthChecker(self.store, config.scheduling.health_check)
+        self._admin: AdminServer | None = None
+        self._serving = False
+        self.servicer: ExtProcServicer | None = None
+        self.grpc_port = 0
+        self.admin_port = 0
+
+    def _on_inflight_change(self, endpoint) -> None:
+        self.metrics.endpoint_inflight.labels(endpoint.address).set(endpoint.inflight)
+
+    async def start(self) -> None:
+        """Load tokenizers, probe endpoints, then listen (gRPC, then admin).
+
+        Raises:
+            TokenizerLoadError: a tokenizer cannot be loaded.
+            RuntimeError: a listen address cannot be bound.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        if self._models is None:
+            self._models = await loop.run_in_executor(None, load_models, cfg)
+        for ep in self.store.all():
+            self.metrics.endpoint_inflight.labels(ep.address).set(0)
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
+        self.servicer = ExtProcServicer(pipeline, self.metrics, decision_timeout_s=cfg.limits.decision_timeout_ms / 1000)
+        await self._checker.start()
+
+        options = [
+            ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
+            ("grpc.max_send_message_length", cfg.limits.grpc_max_message_bytes),
+            ("grpc.max_concurrent_streams", 100_000),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = server.add_insecure_port(cfg.listen.grpc)
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {cfg.listen.grpc} (address in use or not available)")
+        self.grpc_port = port
+        await server.start()
+        self._grpc = server
+        for svc in ("", EXTPROC_SERVICE):
+            await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+
+        if cfg.admin.enabled:
+            from extproc.config.schema import parse_host_port
+
+            host, aport = parse_host_port(cfg.listen.admin)
+            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport)
+            try:
+                await self._admin.start()
+            except OSError as exc:
+                await self.aclose()
+                raise RuntimeError(f"cannot listen on {cfg.listen.admin}: {exc.strerror}") from None
+            self.admin_port = self._admin.port
+        log.info("ext_proc listening on %s (port %d), admin on %s", cfg.listen.grpc, self.grpc_port, cfg.listen.admin)
+
+    async def aclose(self, grace_s: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, no new streams, wait for in-flight ones (bounded), close."""
+        grace = self.config.limits.shutdown_grace_s if grace_s is None else grace_s
+        self._serving = False
+        await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+            self._grpc = None
+        await self._checker.aclose()
+        if self._admin is not None:
+            await self._admin.aclose()
+            self._admin = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

@@ -1,0 +1,112 @@
+"""Builders for ext_proc `ProcessingResponse` messages.
+
+Envoy reads header values from `raw_value` (bytes): a mutation carrying only `value` is
+silently dropped and one carrying both is rejected (DESIGN section 3), so every header we
+set uses `raw_value` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+
+from extproc.errors import ExtProcError
+
+__all__ = [
+    "OWNED_HEADERS",
+    "continue_request_headers",
+    "route_in_headers",
+    "route_in_body",
+    "immediate_error",
+    "continue_for",
+]
+
+OWNED_HEADERS: tuple[str, ...] = (
+    "x-gateway-destination-endpoint",
+    "x-llm-tier",
+    "x-llm-prompt-tokens",
+    "x-llm-route-debug",
+)
+"""Routing headers this project owns. A client never sets them: Envoy's header_mutation filter
+strips them before ext_proc (envoy/*.yaml keeps the same list) and the server removes or
+overwrites them on every request."""
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _set(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOption]:
+    return [
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
+        for k, v in headers.items()
+    ]
+
+
+def continue_request_headers(remove: Iterable[str] = OWNED_HEADERS) -> pb.ProcessingResponse:
+    """Headers-phase reply for a request whose body we still need: strip owned headers, go on."""
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(remove)))
+        )
+    )
+
+
+def route_in_headers(headers: Mapping[str, str], *, skip_body: bool) -> pb.ProcessingResponse:
+    """Headers-phase routing (requests we do not parse): set headers, recompute the route, and
+    with `skip_body` tell Envoy not to send us the body (needs `allow_mode_override`)."""
+    resp = pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=_set(headers)),
+                clear_route_cache=True,
+            )
+        )
+    )
+    if skip_body:
+        resp.mode_override.request_body_mode = processing_mode_pb2.ProcessingMode.NONE
+    return resp
+
+
+def route_in_body(headers: Mapping[str, str]) -> pb.ProcessingResponse:
+    """Body-phase routing: set the routing headers on the upstream request and recompute the route."""
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=_set(headers)),
+                clear_route_cache=True,
+            )
+        )
+    )
+
+
+def immediate_error(err: ExtProcError, *, request_id: str | None = None) -> pb.ProcessingResponse:
+    """Answer the client directly with the OpenAI-style JSON error body and its status."""
+    headers = {"content-type": "application/json", **err.headers()}
+    if request_id:
+        headers["x-request-id"] = request_id
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=err.status),
+            headers=pb.HeaderMutation(set_headers=_set(headers)),
+            body=err.body(),
+            details=f"llm_extproc_{err.code or 'error'}",
+        )
+    )
+
+
+_EMPTY = {
+    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+    "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+
+
+def continue_for(phase: str) -> pb.ProcessingResponse:
+    """The no-op reply for a phase: Envoy needs exactly one reply per message, of the same kind."""
+    return _EMPTY[phase]

@@ -1,0 +1,68 @@
+"""Configuration: the example loads, every error names its key and value, env overrides apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from extproc.config import ConfigError, default_config, load_config
+from extproc.config.loader import config_from_mapping
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def minimal(**extra):
+    raw = {"models": [{"name": "m"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]}
+    raw.update(extra)
+    return raw
+
+
+def test_example_config_loads():
+    cfg = load_config(ROOT / "deploy" / "config.example.yaml", env={})
+    assert cfg.models[0].name == "Qwen/Qwen3-8B"
+    assert [e.address for e in cfg.endpoints] == ["127.0.0.1:8001", "127.0.0.1:8002"]
+    assert cfg.limits.max_body_bytes == 4 * 1024 * 1024
+
+
+def test_default_config_serves_the_default_model():
+    cfg = default_config(["127.0.0.1:9000"], env={})
+    assert cfg.models[0].name == "Qwen/Qwen3-8B" and cfg.models[0].tokenizer == "builtin:qwen3"
+    assert cfg.endpoints[0].models == ["Qwen/Qwen3-8B"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "needles"),
+    [
+        (minimal(listen={"grpc": "nope"}), ["listen.grpc", "'nope'"]),
+        (minimal(models=[{"name": "m", "max_model_len": "big"}]), ["models[0].max_model_len", "'big'"]),
+        (minimal(models=[{"name": "m", "toknizer": "x"}]), ["models[0].toknizer", "unknown key"]),
+        (minimal(endpoints=[{"address": "vllm.local:8000", "models": ["m"]}]), ["endpoints[0].address", "vllm.local:8000"]),
+        (minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["other"]}]), ["endpoints[0].models", "'other'"]),
+        (minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["m"]}] * 2), ["listed twice"]),
+        (minimal(models=[{"name": "m", "aliases": ["m"]}]), ["alias 'm'"]),
+        (minimal(limits={"max_body_bytes": 9_000_000}), ["grpc_max_message_bytes", "max_body_bytes"]),
+        ({"endpoints": []}, ["models: required key is missing"]),
+        (minimal(scheduling={"picker": "round-robin"}), ["scheduling.picker", "'round-robin'"]),
+    ],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "missing-models", "unknown-picker"],
+)
+def test_errors_name_the_key_and_value(raw, needles):
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_env_overrides_addresses():
+    cfg = config_from_mapping(minimal(), env={"LLM_EXTPROC_GRPC_ADDRESS": "127.0.0.1:7000", "LLM_EXTPROC_ADMIN_ADDRESS": "127.0.0.1:7001"})
+    assert (cfg.listen.grpc, cfg.listen.admin) == ("127.0.0.1:7000", "127.0.0.1:7001")
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml", env={})

@@ -1,0 +1,63 @@
+"""KV arithmetic against the worked examples in DESIGN section 5."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.models import ARCHITECTURES_DIR
+from extproc.pipeline.kv import ModelArchitecture, blocks_for_request, blocks_for_tokens, load_architecture
+
+
+@pytest.mark.parametrize(
+    ("name", "bytes_per_token"),
+    [
+        ("qwen3-8b", 2 * 36 * 8 * 128 * 2),  # 147,456 B
+        ("qwen3-32b", 2 * 64 * 8 * 128 * 2),  # 262,144 B
+        ("llama-3.1-8b", 2 * 32 * 8 * 128 * 2),  # 131,072 B (head_dim derived: 4096 / 32)
+        ("llama-3.1-70b", 2 * 80 * 8 * 128 * 2),  # 327,680 B
+    ],
+)
+def test_builtin_architectures(name, bytes_per_token):
+    arch = load_architecture(ARCHITECTURES_DIR / f"{name}.json")
+    assert arch.kv_bytes_per_token() == bytes_per_token
+
+
+def test_dtype_and_tensor_parallel():
+    arch = load_architecture(ARCHITECTURES_DIR / "llama-3.1-70b.json")
+    assert arch.kv_bytes_per_token("fp8") == 327_680 // 2
+    assert arch.kv_bytes_per_token(tensor_parallel=4) == 327_680 // 4  # 80 KiB per GPU (calibration §1)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        arch.kv_bytes_per_token("int3")
+
+
+def test_mla():
+    # DeepSeek-V3: 61 layers, kv_lora_rank 512, qk_rope_head_dim 64, bf16 → 61·576·2 = 70,272 B
+    arch = ModelArchitecture.from_hf_config(
+        {"num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    )
+    assert arch.kv_bytes_per_token() == 70_272
+
+
+def test_missing_field_is_named():
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelArchitecture.from_hf_config({"hidden_size": 1, "num_attention_heads": 1})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output", "n", "expected"),
+    [
+        (0, 0, 1, 0),  # nothing to hold
+        (16, 0, 1, 1),  # one full prompt block
+        (16, 1, 1, 2),  # the first output token opens a new block
+        (100, 28, 1, 8),  # 6 full prompt blocks (96) + tail 4 + 28 = 32 tokens → 2 blocks
+        (100, 29, 1, 9),  # tail 4 + 29 = 33 tokens → 3 blocks
+        (100, 28, 4, 14),  # n=4: full prompt blocks shared once, each choice its own 2 tail blocks
+    ],
+    ids=["empty", "one-block", "first-output-token", "tail-fits", "tail-spills", "n4"],
+)
+def test_blocks_for_request(prompt, output, n, expected):
+    assert blocks_for_request(prompt, output, 16, n) == expected
+
+
+def test_blocks_for_tokens():
+    assert [blocks_for_tokens(t, 16) for t in (0, 1, 16, 17)] == [0, 1, 1, 2]

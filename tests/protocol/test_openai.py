@@ -1,0 +1,151 @@
+"""Parsing of every request shape the pipeline accepts, and the errors for the ones it refuses."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from extproc.errors import InvalidJSONError, ValidationError
+from extproc.protocol.openai import parse_body, route_kind
+from extproc.types import RequestKind
+
+CHAT = RequestKind.CHAT
+COMP = RequestKind.COMPLETION
+
+
+def body(**fields) -> bytes:
+    return orjson.dumps(fields)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("POST", "/v1/chat/completions", CHAT),
+        ("POST", "/v1/chat/completions?x=1", CHAT),
+        ("POST", "/v1/chat/completions/", CHAT),
+        ("POST", "/v1/completions", COMP),
+        ("GET", "/v1/chat/completions", None),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/embeddings", None),
+        ("POST", "/v1/chat/completionsX", None),
+    ],
+    ids=["chat", "chat-query", "chat-slash", "completions", "get-chat", "models", "embeddings", "prefix-only"],
+)
+def test_route_kind(method, path, expected):
+    assert route_kind(method, path) is expected
+
+
+def test_chat_with_only_messages_gets_defaults():
+    r = parse_body(CHAT, body(model="m", messages=[{"role": "user", "content": "hi"}]))
+    assert (r.model, r.max_tokens, r.n, r.stream, r.include_usage, r.user) == ("m", None, 1, False, False, None)
+    assert r.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_chat_every_field():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = parse_body(
+        CHAT,
+        body(
+            model="m",
+            messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u", "name": "bob"}],
+            tools=tools,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            n=3,
+            user="alice",
+            temperature=0.2,  # unknown to us, tolerated
+        ),
+    )
+    assert (r.max_tokens, r.n, r.stream, r.include_usage, r.user) == (10, 3, True, True, "alice")
+    assert r.tools == tools
+    assert r.messages[1] == {"role": "user", "content": "u", "name": "bob"}
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    r = parse_body(CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7))
+    assert r.max_tokens == 7
+
+
+def test_content_parts_joined_with_newline_like_vllm():
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    r = parse_body(CHAT, body(model="m", messages=[{"role": "user", "content": parts}]))
+    assert r.messages[0]["content"] == "first\nsecond"
+
+
+def test_assistant_tool_call_message_without_content():
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+    ]
+    r = parse_body(CHAT, body(model="m", messages=msgs))
+    assert r.messages[1]["content"] == "" and r.messages[1]["tool_calls"][0]["id"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts", "ids"),
+    [
+        ("hello", ["hello"], []),
+        (["a", "b"], ["a", "b"], []),
+        ([1, 2, 3], [], [[1, 2, 3]]),
+        ([[1], [2, 3]], [], [[1], [2, 3]]),
+    ],
+    ids=["string", "string-list", "token-ids", "token-id-lists"],
+)
+def test_completion_prompt_shapes(prompt, prompts, ids):
+    r = parse_body(COMP, body(model="m", prompt=prompt, max_tokens=4))
+    assert (r.prompts, r.prompt_token_ids, r.max_tokens) == (prompts, ids, 4)
+
+
+@pytest.mark.parametrize(
+    ("kind", "raw", "param"),
+    [
+        (CHAT, body(messages=[{"role": "user", "content": "x"}]), "model"),
+        (CHAT, body(model="m"), "messages"),
+        (CHAT, body(model="m", messages=[]), "messages"),
+        (CHAT, body(model="m", messages=[{"content": "x"}]), "messages[0].role"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=-1), "max_tokens"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=0), "max_tokens"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens="5"), "max_tokens"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5.0), "max_tokens"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=True), "max_tokens"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], n=0), "n"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "x"}], stream="yes"), "stream"),
+        (CHAT, body(model=5, messages=[{"role": "user", "content": "x"}]), "model"),
+        (CHAT, body(model="m", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content[0].type"),
+        (COMP, body(model="m"), "prompt"),
+        (COMP, body(model="m", prompt=[]), "prompt"),
+        (COMP, body(model="m", prompt=["a", 2]), "prompt"),
+    ],
+    ids=[
+        "no-model", "no-messages", "empty-messages", "no-role", "content-int", "max-tokens-negative",
+        "max-tokens-zero", "max-tokens-string", "max-tokens-float", "max-tokens-bool", "n-zero", "stream-string",
+        "model-int", "image-part", "no-prompt", "empty-prompt", "mixed-prompt",
+    ],
+)
+def test_validation_errors_name_the_param(kind, raw, param):
+    with pytest.raises(ValidationError) as info:
+        parse_body(kind, raw)
+    assert info.value.param == param
+    assert info.value.status == 400
+    assert param.split("[")[0].split(".")[0] in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "caf\xff"}]}', "not valid UTF-8 (invalid byte at offset 60)"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+    ids=["garbage", "array", "invalid-utf8-in-string", "lone-surrogate", "empty"],
+)
+def test_malformed_bodies(raw, needle):
+    with pytest.raises(InvalidJSONError) as info:
+        parse_body(CHAT, raw)
+    assert needle in info.value.message
+    assert info.value.status == 400

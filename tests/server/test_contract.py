@@ -1,0 +1,318 @@
+"""gRPC contract tests: drive the real servicer with ProcessingRequest sequences, as Envoy does.
+
+Each test opens an ext_proc stream over a real gRPC channel, sends the phases Envoy would send,
+and checks the replies message by message: one reply per request, of the same kind, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.server.responses import OWNED_HEADERS
+
+ENDPOINTS = ["127.0.0.1:18001", "127.0.0.1:18002"]  # as in conftest.make_config
+MODEL = "Qwen/Qwen3-8B"
+
+
+def headers_msg(method: str, path: str, *, end: bool = False, extra: dict[str, bytes] | None = None) -> pb.ProcessingRequest:
+    hdrs = {":method": method.encode(), ":path": path.encode(), ":authority": b"llm.local", **(extra or {})}
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hdrs.items()]),
+            end_of_stream=end,
+        )
+    )
+
+
+def body_msg(body: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+
+
+def chat_body(content: str = "Hello!", **extra) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], **extra})
+
+
+def set_headers(common: pb.CommonResponse) -> dict[str, str]:
+    out = {}
+    for opt in common.header_mutation.set_headers:
+        assert opt.header.value == "", "Envoy drops mutations that carry `value`; use raw_value only"
+        assert opt.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        out[opt.header.key] = opt.header.raw_value.decode()
+    return out
+
+
+async def exchange(stub, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    call = stub.Process()
+    replies = []
+    for m in messages:
+        await call.write(m)
+        replies.append(await call.read())
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    return replies
+
+
+def error_of(reply: pb.ProcessingResponse) -> tuple[int, dict, dict[str, str]]:
+    assert reply.WhichOneof("response") == "immediate_response"
+    imm = reply.immediate_response
+    hdrs = {o.header.key: o.header.raw_value.decode() for o in imm.headers.set_headers}
+    return imm.status.code, orjson.loads(imm.body), hdrs
+
+
+async def test_headers_then_body_routes_in_body_phase(app, stub, qwen_counter):
+    msgs = [{"role": "user", "content": "Route me, please."}]
+    r_headers, r_body = await exchange(
+        stub,
+        headers_msg("POST", "/v1/chat/completions"),
+        body_msg(orjson.dumps({"model": MODEL, "messages": msgs, "max_tokens": 16})),
+    )
+    # Headers phase: owned routing headers removed, nothing set, route not yet recomputed.
+    assert r_headers.WhichOneof("response") == "request_headers"
+    assert list(r_headers.request_headers.response.header_mutation.remove_headers) == list(OWNED_HEADERS)
+    assert not r_headers.request_headers.response.header_mutation.set_headers
+    # Body phase: the decision.
+    assert r_body.WhichOneof("response") == "request_body"
+    common = r_body.request_body.response
+    assert common.clear_route_cache
+    hdrs = set_headers(common)
+    assert hdrs["x-gateway-destination-endpoint"] in ENDPOINTS
+    assert int(hdrs["x-llm-prompt-tokens"]) == qwen_counter.count_chat(msgs).count
+    assert len(hdrs["x-request-id"]) == 32
+    assert not common.HasField("body_mutation"), "the body must reach the engine untouched"
+
+
+async def test_existing_request_id_is_kept(stub):
+    _, r_body = await exchange(
+        stub,
+        headers_msg("POST", "/v1/chat/completions", extra={"x-request-id": b"abc-123"}),
+        body_msg(chat_body()),
+    )
+    assert "x-request-id" not in set_headers(r_body.request_body.response)
+
+
+async def test_headers_only_request_is_routed_in_headers_phase(app, stub):
+    (reply,) = await exchange(stub, headers_msg("GET", "/v1/models", end=True))
+    common = reply.request_headers.response
+    assert common.clear_route_cache
+    assert set_headers(common)["x-gateway-destination-endpoint"] in ENDPOINTS
+    assert not reply.HasField("mode_override")
+
+
+async def test_other_path_with_body_skips_body_processing(stub):
+    (reply,) = await exchange(stub, headers_msg("POST", "/v1/embeddings"))
+    assert set_headers(reply.request_headers.response)["x-gateway-destination-endpoint"] in ENDPOINTS
+    assert reply.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
+
+
+async def test_generation_request_without_body_is_rejected(stub):
+    (reply,) = await exchange(stub, headers_msg("POST", "/v1/chat/completions", end=True))
+    status, body, hdrs = error_of(reply)
+    assert status == 400 and hdrs["content-type"] == "application/json"
+    assert "body is required" in body["error"]["message"]
+
+
+async def test_response_phases_pass_through(stub):
+    replies = await exchange(
+        stub,
+        headers_msg("POST", "/v1/completions"),
+        body_msg(orjson.dumps({"model": "qwen3-8b", "prompt": "Once upon", "max_tokens": 5})),
+        pb.ProcessingRequest(response_headers=pb.HttpHeaders(end_of_stream=False)),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"id":"x"}', end_of_stream=True)),
+        pb.ProcessingRequest(response_trailers=pb.HttpTrailers()),
+    )
+    kinds = [r.WhichOneof("response") for r in replies]
+    assert kinds == ["request_headers", "request_body", "response_headers", "response_body", "response_trailers"]
+    assert not replies[3].response_body.response.HasField("body_mutation")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "needle"),
+    [
+        (b"{oops", 400, "invalid_json", "not valid JSON"),
+        (b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\xff"}]}', 400, "invalid_json", "UTF-8"),
+        (orjson.dumps({"messages": [{"role": "user", "content": "x"}]}), 400, "invalid_value", "'model' is a required property"),
+        (orjson.dumps({"model": MODEL}), 400, "invalid_value", "'messages'"),
+        (chat_body(max_tokens=-3), 400, "invalid_value", "max_tokens"),
+        (orjson.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404, "model_not_found", "Qwen/Qwen3-8B, qwen3-8b"),
+        (chat_body(max_tokens=4090), 400, "context_length_exceeded", "maximum context length is 4096 tokens"),
+        (chat_body("word " * 5000), 400, "context_length_exceeded", "input tokens"),
+        (b"x" * 70000, 413, "request_too_large", "limit is 65536 bytes"),
+    ],
+    ids=["bad-json", "bad-utf8", "no-model", "no-messages", "negative-max-tokens", "unknown-model", "context-with-max-tokens", "prompt-too-long", "oversized"],
+)
+async def test_errors_are_openai_json(app, stub, body, status, code, needle):
+    _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(body))
+    got_status, payload, hdrs = error_of(reply)
+    assert got_status == status
+    assert hdrs["content-type"] == "application/json"
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["code"] == code
+    assert needle in payload["error"]["message"]
+    assert "Traceback" not in payload["error"]["message"]
+    assert app.store.open_reservations == 0
+
+
+async def test_context_error_names_both_numbers(stub, qwen_counter):
+    msgs = [{"role": "user", "content": "count me"}]
+    prompt = qwen_counter.count_chat(msgs).count
+    _, reply = await exchange(
+        stub, headers_msg("POST", "/v1/chat/completions"), body_msg(orjson.dumps({"model": MODEL, "messages": msgs, "max_tokens": 4096}))
+    )
+    _, payload, _ = error_of(reply)
+    msg = payload["error"]["message"]
+    assert f"you requested {prompt + 4096} tokens ({prompt} in the messages, 4096 in the completion)" in msg
+
+
+async def test_no_healthy_endpoint_is_503(make_app):
+    app = await make_app(scheduling={"health_check": {"enabled": True, "interval_s": 60, "timeout_s": 0.2}})
+    assert not any(ep.healthy for ep in app.store.all())  # nothing listens on the endpoint ports
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body()))
+        status, payload, _ = error_of(reply)
+        assert status == 503 and payload["error"]["code"] == "no_healthy_endpoint"
+        (reply,) = await exchange(stub, headers_msg("GET", "/v1/models", end=True))
+        assert error_of(reply)[0] == 503
+
+
+async def test_header_value_with_byte_ff_does_not_break_the_stream(stub):
+    _, r_body = await exchange(
+        stub,
+        headers_msg("POST", "/v1/chat/completions", extra={"x-custom": b"caf\xff", "x-request-id": b"id-\xff"}),
+        body_msg(chat_body()),
+    )
+    assert r_body.WhichOneof("response") == "request_body"
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def inflight(app) -> int:
+    return sum(ep.inflight for ep in app.store.all())
+
+
+async def test_stream_cancelled_after_headers_leaves_nothing(app, stub):
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions"))
+    await call.read()
+    call.cancel()
+    await wait_until(lambda: app.servicer.active_streams == 0)
+    assert inflight(app) == 0 and app.store.open_reservations == 0
+
+
+async def test_stream_cancelled_after_body_releases_the_reservation(app, stub):
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions"))
+    await call.read()
+    await call.write(body_msg(chat_body()))
+    reply = await call.read()
+    chosen = set_headers(reply.request_body.response)["x-gateway-destination-endpoint"]
+    assert app.store.get(chosen).inflight == 1  # held while the response streams
+    call.cancel()  # what Envoy does when a streamed response ends, or the client goes away
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert inflight(app) == 0
+
+
+async def test_clean_close_after_body_releases_the_reservation(app, stub):
+    await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body()))
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_least_inflight_spreads_concurrent_requests(app, stub):
+    calls = []
+    for _ in range(6):
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        await call.read()
+        await call.write(body_msg(chat_body()))
+        await call.read()
+        calls.append(call)
+    assert sorted(ep.inflight for ep in app.store.all()) == [3, 3]
+    for call in calls:
+        call.cancel()
+    await wait_until(lambda: inflight(app) == 0)
+
+
+async def test_thousand_parallel_streams_return_counters_to_zero(app, stub):
+    async def one(i: int) -> None:
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        await call.read()
+        await call.write(body_msg(chat_body(f"request {i}")))
+        await call.read()
+        if i % 3 == 0:
+            call.cancel()
+        else:
+            await call.done_writing()
+            await call.read()
+
+    await asyncio.gather(*(one(i) for i in range(1000)))
+    await wait_until(lambda: app.store.open_reservations == 0 and app.servicer.active_streams == 0, timeout=20)
+    assert inflight(app) == 0
+    routed = app.metrics.registry.get_sample_value("llm_extproc_requests_total", {"outcome": "routed", "reason": "ok"})
+    assert routed == 1000
+    for ep in ENDPOINTS:
+        assert app.metrics.registry.get_sample_value("llm_extproc_endpoint_inflight_requests", {"endpoint": ep}) == 0
+
+
+async def test_responses_decode_with_an_independent_implementation(stub):
+    """Wire compatibility: envoy-data-plane's betterproto dataclasses read our bytes the same way."""
+    from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingResponse as BPResponse
+
+    r_headers, r_body = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body(max_tokens=8)))
+    decoded = BPResponse.parse(r_body.SerializeToString())
+    common = decoded.request_body.response
+    assert common.clear_route_cache is True
+    got = {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
+    assert got["x-gateway-destination-endpoint"].decode() in ENDPOINTS
+    assert int(got["x-llm-prompt-tokens"]) > 0
+    assert BPResponse.parse(r_headers.SerializeToString()).request_headers.response.header_mutation.remove_headers == list(OWNED_HEADERS)
+    _, r_err = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(b"{"))
+    imm = BPResponse.parse(r_err.SerializeToString()).immediate_response
+    assert imm.status.code.value == 400
+    assert orjson.loads(imm.body)["error"]["code"] == "invalid_json"
+
+
+async def test_health_service_serves_and_goes_not_serving_on_shutdown(make_app):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    app = await make_app()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        for svc in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            resp = await hs.Check(health_pb2.HealthCheckRequest(service=svc))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_graceful_shutdown_lets_inflight_streams_finish(make_app):
+    app = await make_app()
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        await call.read()
+        closing = asyncio.create_task(app.aclose(grace_s=5))
+        await asyncio.sleep(0.2)
+        # The open stream is still served during the grace period ...
+        await call.write(body_msg(chat_body()))
+        reply = await call.read()
+        assert reply.WhichOneof("response") == "request_body"
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await asyncio.wait_for(closing, 5)
+    assert app.store.open_reservations == 0
