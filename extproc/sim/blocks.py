@@ -1,0 +1,170 @@
+"""The KV block pool with automatic prefix caching, shaped like vLLM V1's `KVCacheManager`.
+
+* `num_blocks` blocks of `block_size` tokens; each has a reference count and, once full, a hash.
+* Block hashes chain on the parent block: ``h_i = hash((h_{i-1}, tokens of block i))``, so a
+  hash names the whole prefix up to and including its block (vLLM's `hash_block_tokens`).
+* Free blocks sit in one LRU queue (an insertion-ordered dict): allocation takes from the head
+  and, if the block still carries a hash, evicts that cache entry. Blocks released by a finished
+  request go to the tail *with their hash kept*, so a later request with the same prefix can
+  take them back (a "hit") until they are evicted. A request frees its blocks tail-first, so a
+  prefix's last blocks are evicted before its first ones, as in vLLM.
+* Usage (vLLM's `kv_cache_usage_perc`) = 1 − free/total, where cached-but-free blocks count as
+  free.
+
+Everything is synchronous and O(blocks touched); no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from extproc.types import BlockHash
+
+__all__ = ["BlockPool", "NoFreeBlocksError", "chain_block_hashes"]
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free (callers check first)."""
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids`, each chained on its parent's.
+
+    Args:
+        token_ids: the prompt's token ids.
+        block_size: tokens per block.
+        seed: the chain's root (vLLM uses a fixed `NONE_HASH`); 0 by default.
+
+    Returns:
+        One hash per *full* block (a trailing partial block has none).
+    """
+    out: list[BlockHash] = []
+    parent = seed
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        out.append(BlockHash(parent))
+    return out
+
+
+class BlockPool:
+    """A pool of KV blocks with an LRU prefix cache.
+
+    Args:
+        num_blocks: pool size (blocks), > 0.
+        block_size: tokens per block, > 0.
+        enable_caching: keep freed full blocks findable by hash (vLLM's prefix caching).
+
+    Raises:
+        ValueError: a size is not positive.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._ref = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now, cached-but-unreferenced ones included (blocks)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by at least one request (blocks)."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use, 0..1 (vLLM's `kv_cache_usage_perc`)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by hash (referenced or not)."""
+        return len(self._cached)
+
+    def find_cached_prefix(self, hashes: Sequence[BlockHash], max_blocks: int) -> tuple[list[int], int]:
+        """The longest run of leading blocks whose hashes are cached, without taking them.
+
+        Args:
+            hashes: the request's chained block hashes.
+            max_blocks: look at most this many blocks (vLLM leaves the last prompt token to
+                compute, so callers pass ``(prompt_tokens − 1) // block_size``).
+
+        Returns:
+            (block ids, how many of them are currently free, i.e. would leave the free queue).
+        """
+        if not self.enable_caching:
+            return [], 0
+        ids: list[int] = []
+        in_free = 0
+        for h in hashes[:max_blocks]:
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            ids.append(bid)
+            if self._ref[bid] == 0:
+                in_free += 1
+        return ids, in_free
+
+    # -- mutations ------------------------------------------------------------------------
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks found by `find_cached_prefix` (a prefix hit)."""
+        for bid in block_ids:
+            if self._ref[bid] == 0:
+                del self._free[bid]
+            self._ref[bid] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks from the head of the free queue, evicting their cache entries.
+
+        Raises:
+            NoFreeBlocksError: fewer than `n` blocks are free.
+        """
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        out: list[int] = []
+        free = self._free
+        for _ in range(n):
+            bid = next(iter(free))
+            del free[bid]
+            h = self._hash[bid]
+            if h is not None:
+                if self._cached.get(h) == bid:
+                    del self._cached[h]
+                self._hash[bid] = None
+            self._ref[bid] = 1
+            out.append(bid)
+        return out
+
+    def register(self, block_id: int, block_hash: BlockHash) -> None:
+        """Mark a block full with `block_hash` so later requests can hit it.
+
+        If another block already holds that hash (two requests computed the same prefix at
+        once), the first one stays the cache entry, as in vLLM.
+        """
+        if not self.enable_caching or self._hash[block_id] is not None:
+            return
+        self._hash[block_id] = block_hash
+        self._cached.setdefault(block_hash, block_id)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, tail first; unreferenced blocks join the free queue."""
+        for bid in reversed(block_ids):
+            self._ref[bid] -= 1
+            if self._ref[bid] == 0:
+                self._free[bid] = None
+
+    def reset(self) -> None:
+        """Forget everything: all blocks free, no cache entries (an engine restart)."""
+        self._ref = [0] * self.num_blocks
+        self._hash = [None] * self.num_blocks
+        self._cached.clear()
+        self._free = dict.fromkeys(range(self.num_blocks))

@@ -1,0 +1,594 @@
+"""The engine model: vLLM V1's scheduler stepped on a simulated clock.
+
+Per step (`vllm/v1/core/sched/scheduler.py`, FCFS policy):
+
+1. Running requests first, in admission order: each gets what it still has to compute (a whole
+   remaining prompt chunk, or 1 token when decoding), capped by the step's token budget
+   (`max_num_batched_tokens`, chunked prefill). If its new KV slots do not fit in the free
+   blocks, the most recently admitted running request is preempted (recompute: its blocks are
+   freed, keeping their prefix-cache hashes, and it goes back to the head of the waiting queue),
+   until the allocation fits or the request itself was the one preempted.
+2. If nothing was preempted, waiting requests are admitted in order while the budget lasts,
+   `max_num_seqs` is not reached and their first chunk's blocks fit; a request's leading cached
+   blocks (prefix cache hit, at most prompt − 1 tokens) are not computed again. The queue is
+   strict FCFS: the first request that does not fit stops admission.
+3. The step takes `StepCoefficients` time (see `extproc.sim.profiles`); when it ends, every
+   request that has caught up with its tokens samples one more.
+
+The clock is simulated seconds (`Engine.now`), moved only by the engine itself, so engine tests
+are deterministic and need no event loop. A driver calls `plan()` then `commit()`; the server
+sleeps between the two, tests and scripts do not (`run()`).
+
+Cheapness: when every running request is decoding, nothing waits that could be admitted, and
+the blocks for k more tokens each are free, the next k steps have the same batch, so `plan`
+returns them as one multi-step plan (k ≤ the smallest remaining output, ≤ `max_steps`); its
+cost is O(running), not O(running × k). A driver that learns of a new arrival mid-plan commits
+only the steps up to the one in progress (`commit(plan, until=t)`), so the result equals
+stepping one at a time (tested).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from extproc.sim.blocks import BlockPool, chain_block_hashes
+from extproc.sim.profiles import StepCoefficients
+from extproc.sim.stats import EngineStats
+from extproc.types import BlockHash
+
+__all__ = ["EngineConfig", "Engine", "SimRequest", "RequestStatus", "StepPlan", "RequestTooLargeError"]
+
+
+class RequestTooLargeError(ValueError):
+    """A request could never fit the KV pool (prompt + output exceed its capacity)."""
+
+
+class RequestStatus(enum.Enum):
+    PENDING = "pending"  # arrived in the future (not yet visible to the scheduler)
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Scheduler and pool sizes.
+
+    Attributes:
+        num_gpu_blocks: KV pool size (blocks).
+        block_size: tokens per block.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget per step (prefill tokens + decode sequences).
+        max_model_len: context limit (tokens), enforced by the server.
+        enable_prefix_caching: vLLM V1's default is on.
+    """
+
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 40960
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+_uids = itertools.count(1)
+
+
+class SimRequest:
+    """One generation request as the engine tracks it.
+
+    Args:
+        prompt_token_ids: the prompt's token ids (for prefix hashing; only their count and
+            block hashes are kept).
+        output_tokens: how many tokens to generate (tokens, ≥ 1).
+        arrival: arrival time (simulated seconds).
+        finish_reason: reported when `output_tokens` are done (`length` or `stop`).
+        request_id: free-form id for logs.
+        notify: called with the request when tokens are ready to emit (every `notify_every`
+            tokens) and when it finishes; the server uses it to wake a stream.
+        notify_every: tokens between notifications (the stream interval).
+    """
+
+    __slots__ = (
+        "uid", "request_id", "prompt_len", "block_hashes", "target_output", "arrival", "status",
+        "num_computed", "num_output", "blocks", "num_registered", "first_scheduled", "first_token_time",
+        "last_token_time", "finish_time", "finish_reason", "cached_tokens", "notify", "notify_every",
+        "notified", "_final_reason", "_prompt_ids",
+    )
+
+    def __init__(
+        self,
+        prompt_token_ids: Sequence[int],
+        output_tokens: int,
+        arrival: float,
+        *,
+        finish_reason: str = "length",
+        request_id: str = "",
+        notify: Callable[[SimRequest], None] | None = None,
+        notify_every: int = 1,
+    ) -> None:
+        if output_tokens < 1:
+            raise ValueError(f"output_tokens must be ≥ 1, got {output_tokens}")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must have at least one token")
+        self.uid = next(_uids)
+        self.request_id = request_id or f"req-{self.uid}"
+        self.prompt_len = len(prompt_token_ids)
+        self.block_hashes: list[BlockHash] = []
+        self.target_output = output_tokens
+        self.arrival = arrival
+        self.status = RequestStatus.PENDING
+        self.num_computed = 0
+        self.num_output = 0
+        self.blocks: list[int] = []
+        self.num_registered = 0
+        self.first_scheduled: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time = arrival
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.notify = notify
+        self.notify_every = max(1, notify_every)
+        self.notified = 0
+        self._final_reason = finish_reason
+        self._prompt_ids: Sequence[int] = prompt_token_ids  # dropped once hashed
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output so far (tokens)."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (simulated seconds), once known."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    def __repr__(self) -> str:
+        return (
+            f"SimRequest({self.request_id}, {self.status.value}, prompt={self.prompt_len}, "
+            f"out={self.num_output}/{self.target_output}, computed={self.num_computed})"
+        )
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What `Engine.plan` scheduled: one mixed step or k identical-batch decode steps.
+
+    Attributes:
+        start: simulated start time (seconds).
+        ends: simulated end time of each step (seconds), ascending.
+        items: (request, new tokens) of a single step; empty for a multi-step decode.
+        decode: the requests of a multi-step decode (each gets one token per step).
+        epoch: the engine epoch it belongs to (a restart invalidates older plans).
+        prefill_tokens, decode_seqs: composition of the (first) step, for logs.
+    """
+
+    start: float
+    ends: list[float]
+    items: list[tuple[SimRequest, int]] = field(default_factory=list)
+    decode: list[SimRequest] = field(default_factory=list)
+    epoch: int = 0
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+
+    @property
+    def end(self) -> float:
+        return self.ends[-1]
+
+    @property
+    def steps(self) -> int:
+        return len(self.ends)
+
+
+class Engine:
+    """vLLM V1's scheduler, a KV block pool with prefix caching, and the step-time model.
+
+    Args:
+        config: pool and scheduler sizes.
+        coefficients: the step-time model.
+        start: initial simulated time (seconds).
+    """
+
+    def __init__(self, config: EngineConfig, coefficients: StepCoefficients, *, start: float = 0.0) -> None:
+        self.config = config
+        self.coefficients = coefficients
+        self.now = start
+        self.pool = BlockPool(config.num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.stats = EngineStats()
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self._inbox: list[tuple[float, int, SimRequest]] = []
+        self.epoch = 0
+
+    # -- requests -------------------------------------------------------------------------
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool holds (tokens)."""
+        return self.config.num_gpu_blocks * self.config.block_size
+
+    def add_request(self, req: SimRequest) -> None:
+        """Queue a request; it becomes visible to the scheduler at `req.arrival`.
+
+        Raises:
+            RequestTooLargeError: prompt + output could never fit the pool.
+        """
+        bs = self.config.block_size
+        if -(-(req.prompt_len + req.target_output) // bs) > self.config.num_gpu_blocks:
+            raise RequestTooLargeError(
+                f"request needs {req.prompt_len + req.target_output} tokens of KV cache but the pool "
+                f"holds {self.capacity_tokens()}"
+            )
+        if self.config.enable_prefix_caching:
+            req.block_hashes = chain_block_hashes(req._prompt_ids, bs)
+        req._prompt_ids = ()
+        req.status = RequestStatus.PENDING
+        heapq.heappush(self._inbox, (req.arrival, req.uid, req))
+
+    def abort(self, req: SimRequest) -> None:
+        """Drop a request wherever it is (client went away); counted as `abort`. Idempotent."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self._inbox = [e for e in self._inbox if e[2] is not req]
+            heapq.heapify(self._inbox)
+        self._finish(req, max(self.now, req.arrival), "abort")
+
+    def has_work(self) -> bool:
+        """Anything running, waiting or yet to arrive."""
+        return bool(self.running or self.waiting or self._inbox)
+
+    def next_arrival(self) -> float | None:
+        """Arrival time of the next not-yet-visible request (simulated seconds), if any."""
+        return self._inbox[0][0] if self._inbox else None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting, arrived ones plus those whose arrival time is still ahead."""
+        return len(self.waiting) + len(self._inbox)
+
+    def restart(self) -> list[SimRequest]:
+        """Forget everything (a crashed and restarted vLLM): drop all requests, clear the
+        prefix cache, zero the counters. Returns the dropped requests (their `notify` is not
+        called; the caller tells their clients)."""
+        dropped = [*self.running, *self.waiting, *(e[2] for e in self._inbox)]
+        for req in dropped:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            req.finish_time = self.now
+        self.running.clear()
+        self.waiting.clear()
+        self._inbox.clear()
+        self.pool.reset()
+        self.stats = EngineStats()
+        self.epoch += 1
+        return dropped
+
+    # -- stepping -------------------------------------------------------------------------
+    def _admit_arrivals(self) -> None:
+        inbox = self._inbox
+        while inbox and inbox[0][0] <= self.now:
+            req = heapq.heappop(inbox)[2]
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
+
+    def plan(self, max_steps: int = 1) -> StepPlan | None:
+        """Schedule the next step (or several identical decode steps) at `now`.
+
+        Blocks are allocated here, as vLLM's scheduler does before the forward pass. Returns
+        None when nothing can run now (idle, or only future arrivals).
+
+        Args:
+            max_steps: most decode steps to fold into one plan (≥ 1).
+        """
+        self._admit_arrivals()
+        if not self.running and not self.waiting:
+            return None
+        if max_steps > 1:
+            k = self._decode_run_length(max_steps)
+            if k > 1:
+                return self._plan_decode_run(k)
+        return self._plan_single()
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _decode_run_length(self, max_steps: int) -> int:
+        """How many steps the current running batch can decode unchanged (1 = not at all)."""
+        running = self.running
+        cfg = self.config
+        if not running or len(running) > cfg.max_num_batched_tokens:
+            return 1
+        k = max_steps
+        for req in running:
+            if req.num_output == 0 or req.num_computed != req.num_tokens - 1:
+                return 1
+            left = req.target_output - req.num_output
+            if left < k:
+                k = left
+        if k <= 1:
+            return 1
+        if self.waiting and len(running) < cfg.max_num_seqs and self._head_could_be_admitted():
+            return 1
+        free = self.pool.num_free
+        bs = cfg.block_size
+        while k > 1:
+            need = 0
+            for req in running:
+                more = -(-(req.num_tokens + k - 1) // bs) - len(req.blocks)
+                if more > 0:
+                    need += more
+            if need <= free:
+                return k
+            k //= 2
+        return 1
+
+    def _head_could_be_admitted(self) -> bool:
+        """Whether the head of the waiting queue would fit the free blocks now."""
+        req = self.waiting[0]
+        hits, in_free = self._lookup(req)
+        hit_tokens = len(hits) * self.config.block_size
+        chunk = min(req.num_tokens - hit_tokens, self.config.max_num_batched_tokens)
+        need = self._blocks_for(hit_tokens + chunk) - len(hits)
+        return need <= self.pool.num_free - in_free
+
+    def _lookup(self, req: SimRequest) -> tuple[list[int], int]:
+        if req.num_computed or not self.config.enable_prefix_caching:
+            return [], 0
+        return self.pool.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // self.config.block_size)
+
+    def _plan_decode_run(self, k: int) -> StepPlan:
+        co = self.coefficients
+        running = self.running
+        n = len(running)
+        ctx0 = 0
+        for req in running:
+            ctx0 += req.num_tokens
+        base = max(co.a, co.a_c + co.b * n) + co.c * n
+        ends: list[float] = []
+        t = self.now
+        for step in range(k):
+            t += base + co.d * (ctx0 + step * n)
+            ends.append(t)
+        return StepPlan(start=self.now, ends=ends, decode=list(running), epoch=self.epoch, decode_seqs=n)
+
+    def _preempt_last(self) -> SimRequest:
+        victim = self.running.pop()
+        self.pool.free(victim.blocks)
+        victim.blocks = []
+        victim.num_computed = 0
+        victim.num_registered = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.stats.preemptions += 1
+        return victim
+
+    def _plan_single(self) -> StepPlan:
+        cfg = self.config
+        pool = self.pool
+        budget = cfg.max_num_batched_tokens
+        items: list[tuple[SimRequest, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            need = self._blocks_for(req.num_computed + num_new) - len(req.blocks)
+            scheduled = True
+            while need > pool.num_free:
+                preempted = True
+                if self._preempt_last() is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            if need > 0:
+                req.blocks.extend(pool.allocate(need))
+            items.append((req, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                first_lookup = req.num_computed == 0
+                hits, in_free = self._lookup(req)
+                hit_tokens = len(hits) * cfg.block_size
+                num_new = min(req.num_tokens - hit_tokens, budget)
+                need = self._blocks_for(hit_tokens + num_new) - len(hits)
+                if need > pool.num_free - in_free:
+                    break
+                self.waiting.popleft()
+                pool.touch(hits)
+                req.blocks = hits + pool.allocate(need)
+                req.num_computed = hit_tokens
+                req.num_registered = len(hits)
+                if first_lookup and self.config.enable_prefix_caching:
+                    self.stats.prefix_queries += req.num_tokens
+                    self.stats.prefix_hits += hit_tokens
+                if req.first_scheduled is None:
+                    req.first_scheduled = self.now
+                    req.cached_tokens = hit_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                items.append((req, num_new))
+                budget -= num_new
+
+        co = self.coefficients
+        prefill = decode = 0
+        ctx = 0
+        attn = 0
+        for req, m in items:
+            if m == 1 and req.num_output > 0 and req.num_computed == req.num_tokens - 1:
+                decode += 1
+                ctx += req.num_tokens
+            else:
+                prefill += m
+                attn += m * (2 * req.num_computed + m)
+        if not items:
+            # Everything waits on blocks that only a finish could free; cannot happen while
+            # add_request rejects requests larger than the pool, but never spin: idle one floor.
+            return StepPlan(start=self.now, ends=[self.now + co.a], epoch=self.epoch)
+        dur = max(co.a, co.a_c + co.b * (prefill + decode)) + co.c * decode + co.d * ctx + co.q * attn
+        return StepPlan(
+            start=self.now, ends=[self.now + dur], items=items, epoch=self.epoch,
+            prefill_tokens=prefill, decode_seqs=decode,
+        )
+
+    def commit(self, plan: StepPlan, until: float | None = None) -> int:
+        """Apply a plan's steps: all of them, or (with `until`) those ending at or before
+        `until` plus the one in progress then. Moves `now` to the last applied step's end.
+
+        Returns:
+            the number of steps applied (0 for a plan from before a restart).
+        """
+        if plan.epoch != self.epoch:
+            return 0
+        k = plan.steps
+        if until is not None and k > 1:
+            k = min(k, bisect_right(plan.ends, until) + 1)
+        end = plan.ends[k - 1]
+        self.stats.record_busy(plan.start, end)
+        self.stats.steps += k
+        self.stats.last_batch_tokens = plan.prefill_tokens + plan.decode_seqs
+        if plan.decode:
+            self._commit_decode_run(plan, k)
+        else:
+            self._commit_single(plan)
+        self.now = end
+        return k
+
+    def _register_full_blocks(self, req: SimRequest) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        full = req.num_computed // self.config.block_size
+        hashes = req.block_hashes
+        pool = self.pool
+        for idx in range(req.num_registered, full):
+            if idx >= len(hashes):
+                # Generated tokens: a block of them is named by the request and its position,
+                # so a preempted request finds its own blocks again on resume.
+                hashes.append(BlockHash(hash((hashes[idx - 1] if idx else 0, req.uid, idx))))
+            pool.register(req.blocks[idx], hashes[idx])
+        if full > req.num_registered:
+            req.num_registered = full
+
+    def _commit_decode_run(self, plan: StepPlan, k: int) -> None:
+        pool = self.pool
+        stats = self.stats
+        active = [r for r in plan.decode if r.status is RequestStatus.RUNNING]
+        prev = plan.start
+        for end in plan.ends[:k]:
+            stats.itl.observe(end - prev, len(active))
+            prev = end
+        end = plan.ends[k - 1]
+        stats.generation_tokens += k * len(active)
+        any_done = False
+        for req in active:
+            need = self._blocks_for(req.num_computed + k) - len(req.blocks)
+            if need > 0:
+                req.blocks.extend(pool.allocate(need))
+            req.num_computed += k
+            req.num_output += k
+            self._register_full_blocks(req)
+            any_done |= self._emitted(req, end)
+        if any_done:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+
+    def _emitted(self, req: SimRequest, end: float) -> bool:
+        """After `req` got new tokens at `end`: finish it or notify its stream. True if done."""
+        req.last_token_time = end
+        if req.num_output >= req.target_output:
+            self._finish(req, end, req._final_reason)
+            return True
+        if req.notify is not None and req.num_output - req.notified >= req.notify_every:
+            req.notified = req.num_output
+            req.notify(req)
+        return False
+
+    def _commit_single(self, plan: StepPlan) -> None:
+        end = plan.end
+        stats = self.stats
+        any_done = False
+        for req, m in plan.items:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed += m
+            self._register_full_blocks(req)
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk; more to come
+            req.num_output += 1
+            stats.generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = end
+                stats.prompt_tokens += req.prompt_len
+                stats.ttft.observe(end - req.arrival)
+            else:
+                stats.itl.observe(end - req.last_token_time)
+            any_done |= self._emitted(req, end)
+        if any_done:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+
+    def _finish(self, req: SimRequest, when: float, reason: str) -> None:
+        if req.blocks:
+            self.pool.free(req.blocks)
+            req.blocks = []
+        req.status = RequestStatus.FINISHED
+        req.finish_time = when
+        req.finish_reason = reason
+        stats = self.stats
+        stats.finished[reason] = stats.finished.get(reason, 0) + 1
+        stats.e2e.observe(when - req.arrival)
+        if req.first_scheduled is not None:
+            stats.queue.observe(req.first_scheduled - req.arrival)
+        if req.notify is not None:
+            req.notified = req.num_output
+            req.notify(req)
+
+    # -- virtual-clock driver ---------------------------------------------------------------
+    def run(self, *, until: float | None = None, max_steps: int = 64, on_step: Callable[[Engine], None] | None = None) -> None:
+        """Step on the virtual clock until idle (or past `until`), jumping over idle gaps.
+
+        Requests may be added from `on_step` or from a finished request's `notify` (a closed
+        loop); they arrive at their `arrival` time, which must not be in the past.
+
+        Args:
+            until: stop once `now` reaches this time (simulated seconds); None = until idle.
+            max_steps: the multi-step decode bound passed to `plan`.
+            on_step: called after every commit (for sampling gauges).
+        """
+        while self.has_work():
+            if until is not None and self.now >= until:
+                return
+            plan = self.plan(max_steps)
+            if plan is None:
+                nxt = self.next_arrival()
+                if nxt is None:
+                    return
+                self.now = max(self.now, nxt)
+                continue
+            self.commit(plan, until=self.next_arrival())
+            if on_step is not None:
+                on_step(self)
