@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""What llm-extproc adds to a request, against Envoy alone, side by side in one run.
+
+For 100-, 1k- and 8k-token chat prompts (every request's prompt is unique, so the token cache
+cannot help: the worst case), at a fixed concurrency, through:
+
+  envoy-alone      the same Envoy config with the ext_proc filter removed (least-request
+                   fallback cluster over the same backend)
+  envoy+extproc    the shipped envoy/fail-open.yaml with `llm-extproc serve` deciding
+
+The backend is a second Envoy answering a fixed chat completion after buffering the request
+body (C++, effectively instant), so what is measured is the gateway, not the backend. Load
+comes from `wrk` (Debian package `wrk`), a C load generator that stays off the Python path.
+
+Reports per prompt size: p50/p99 latency and requests/s of both, the added p50/p99, the
+throughput ratio, the server's decision cost split (parse / tokenize / pick, mean from its
+Prometheus histogram), and the server's resident memory before and after 10,000 requests.
+
+    .venv/bin/python scripts/bench_overhead.py [--duration 10] [--concurrency 8] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
+from extproc.stack.ports import free_port
+from extproc.stack.server import ExtProcServerProcess
+
+MODEL = "Qwen/Qwen3-8B"
+COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+)
+
+
+def backend_config(port: int) -> dict:
+    """An Envoy that buffers the request body, then answers COMPLETION (the 'instant engine')."""
+    return {
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "backend",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                    "per_connection_buffer_limit_bytes": 8 * 1024 * 1024,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                                        "stat_prefix": "backend",
+                                        "http_filters": [
+                                            {
+                                                "name": "envoy.filters.http.buffer",
+                                                "typed_config": {
+                                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                                                    "max_request_bytes": 8 * 1024 * 1024,
+                                                },
+                                            },
+                                            {
+                                                "name": "envoy.filters.http.router",
+                                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                                            },
+                                        ],
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "all",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "direct_response": {"status": 200, "body": {"inline_string": COMPLETION}},
+                                                            "response_headers_to_add": [
+                                                                {"header": {"key": "content-type", "value": "application/json"}}
+                                                            ],
+                                                        }
+                                                    ],
+                                                }
+                                            ]
+                                        },
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        },
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+    }
+
+
+def without_ext_proc(cfg: dict) -> dict:
+    """The same gateway config with the ext_proc filter removed (Envoy alone)."""
+    out = copy.deepcopy(cfg)
+    for listener in out["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                tc = f.get("typed_config", {})
+                if "http_filters" in tc:
+                    tc["http_filters"] = [h for h in tc["http_filters"] if h["name"] != "envoy.filters.http.ext_proc"]
+    return out
+
+
+def without_access_log(cfg: dict) -> dict:
+    out = copy.deepcopy(cfg)
+    for listener in out["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                f.get("typed_config", {}).pop("access_log", None)
+    return out
+
+
+def prompt_words(tokens: int) -> str:
+    """Text of about `tokens` tokens (common single-token words); the real count is measured."""
+    words = ["time", "data", "model", "light", "river", "stone", "green", "paper", "music", "field"]
+    text = " ".join(words[i % len(words)] for i in range(tokens))
+    return text
+
+
+def wrk_script(content: str) -> str:
+    """A wrk Lua script posting a chat body whose prompt starts with a per-request counter,
+    so every prompt is unique (no token-cache hits)."""
+    head = json.dumps({"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "@@"}]})
+    before, after = head.split("@@")
+    return f"""
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local before = {json.dumps(before)}
+local after = {json.dumps(after)}
+local content = {json.dumps(content)}
+local counter = 0
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, "/v1/chat/completions", nil, before .. "req " .. counter .. " " .. content .. after)
+end
+"""
+
+
+def run_wrk(url: str, script: Path, duration_s: int, concurrency: int) -> dict:
+    """Run wrk; return requests/s, p50/p99 latency (ms) and non-2xx count."""
+    import subprocess
+
+    out = subprocess.run(
+        ["wrk", "-t", "2", "-c", str(concurrency), "-d", f"{duration_s}s", "--latency", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        timeout=duration_s + 60,
+        check=True,
+    ).stdout
+
+    def latency_ms(label: str) -> float:
+        m = re.search(rf"^\s+{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        if not m:
+            raise RuntimeError(f"no {label}% latency in wrk output:\n{out}")
+        value, unit = float(m.group(1)), m.group(2)
+        return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return {"rps": rps, "p50_ms": latency_ms("50"), "p99_ms": latency_ms("99"), "non2xx": int(bad.group(1)) if bad else 0}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def decision_totals(admin_url: str) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) per decision phase, from the server's histogram."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        text = (await client.get(f"{admin_url}/metrics")).text
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "llm_extproc_decision_duration_seconds":
+            for s in fam.samples:
+                phase = s.labels.get("phase")
+                if s.name.endswith("_sum"):
+                    sums[phase] = s.value
+                elif s.name.endswith("_count"):
+                    counts[phase] = s.value
+    return {p: (sums[p], counts.get(p, 0.0)) for p in sums}
+
+
+def mean_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds per phase between two histogram readings."""
+    out = {}
+    for phase, (s1, c1) in after.items():
+        s0, c0 = before.get(phase, (0.0, 0.0))
+        if c1 > c0:
+            out[phase] = (s1 - s0) / (c1 - c0) * 1000
+    return out
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--sizes", default="100,1000,8000", help="prompt sizes (tokens)")
+    ap.add_argument("--rss-requests", type=int, default=10_000)
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk not found: apt-get install wrk")
+
+    from extproc.pipeline.tokens import TokenCounter
+
+    counter = TokenCounter.from_source("builtin:qwen3")
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    backend_port = free_port()
+    backend = EnvoyProcess(backend_config(backend_port), workdir=work, name="backend", concurrency=1)
+    await backend.start()
+    server_cfg = work / "extproc.yaml"
+    server_cfg.write_text(
+        yaml.safe_dump(
+            {
+                "models": [{"name": MODEL, "max_model_len": 40960}],
+                "endpoints": [{"address": f"127.0.0.1:{backend_port}", "models": [MODEL]}],
+            }
+        )
+    )
+    server = ExtProcServerProcess(server_cfg, workdir=work, log_level="warning")
+    await server.start()
+    base = without_access_log(load_envoy_config("fail-open"))
+    settings = RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", backend_port)])
+    gw = EnvoyProcess(rewrite_config(base, settings), workdir=work, name="gateway", concurrency=1)
+    alone = EnvoyProcess(rewrite_config(without_ext_proc(base), RunSettings(endpoints=[("127.0.0.1", backend_port)])), workdir=work, name="alone", concurrency=1)
+    await gw.start()
+    await alone.start()
+    rows = []
+    try:
+        for size in [int(s) for s in args.sizes.split(",")]:
+            content = prompt_words(size)
+            n = counter.count_chat([{"role": "user", "content": "req 1 " + content}]).count
+            script = work / f"chat_{size}.lua"
+            script.write_text(wrk_script(content))
+            before = await decision_totals(server.admin_url)
+            r_alone = run_wrk(alone.url, script, args.duration, args.concurrency)
+            r_ext = run_wrk(gw.url, script, args.duration, args.concurrency)
+            after = await decision_totals(server.admin_url)
+            rows.append({"size": size, "prompt_tokens": n, "alone": r_alone, "extproc": r_ext, "decision_ms": mean_ms(before, after)})
+            print(json.dumps(rows[-1]), flush=True)
+        # Memory: RSS before and after many more requests (1k-token prompts).
+        pid = server.process.pid
+        rss0 = rss_bytes(pid)
+        script = work / "chat_1000.lua"
+        if not script.exists():
+            script.write_text(wrk_script(prompt_words(1000)))
+        served = 0
+        while served < args.rss_requests:
+            r = run_wrk(gw.url, script, 5, args.concurrency)
+            served += int(r["rps"] * 5)
+        rss1 = rss_bytes(pid)
+        print(json.dumps({"rss_before_mib": rss0 / 2**20, "rss_after_mib": rss1 / 2**20, "requests": served}), flush=True)
+    finally:
+        await gw.aclose()
+        await alone.aclose()
+        await server.aclose()
+        await backend.aclose()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(f"concurrency {args.concurrency}, {args.duration} s per cell, unique prompts (no token-cache hits)")
+    print("| prompt tokens | Envoy alone p50 / p99 (ms) | + llm-extproc p50 / p99 (ms) | added p50 / p99 (ms) | req/s alone | req/s with | ratio | decision parse / tokenize / pick (ms, mean) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        a, e = row["alone"], row["extproc"]
+        d = row["decision_ms"]
+        print(
+            f"| {row['prompt_tokens']} | {a['p50_ms']:.2f} / {a['p99_ms']:.2f} | {e['p50_ms']:.2f} / {e['p99_ms']:.2f} | "
+            f"{e['p50_ms'] - a['p50_ms']:.2f} / {e['p99_ms'] - a['p99_ms']:.2f} | {a['rps']:.0f} | {e['rps']:.0f} | {e['rps'] / a['rps']:.2f} | "
+            f"{d.get('parse', 0):.3f} / {d.get('tokenize', 0):.3f} / {d.get('pick', 0):.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
