@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.config.schema import EndpointConfig
 from extproc.types import EndpointAddress
@@ -41,6 +42,12 @@ class Endpoint:
     consecutive_successes: int = 0
     last_probe_error: str | None = None
     probed: bool = False
+    engine: Any = None
+    """Latest scraped engine metrics (`extproc.datastore.scraper.EngineMetrics`), or None."""
+    node: Any = None
+    """Latest node-agent report (`extproc.datastore.agent_client.NodeReport`), or None."""
+    stream_stats: Any = None
+    """Response-path latency statistics (`extproc.telemetry.stats.EndpointStreamStats`), or None."""
 
 
 class Reservation:
