@@ -1,10 +1,88 @@
-"""`llm-extproc sim` (placeholder until the simulator lands)."""
+"""`llm-extproc sim`: run one simulated vLLM server until SIGTERM/SIGINT.
+
+Prints one line when ready: `sim listening on http://HOST:PORT profile=NAME model=NAME`.
+"""
 
 from __future__ import annotations
 
 import typer
 
+from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES
 
-def sim(port: int = typer.Option(8000, help="listen port")) -> None:
-    """Run the vLLM simulator."""
-    raise typer.Exit(2)
+__all__ = ["sim"]
+
+_PROFILE_HELP = "engine profile (GPU × model); one of: " + ", ".join(PROFILES)
+
+
+def sim(
+    port: int = typer.Option(8000, help="listen port (0 = any free port)"),
+    host: str = typer.Option("127.0.0.1", help="listen address"),
+    profile: str = typer.Option(DEFAULT_PROFILE, help=_PROFILE_HELP),
+    model: str | None = typer.Option(None, help="served model name (default: the profile's model)"),
+    speed: float = typer.Option(1.0, help="simulated seconds per wall second (10 = 10× faster)"),
+    stream_interval: int = typer.Option(1, help="output tokens per streamed chunk (vLLM --stream-interval)"),
+    num_gpu_blocks: int | None = typer.Option(None, help="KV pool size in blocks (default: from GPU memory)"),
+    max_num_seqs: int | None = typer.Option(None, help="most running requests (default: vLLM's per-GPU default)"),
+    max_num_batched_tokens: int | None = typer.Option(None, help="token budget per step (default: per GPU)"),
+    block_size: int | None = typer.Option(None, help="KV block size in tokens (default 16)"),
+    max_model_len: int | None = typer.Option(None, help="context limit in tokens (default: the model's)"),
+    gpu_memory_utilization: float | None = typer.Option(None, help="fraction of HBM vLLM may use (default 0.9)"),
+    max_waiting: int | None = typer.Option(None, help="reject new requests while this many wait"),
+    queue_full_status: int = typer.Option(429, help="status for those rejections: 429 or 503"),
+    legacy_metrics: bool = typer.Option(False, help="emit vllm:gpu_cache_usage_perc / time_per_output_token"),
+    load_shape: str = typer.Option("sglang", help="/get_load body: sglang (array) or vllm-router ({load})"),
+    seed: int = typer.Option(0, help="seed for output lengths and fault coin flips"),
+    fault_error_rate: float = typer.Option(0.0, help="fault: fraction of requests answered 500"),
+    fault_die_after_chunks: int | None = typer.Option(None, help="fault: abort streams after N chunks"),
+    fault_metrics_hang: bool = typer.Option(False, help="fault: /metrics never answers"),
+    fault_health_fail: bool = typer.Option(False, help="fault: /health answers 503"),
+    fault_refuse_connections: bool = typer.Option(False, help="fault: do not accept connections"),
+    fault_jitter_ms: float = typer.Option(0.0, help="fault: random extra delay per chunk (simulated ms)"),
+) -> None:
+    """Run an OpenAI-compatible vLLM simulator with a calibrated engine model."""
+    import asyncio
+    import signal
+
+    from pydantic import ValidationError
+
+    from extproc.sim.faults import Faults
+    from extproc.sim.server import SimServer
+
+    try:
+        faults = Faults(
+            error_rate=fault_error_rate,
+            die_after_chunks=fault_die_after_chunks,
+            metrics_hang=fault_metrics_hang,
+            health_fail=fault_health_fail,
+            refuse_connections=fault_refuse_connections,
+            jitter_ms=fault_jitter_ms,
+        )
+        server = SimServer(
+            host=host, port=port, profile=profile, model=model, speed=speed, stream_interval=stream_interval,
+            num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            max_waiting=max_waiting, queue_full_status=queue_full_status, legacy_metrics=legacy_metrics,
+            load_shape=load_shape, faults=faults, seed=seed,
+        )
+    except (KeyError, ValueError, ValidationError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        typer.echo(f"error: {msg}", err=True)
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.start()
+        except OSError as exc:
+            typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"sim listening on {server.url} profile={server.profile.name} model={server.model}")
+        try:
+            await stop.wait()
+        finally:
+            await server.aclose()
+
+    asyncio.run(main())

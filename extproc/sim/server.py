@@ -1,0 +1,718 @@
+"""`SimServer`: an OpenAI-compatible HTTP front for one simulated vLLM engine.
+
+One aiohttp app and one engine task per server. The engine task plans a step (or a run of
+identical decode steps), sleeps until the step's simulated end mapped to wall time
+(``wall = wall0 + (sim − sim0) / speed``), then commits it; handlers only enqueue requests and
+wait on an `asyncio.Event` that the engine sets every `stream_interval` tokens or at the end.
+Nothing sleeps per request or per token. If the process falls behind (CPU), the engine's
+clock does not skip ahead: it runs steps back to back until it has caught up.
+
+Routes (vLLM's shapes unless noted):
+
+    POST /v1/chat/completions, /v1/completions   generation, SSE or not, usage
+    GET  /v1/models, /health, /metrics, /version
+    POST /tokenize, /detokenize
+    GET  /get_load                                SGLang's [{dp_rank, num_reqs, num_waiting_reqs,
+                                                  num_tokens}] (sglang-router sums num_tokens), or
+                                                  {"load": n} for vllm-router (`load_shape`)
+    GET  /server_info, /get_server_info           SGLang server info (model_path, dp_size, ...)
+    GET  /model_info, /get_model_info             SGLang model info (model_path, is_generation, ...)
+    GET/POST/DELETE /sim/faults                   fault injection (extproc.sim.faults)
+    GET  /sim/gpu                                 simulated per-GPU memory and utilisation
+    GET  /sim/state                               engine snapshot (ours)
+
+Every response carries `x-sim-speed: <float>`: multiply wall durations by it to get simulated
+seconds. `/metrics` is in simulated seconds already.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import threading
+import time
+import uuid
+from bisect import bisect_right
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from extproc.errors import BadRequestError
+from extproc.pipeline.tokens import TokenCounter
+from extproc.sim.api import (
+    DONE,
+    SimAPIError,
+    completion_body,
+    context_length_error,
+    model_not_found,
+    output_text,
+    parse_generation,
+    stream_chunk,
+    usage_chunk,
+)
+from extproc.sim.engine import Engine, EngineConfig, RequestTooLargeError, SimRequest, StepPlan
+from extproc.sim.faults import Faults, FaultUpdate, parse_fault_update
+from extproc.sim.metrics import register_metrics
+from extproc.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
+from extproc.sim.workload import choose_output_len
+
+__all__ = ["SimServer", "shared_token_counter", "LOAD_SHAPES"]
+
+log = logging.getLogger(__name__)
+
+LOAD_SHAPES = ("sglang", "vllm-router")
+_MIN_TICK_S = 0.005  # wall seconds a multi-step decode plan may cover at least
+_MAX_PLAN_STEPS = 256
+_NEVER = 1 << 62
+_counter_lock = threading.Lock()
+
+
+@functools.cache
+def _load_counter() -> TokenCounter:
+    return TokenCounter.from_source("builtin:qwen3")
+
+
+def shared_token_counter() -> TokenCounter:
+    """The Qwen3 token counter, loaded once per process (1–2 s) and shared by all servers."""
+    with _counter_lock:
+        return _load_counter()
+
+
+_ARCH_CLASSES = {"qwen3": ("qwen3", "Qwen3ForCausalLM"), "llama": ("llama", "LlamaForCausalLM")}
+
+
+class SimServer:
+    """A simulated vLLM server.
+
+    Args:
+        host, port: where to listen (port 0 = any free port; see `.port` after `start`).
+        profile: a profile name (`extproc.sim.profiles.PROFILES`) or a `Profile`.
+        model: served model name (default: the profile's model).
+        speed: simulated seconds per wall second (10 = ten times faster than real).
+        stream_interval: output tokens per streamed chunk (vLLM's `--stream-interval`).
+        num_gpu_blocks: KV pool size override (blocks); default derived from the profile.
+        max_num_seqs, max_num_batched_tokens, block_size, max_model_len: scheduler overrides
+            (defaults: the profile's, i.e. vLLM's per-GPU defaults). `max_model_len` is lowered
+            to the pool's capacity when the pool is smaller, as vLLM refuses to start otherwise.
+        gpu_memory_utilization: vLLM's memory fraction (sizes the pool when not overridden).
+        max_waiting: reject new requests while this many wait (None: unbounded).
+        queue_full_status: 429 or 503 for those rejections.
+        legacy_metrics: emit the pre-V1 metric names (see `extproc.sim.metrics`).
+        load_shape: `/get_load` body: `sglang` or `vllm-router`.
+        faults: faults active from the start.
+        seed: seeds output-length draws and fault coin flips.
+        registry: the Prometheus registry to register on (a fresh one if None).
+        tokenizer: a token counter (default: the shared Qwen3 one).
+
+    Raises:
+        KeyError: unknown profile. ValueError: a size or setting out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        profile: str | Profile = DEFAULT_PROFILE,
+        model: str | None = None,
+        speed: float = 1.0,
+        stream_interval: int = 1,
+        num_gpu_blocks: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_waiting: int | None = None,
+        queue_full_status: int = 429,
+        legacy_metrics: bool = False,
+        load_shape: str = "sglang",
+        faults: Faults | None = None,
+        seed: int = 0,
+        registry: CollectorRegistry | None = None,
+        tokenizer: TokenCounter | None = None,
+    ) -> None:
+        self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be ≥ 1, got {stream_interval}")
+        if queue_full_status not in (429, 503):
+            raise ValueError(f"queue_full_status must be 429 or 503, got {queue_full_status}")
+        if load_shape not in LOAD_SHAPES:
+            raise ValueError(f"load_shape must be one of {LOAD_SHAPES}, got {load_shape!r}")
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be ≥ 0, got {max_waiting}")
+        p = self.profile
+        bs = block_size or p.block_size
+        blocks = num_gpu_blocks or p.num_gpu_blocks(bs, gpu_memory_utilization)
+        self.config = EngineConfig(
+            num_gpu_blocks=blocks,
+            block_size=bs,
+            max_num_seqs=max_num_seqs or p.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or p.max_num_batched_tokens,
+            max_model_len=min(max_model_len or p.max_model_len, blocks * bs),
+        )
+        self.host = host
+        self.port = port
+        self.model = model or p.model
+        self.speed = float(speed)
+        self.stream_interval = stream_interval
+        self.max_waiting = max_waiting
+        self.queue_full_status = queue_full_status
+        self.legacy_metrics = legacy_metrics
+        self.load_shape = load_shape
+        self._faults = faults or Faults()
+        self._seed = seed
+        self.registry = registry
+        self._tokenizer = tokenizer
+        self.engine: Engine | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._events: dict[int, asyncio.Event] = {}
+        self._dropped: set[int] = set()
+        self._waiter: asyncio.Future[str] | None = None
+        self._wake_on_arrival = False
+        self._fault_changed = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self._wall0 = 0.0
+        self._sim0 = 0.0
+        self._started_unix = int(time.time())
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Load the tokenizer (once per process), build the engine, listen, start stepping."""
+        if self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(shared_token_counter)
+        self.engine = Engine(self.config, self.profile.coefficients)
+        if self.registry is None:
+            self.registry = CollectorRegistry()
+        register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics)
+        self._rng = random.Random(self._seed)
+        loop = asyncio.get_running_loop()
+        self._wall0 = loop.time()
+        self._sim0 = self.engine.now
+        self._fault_changed = asyncio.Event()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(self._add_speed_header)
+        self._routes(app)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        await self._listen()
+        self._task = asyncio.create_task(self._engine_loop(), name=f"sim-engine-{self.port}")
+
+    async def aclose(self) -> None:
+        """Stop stepping, end open streams, stop listening. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._fault_changed.set()
+        for task in list(self._background):
+            task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for uid, ev in self._events.items():
+            self._dropped.add(uid)
+            ev.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await self._site.start()
+        server = self._site._server
+        if self.port == 0 and server is not None and getattr(server, "sockets", None):
+            self.port = server.sockets[0].getsockname()[1]
+
+    @property
+    def _engine(self) -> Engine:
+        assert self.engine is not None, "SimServer.start() has not run"
+        return self.engine
+
+    # -- time -------------------------------------------------------------------------------
+    def sim_now(self) -> float:
+        """Current simulated time (seconds)."""
+        return self._sim0 + (asyncio.get_running_loop().time() - self._wall0) * self.speed
+
+    def _wall_of(self, sim_t: float) -> float:
+        return self._wall0 + (sim_t - self._sim0) / self.speed
+
+    # -- engine task ------------------------------------------------------------------------
+    def _max_plan_steps(self) -> int:
+        floor_step = max(self.profile.coefficients.a, 1e-6)
+        by_tick = int(_MIN_TICK_S * self.speed / floor_step)
+        return max(1, min(_MAX_PLAN_STEPS, max(self.stream_interval, by_tick)))
+
+    def _wake(self, reason: Literal["arrival", "restart"]) -> None:
+        """Wake the engine task: arrivals only while it is idle or in a multi-step plan."""
+        w = self._waiter
+        if w is not None and not w.done() and (reason != "arrival" or self._wake_on_arrival):
+            w.set_result(reason)
+
+    async def _sleep_until(self, deadline: float | None, *, wake_on_arrival: bool) -> str:
+        loop = asyncio.get_running_loop()
+        if deadline is not None and deadline <= loop.time():
+            await asyncio.sleep(0)  # behind schedule: still let handlers run
+            return "time"
+        fut: asyncio.Future[str] = loop.create_future()
+        handle = None
+        if deadline is not None:
+            handle = loop.call_at(deadline, lambda: fut.done() or fut.set_result("time"))
+        self._waiter, self._wake_on_arrival = fut, wake_on_arrival or deadline is None
+        try:
+            return await fut
+        finally:
+            if handle is not None:
+                handle.cancel()
+            self._waiter = None
+
+    async def _engine_loop(self) -> None:
+        eng = self._engine
+        while not self._closing:
+            plan = eng.plan(self._max_plan_steps())
+            if plan is None:
+                nxt = eng.next_arrival()
+                if nxt is not None:
+                    eng.now = max(eng.now, nxt)
+                    continue
+                await self._sleep_until(None, wake_on_arrival=True)
+                eng.now = max(eng.now, self.sim_now())
+                continue
+            await self._wait_for_plan(plan)
+            eng.commit(plan)
+
+    async def _wait_for_plan(self, plan: StepPlan) -> None:
+        multi = plan.steps > 1
+        reason = await self._sleep_until(self._wall_of(plan.end), wake_on_arrival=multi)
+        if reason == "arrival":
+            # A request arrived during a multi-step decode: finish the step in progress, then
+            # let the scheduler see it (as vLLM would at its next step).
+            k = min(plan.steps, bisect_right(plan.ends, self.sim_now()) + 1)
+            del plan.ends[k:]
+            await self._sleep_until(self._wall_of(plan.end), wake_on_arrival=False)
+
+    def _notify(self, req: SimRequest) -> None:
+        ev = self._events.get(req.uid)
+        if ev is not None:
+            ev.set()
+
+    # -- faults -----------------------------------------------------------------------------
+    @property
+    def faults(self) -> Faults:
+        return self._faults
+
+    async def update_faults(self, update: FaultUpdate | dict[str, Any]) -> Faults:
+        """Merge a fault update (see `extproc.sim.faults`); returns the new fault set.
+
+        Raises:
+            ValueError: an invalid update.
+        """
+        upd = update if isinstance(update, FaultUpdate) else parse_fault_update(update)
+        previous = self._faults
+        await self._set_faults(previous.merged(upd))
+        if upd.restart:
+            self._restart()
+        if upd.for_s is not None:
+            changed = upd.model_dump(exclude_unset=True, exclude={"restart", "for_s"})
+            revert = FaultUpdate.model_validate({k: getattr(previous, k) for k in changed})
+            loop = asyncio.get_running_loop()
+            loop.call_later(upd.for_s, self._spawn, self._set_faults_from(revert))
+        return self._faults
+
+    async def clear_faults(self) -> Faults:
+        """Remove every fault."""
+        await self._set_faults(Faults())
+        return self._faults
+
+    async def _set_faults_from(self, update: FaultUpdate) -> None:
+        await self._set_faults(self._faults.merged(update))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _set_faults(self, new: Faults) -> None:
+        old, self._faults = self._faults, new
+        if new.refuse_connections != old.refuse_connections and not self._closing:
+            if new.refuse_connections and self._site is not None:
+                await self._site.stop()
+                self._site = None
+            elif not new.refuse_connections and self._site is None:
+                await self._listen()
+        self._fault_changed.set()
+        self._fault_changed = asyncio.Event()
+
+    def _restart(self) -> None:
+        for req in self._engine.restart():
+            self._dropped.add(req.uid)
+            self._notify(req)
+        self._wake("restart")
+
+    # -- HTTP -------------------------------------------------------------------------------
+    async def _add_speed_header(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-sim-speed"] = repr(self.speed)
+
+    def _routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
+        r.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/version", self._version)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_post("/detokenize", self._detokenize)
+        r.add_get("/get_load", self._get_load)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self._server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self._model_info)
+        r.add_get("/sim/faults", self._faults_get)
+        r.add_post("/sim/faults", self._faults_post)
+        r.add_delete("/sim/faults", self._faults_delete)
+        r.add_get("/sim/gpu", self._gpu)
+        r.add_get("/sim/state", self._state)
+
+    @staticmethod
+    def _json(data: Any, status: int = 200) -> web.Response:
+        return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+    @staticmethod
+    def _error(err: SimAPIError) -> web.Response:
+        return web.Response(body=err.body(), status=err.status, content_type="application/json")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise model_not_found(model)
+
+    async def _token_ids(self, params: Any, kind: str) -> list[int]:
+        counter = self._tokenizer
+        assert counter is not None
+        try:
+            if kind == "chat":
+                return counter.count_chat(
+                    params.messages, tools=params.tools, chat_template_kwargs=params.chat_template_kwargs
+                ).token_ids
+            if isinstance(params.prompt, str):
+                return counter.count_text(params.prompt).token_ids
+        except BadRequestError as exc:
+            raise SimAPIError(400, exc.message, param=exc.param) from None
+        ids = list(params.prompt)
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise SimAPIError(400, "prompt: token ids must be non-negative integers", param="prompt")
+        return ids
+
+    async def _generate(self, request: web.Request, *, kind: Literal["chat", "completion"]) -> web.StreamResponse:
+        try:
+            params = parse_generation(await request.read(), kind)
+            self._check_model(params.model)
+            if self._faults.error_rate and self._rng.random() < self._faults.error_rate:
+                raise SimAPIError(500, "Simulated internal server error (fault injection: error_rate)")
+            ids = await self._token_ids(params, kind)
+            max_len = self.config.max_model_len
+            if len(ids) >= max_len or (params.max_tokens is not None and len(ids) + params.max_tokens > max_len):
+                raise context_length_error(max_len, len(ids), params.max_tokens)
+            eng = self._engine
+            if self.max_waiting is not None and eng.num_waiting >= self.max_waiting:
+                raise SimAPIError(
+                    self.queue_full_status,
+                    f"The server is overloaded: {eng.num_waiting} requests are waiting (max_waiting={self.max_waiting})",
+                )
+            rng = random.Random(params.seed if params.seed is not None else self._rng.getrandbits(64))
+            n_out, reason = choose_output_len(
+                rng,
+                cap=params.max_tokens if params.max_tokens is not None else max_len - len(ids),
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                ignore_eos=params.ignore_eos,
+            )
+            req = SimRequest(
+                ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
+                notify_every=self.stream_interval if params.stream else _NEVER,
+            )
+            try:
+                eng.add_request(req)
+            except RequestTooLargeError as exc:
+                raise SimAPIError(400, str(exc)) from None
+        except SimAPIError as err:
+            return self._error(err)
+
+        event = asyncio.Event()
+        self._events[req.uid] = event
+        self._wake("arrival")
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        try:
+            if params.stream:
+                return await self._stream(request, req, event, kind, rid, created, params.include_usage)
+            while not req.finished:
+                await event.wait()
+                event.clear()
+            if req.uid in self._dropped:
+                return self._die(request)
+            body = completion_body(
+                kind, rid, created, self.model, output_text(req.uid, 0, req.num_output),
+                req.finish_reason or "stop", req.prompt_len, req.num_output,
+            )
+            return web.Response(body=body, content_type="application/json")
+        finally:
+            self._events.pop(req.uid, None)
+            self._dropped.discard(req.uid)
+            if not req.finished:
+                eng.abort(req)
+
+    @staticmethod
+    def _die(request: web.Request) -> web.StreamResponse:
+        """Drop the connection without an answer (a crashed server)."""
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=500)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: SimRequest,
+        event: asyncio.Event,
+        kind: Literal["chat", "completion"],
+        rid: str,
+        created: int,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await resp.prepare(request)
+        chunks = 0
+
+        async def send(data: bytes) -> bool:
+            nonlocal chunks
+            faults = self._faults
+            if faults.die_after_chunks is not None and chunks >= faults.die_after_chunks:
+                return False
+            if faults.jitter_ms:
+                await asyncio.sleep(self._rng.uniform(0.0, faults.jitter_ms) / 1000.0 / self.speed)
+            await resp.write(data)
+            chunks += 1
+            return True
+
+        if kind == "chat" and not await send(stream_chunk(kind, rid, created, self.model, "", role=True)):
+            return self._die(request)
+        sent = 0
+        interval = self.stream_interval
+        while True:
+            await event.wait()
+            event.clear()
+            if req.uid in self._dropped:
+                return self._die(request)
+            n, done = req.num_output, req.finished
+            while sent < n:
+                upto = min(n, sent + interval)
+                fin = (req.finish_reason or "stop") if done and upto == n else None
+                if not await send(stream_chunk(kind, rid, created, self.model, output_text(req.uid, sent, upto), fin)):
+                    return self._die(request)
+                sent = upto
+            if done:
+                break
+        if include_usage and not await send(usage_chunk(kind, rid, created, self.model, req.prompt_len, req.num_output)):
+            return self._die(request)
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return self._json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model, "object": "model", "created": self._started_unix, "owned_by": "vllm",
+                        "root": self.model, "parent": None, "max_model_len": self.config.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._faults.health_fail:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return self._json({"version": "0.0.0+sim"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        while self._faults.metrics_hang and not self._closing:
+            await self._fault_changed.wait()
+        assert self.registry is not None
+        return web.Response(body=generate_latest(self.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def _read_json(self, request: web.Request) -> Any:
+        try:
+            return orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError as exc:
+            raise SimAPIError(400, f"Invalid JSON body: {exc}") from None
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        counter = self._tokenizer
+        assert counter is not None
+        try:
+            data = await self._read_json(request)
+            if not isinstance(data, dict):
+                raise SimAPIError(400, "The request body must be a JSON object")
+            self._check_model(data.get("model"))
+            if isinstance(data.get("messages"), list):
+                try:
+                    text = counter.render_chat(
+                        data["messages"], tools=data.get("tools"),
+                        chat_template_kwargs=data.get("chat_template_kwargs"),
+                        add_generation_prompt=bool(data.get("add_generation_prompt", True)),
+                    )
+                except BadRequestError as exc:
+                    raise SimAPIError(400, exc.message, param="messages") from None
+                ids = counter.encode(text, add_special_tokens=bool(data.get("add_special_tokens", False)))
+            elif isinstance(data.get("prompt"), str):
+                ids = counter.encode(data["prompt"], add_special_tokens=bool(data.get("add_special_tokens", True)))
+            else:
+                raise SimAPIError(400, "prompt (a string) or messages (a list) is required", param="prompt")
+        except SimAPIError as err:
+            return self._error(err)
+        strs = counter.tokenizer.convert_ids_to_tokens(ids) if data.get("return_token_strs") else None
+        return self._json({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        counter = self._tokenizer
+        assert counter is not None
+        try:
+            data = await self._read_json(request)
+            tokens = data.get("tokens") if isinstance(data, dict) else None
+            if not isinstance(tokens, list) or any(not isinstance(t, int) or t < 0 for t in tokens):
+                raise SimAPIError(400, "tokens: a list of non-negative integers is required", param="tokens")
+            self._check_model(data.get("model"))
+        except SimAPIError as err:
+            return self._error(err)
+        return self._json({"prompt": counter.tokenizer.decode(tokens)})
+
+    async def _get_load(self, request: web.Request) -> web.Response:
+        eng = self._engine
+        running, waiting = len(eng.running), eng.num_waiting
+        if self.load_shape == "vllm-router":
+            return self._json({"load": running + waiting})
+        tokens = sum(r.num_tokens for r in eng.running)
+        return self._json([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": tokens}])
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        return self._json(
+            {
+                "model_path": self.model,
+                "tokenizer_path": self.model,
+                "served_model_name": self.model,
+                "dp_size": 1,
+                "tp_size": self.profile.tensor_parallel,
+                "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
+                "max_running_requests": cfg.max_num_seqs,
+                "max_batch_size": cfg.max_num_seqs,
+                "max_prefill_tokens": cfg.max_num_batched_tokens,
+                "context_length": cfg.max_model_len,
+                "page_size": cfg.block_size,
+                "disaggregation_mode": "null",
+                "version": "0.0.0+sim",
+                "sim_profile": self.profile.name,
+            }
+        )
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        model_type, arch_class = next(
+            (v for k, v in _ARCH_CLASSES.items() if self.profile.arch_name.startswith(k)), ("", "")
+        )
+        return self._json(
+            {
+                "model_path": self.model,
+                "tokenizer_path": self.model,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "model_type": model_type,
+                "architectures": [arch_class] if arch_class else [],
+            }
+        )
+
+    async def _faults_get(self, request: web.Request) -> web.Response:
+        return self._json(self._faults.model_dump())
+
+    async def _faults_post(self, request: web.Request) -> web.Response:
+        try:
+            data = await self._read_json(request)
+            if data == {}:
+                return self._json((await self.clear_faults()).model_dump())
+            try:
+                faults = await self.update_faults(data)
+            except ValueError as exc:
+                raise SimAPIError(400, str(exc)) from None
+        except SimAPIError as err:
+            return self._error(err)
+        return self._json(faults.model_dump())
+
+    async def _faults_delete(self, request: web.Request) -> web.Response:
+        return self._json((await self.clear_faults()).model_dump())
+
+    def gpu_view(self) -> dict[str, Any]:
+        """Simulated per-GPU memory (bytes) and utilisation (busy fraction of the last
+        simulated second): weights + activations (the profile's reserve, scaled by how full
+        the last step's token budget was) + KV blocks in use."""
+        eng = self._engine
+        p = self.profile
+        block_bytes = p.kv_bytes_per_token() * self.config.block_size
+        plan_tokens = eng.stats.last_batch_tokens
+        activations = int(p.reserve_bytes * min(1.0, plan_tokens / self.config.max_num_batched_tokens))
+        used = p.weight_bytes() + activations + eng.pool.num_used * block_bytes
+        return {
+            "memory_used_bytes": int(min(used, p.gpu.memory_bytes)),
+            "memory_total_bytes": int(p.gpu.memory_bytes),
+            "utilization": round(eng.stats.utilization(max(eng.now, self.sim_now())), 4),
+        }
+
+    async def _gpu(self, request: web.Request) -> web.Response:
+        return self._json(self.gpu_view())
+
+    async def _state(self, request: web.Request) -> web.Response:
+        eng = self._engine
+        s = eng.stats
+        return self._json(
+            {
+                "profile": self.profile.name,
+                "model": self.model,
+                "speed": self.speed,
+                "sim_now": self.sim_now(),
+                "engine_now": eng.now,
+                "running": len(eng.running),
+                "waiting": eng.num_waiting,
+                "kv_cache_usage": eng.pool.usage,
+                "num_gpu_blocks": self.config.num_gpu_blocks,
+                "num_free_blocks": eng.pool.num_free,
+                "num_cached_blocks": eng.pool.num_cached,
+                "block_size": self.config.block_size,
+                "max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "max_model_len": self.config.max_model_len,
+                "prompt_tokens": s.prompt_tokens,
+                "generation_tokens": s.generation_tokens,
+                "preemptions": s.preemptions,
+                "finished": s.finished,
+                "steps": s.steps,
+            }
+        )
