@@ -1,0 +1,132 @@
+"""The configs in envoy/: Envoy accepts each as is, they keep the settings DESIGN section 3 asks
+for, in step with llm-extproc's own limits, and they strip the same routing headers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.config.schema import LimitsConfig
+from extproc.server.responses import OWNED_HEADERS
+from extproc.stack.envoy import CONFIG_NAMES, config_path, load_envoy_config, stripped_headers, validate_config_file
+
+ENVOY_DIR = Path(__file__).resolve().parents[2] / "envoy"
+CONFIG_FILES = sorted(ENVOY_DIR.glob("*.yaml"))
+
+
+def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _http_filter(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    (f,) = [f for f in _hcm(cfg)["http_filters"] if f["name"] == name]
+    return f["typed_config"]
+
+
+def _cluster(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    (c,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == name]
+    return c
+
+
+def _routes(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for vh in _hcm(cfg)["route_config"]["virtual_hosts"] for r in vh["routes"]]
+
+
+def test_every_shipped_name_has_its_file_and_every_file_a_name() -> None:
+    assert sorted(p.stem for p in CONFIG_FILES) == sorted(CONFIG_NAMES)
+    for name in CONFIG_NAMES:
+        assert config_path(name).is_file()
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_envoy_validate_accepts(path: Path) -> None:
+    assert "OK" in validate_config_file(path)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_strips_exactly_the_owned_routing_headers(path: Path) -> None:
+    # The server keeps the same list (it also overwrites them); one list for both layers.
+    cfg = load_envoy_config(path)
+    assert stripped_headers(cfg) == list(OWNED_HEADERS)
+    # The early (pre-routing) mutation removes the same list.
+    (early,) = _hcm(cfg)["early_header_mutation_extensions"]
+    assert [m["remove"] for m in early["typed_config"]["mutations"]] == list(OWNED_HEADERS)
+    # header_mutation sits right before ext_proc, which sits before the router.
+    names = [f["name"] for f in _hcm(cfg)["http_filters"]]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_limits_match_the_servers_defaults(path: Path) -> None:
+    cfg = load_envoy_config(path)
+    limits = LimitsConfig()
+    assert cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == limits.max_body_bytes
+    envoy_grpc = _http_filter(cfg, "envoy.filters.http.ext_proc")["grpc_service"]["envoy_grpc"]
+    assert envoy_grpc["max_receive_message_length"] == limits.grpc_max_message_bytes
+    assert envoy_grpc["max_receive_message_length"] > limits.max_body_bytes
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_ext_proc_settings(path: Path) -> None:
+    ext_proc = _http_filter(load_envoy_config(path), "envoy.filters.http.ext_proc")
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        "response_header_mode": "SKIP",
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SKIP",
+    }
+    assert ext_proc["allow_mode_override"] is True
+    # 2 s: above the server's own decision budget (1500 ms), far above Envoy's 200 ms default.
+    assert ext_proc["message_timeout"] == "2s"
+    assert LimitsConfig().decision_timeout_ms < 2000
+    expected_fail_open = path.stem == "fail-open"
+    assert ext_proc["failure_mode_allow"] is expected_fail_open
+    if not expected_fail_open:
+        assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_clusters_routes_and_timeouts(path: Path) -> None:
+    cfg = load_envoy_config(path)
+    pinned = _cluster(cfg, "llm_endpoints")
+    assert pinned["type"] == "ORIGINAL_DST"
+    assert pinned["lb_policy"] == "CLUSTER_PROVIDED"
+    assert pinned["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-gateway-destination-endpoint"}
+    ext = _cluster(cfg, "llm_extproc")
+    assert "http2_protocol_options" in ext["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]["explicit_http_config"]
+    # Each in-flight request holds one ext_proc stream: Envoy's 1024 default would cap concurrency.
+    for cluster in cfg["static_resources"]["clusters"]:
+        (t,) = cluster["circuit_breakers"]["thresholds"]
+        assert min(t["max_connections"], t["max_pending_requests"], t["max_requests"]) >= 10 * 1024, cluster["name"]
+    # Header present → ORIGINAL_DST; absent → the fallback (fail-open) or a 503 (fail-closed).
+    first, second = _routes(cfg)
+    assert first["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
+    assert first["route"] == {"cluster": "llm_endpoints", "timeout": "0s"}
+    assert "headers" not in second["match"]
+    if path.stem == "fail-open":
+        assert second["route"] == {"cluster": "llm_fallback", "timeout": "0s"}
+        assert _cluster(cfg, "llm_fallback")["lb_policy"] == "LEAST_REQUEST"
+    else:
+        assert second["direct_response"]["status"] == 503
+    # Non-streaming generations are silent until done: idle timeout well above Envoy's 5 min.
+    assert int(_hcm(cfg)["stream_idle_timeout"].rstrip("s")) >= 600
+    assert _hcm(cfg)["codec_type"] == "AUTO"
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_local_replies_become_openai_json(path: Path) -> None:
+    mappers = _hcm(load_envoy_config(path))["local_reply_config"]["mappers"]
+    assert len(mappers) >= 4
+    for m in mappers:
+        fmt = m["body_format_override"]
+        assert fmt["content_type"] == "application/json"
+        assert set(fmt["json_format"]) == {"error"}
+        assert set(fmt["json_format"]["error"]) == {"message", "type", "param", "code"}
+    codes = [m["body_format_override"]["json_format"]["error"]["code"] for m in mappers]
+    assert "request_too_large" in codes and "routing_unavailable" in codes and "routing_timeout" in codes
