@@ -1,0 +1,84 @@
+"""Shared pieces of the end-to-end tests: model names, the engines trio, request bodies, Envoy
+start-up with our configs, and the OpenAI error-shape assertion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
+from extproc.stack.server import ExtProcServerProcess
+from tests.e2e.fake_engines import Backend
+
+__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "start_envoy"]
+
+MODEL = "Qwen/Qwen3-8B"
+ALIAS = "qwen3-8b"
+DEAD_MODEL = "dead-model"
+"""Served only by an address nothing listens on: llm-extproc answers it with its own 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """`a` and `b` serve MODEL; `intruder` is configured nowhere: nothing may ever reach it."""
+
+    a: Backend
+    b: Backend
+    intruder: Backend
+
+    @property
+    def serving(self) -> tuple[Backend, Backend]:
+        return (self.a, self.b)
+
+    def by_name(self, name: str | None) -> Backend:
+        (found,) = [e for e in (self.a, self.b, self.intruder) if e.name == name]
+        return found
+
+    def clear(self) -> None:
+        for e in (self.a, self.b, self.intruder):
+            e.clear()
+
+
+def chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
+    """A minimal chat request body for MODEL (by its alias)."""
+    return {"model": ALIAS, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def start_envoy(
+    name: str,
+    *,
+    workdir: Path,
+    server: ExtProcServerProcess,
+    engines: Engines,
+    message_timeout: str | None = None,
+) -> EnvoyProcess:
+    """A started Envoy on config `name`, pointed at `server` and (fallback) at engines a and b.
+
+    `message_timeout` overrides the ext_proc filter's, to provoke timeouts on purpose.
+    """
+    cfg = rewrite_config(
+        load_envoy_config(name),
+        RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", e.port) for e in engines.serving]),
+    )
+    if message_timeout is not None:
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+        ext_proc["typed_config"]["message_timeout"] = message_timeout
+    label = name if message_timeout is None else f"{name}-impatient"
+    envoy = EnvoyProcess(cfg, workdir=workdir, name=label)
+    await envoy.start()
+    return envoy
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    """Assert `response` is our JSON error with `status`; return its `error` object."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
