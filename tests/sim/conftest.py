@@ -33,7 +33,9 @@ async def start_sim(qwen_counter: TokenCounter) -> AsyncIterator[StartSim]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A client session with a generous total timeout (tests bound their own waits)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    """A client session without aiohttp's default cap of 100 connections (the load tests
+    need more) and with a generous total timeout (tests bound their own waits)."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         yield session
 
