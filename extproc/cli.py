@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from extproc.bench.cli import analyze
 from extproc.server.cli import serve
 from extproc.sim.cli import sim
 
@@ -22,6 +23,7 @@ app = typer.Typer(
 )
 app.command("serve")(serve)
 app.command("sim")(sim)
+app.command("analyze")(analyze)
 
 
 def main() -> None:
