@@ -44,10 +44,12 @@ class ExtProcError(Exception):
     type: str = "internal_error"
     code: str | None = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if code is not None:
+            self.code = code
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
@@ -92,8 +94,10 @@ class RateLimitedError(ExtProcError):
     type = "rate_limit_exceeded"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, param: str | None = None) -> None:
-        super().__init__(message, param=param)
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Metrics", "DECISION_PHASES"]
 
-DECISION_PHASES = ("parse", "tokenize", "pick", "total")
+DECISION_PHASES = ("parse", "tokenize", "schedule", "total")
 
 # Decisions are sub-millisecond to tens of milliseconds (tokenizing long prompts).
 _DECISION_BUCKETS = (
@@ -53,11 +53,49 @@ class Metrics:
             ["endpoint"],
             registry=registry,
         )
+        self.endpoint_reserved_blocks = Gauge(
+            "llm_extproc_endpoint_reserved_kv_blocks",
+            "KV blocks reserved by requests routed to the endpoint that its metrics do not show yet.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.endpoint_weight = Gauge(
+            "llm_extproc_endpoint_weight",
+            "The endpoint's current weighted score under the active profile (as in /api/v1/weights).",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.scrape_seconds = Histogram(
+            "llm_extproc_endpoint_scrape_duration_seconds",
+            "Time to scrape and parse an endpoint's engine metrics, in seconds.",
+            ["endpoint"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self.scrape_errors = Counter(
+            "llm_extproc_endpoint_scrape_errors_total",
+            "Failed or timed-out scrapes of an endpoint's engine metrics.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.endpoint_metrics_age = Gauge(
+            "llm_extproc_endpoint_metrics_age_seconds",
+            "Seconds since the endpoint's engine metrics were last scraped successfully.",
+            ["endpoint"],
+            registry=registry,
+        )
         self.decision_seconds = Histogram(
             "llm_extproc_decision_duration_seconds",
-            "Time to decide a request, by phase (parse, tokenize, pick, total), in seconds.",
+            "Time to decide a request, by phase (parse, tokenize, schedule, total), in seconds.",
             ["phase"],
             buckets=_DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.plugin_seconds = Histogram(
+            "llm_extproc_scheduler_plugin_duration_seconds",
+            "Time spent in each scheduling plugin per cycle, in seconds.",
+            ["plugin"],
+            buckets=(0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005),
             registry=registry,
         )
         self.prompt_tokens = Histogram(

@@ -6,13 +6,14 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     limits:    {max_body_bytes: 4194304, decision_timeout_ms: 1500, ...}
     models:    [{name, aliases, tokenizer, architecture, max_model_len, dtype, ...}]
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
-    scheduling: {picker: least-inflight, block_size: 16, health_check: {...}}
+    scheduling: {mode: endpoint, profile: load-aware, profiles: {...}, metrics: {...}, health_check: {...}}
+    admission: {kv: {...}, priority: {...}}
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,6 +26,14 @@ __all__ = [
     "ListenConfig",
     "ModelConfig",
     "SchedulingConfig",
+    "MetricsScrapeConfig",
+    "PluginSpec",
+    "ProfileConfig",
+    "TierConfig",
+    "AdmissionConfig",
+    "KVAdmissionConfig",
+    "PriorityConfig",
+    "BUILTIN_PROFILES",
     "parse_host_port",
 ]
 
@@ -133,11 +142,21 @@ class EndpointConfig(_Strict):
             ORIGINAL_DST cluster connects to it as is, so it must be an IP literal.
         models: canonical model names it serves.
         labels: free-form labels (gpu, zone, ...), used by label filters.
+        agent: `host:port` of the node agent on this endpoint's node (`llm-extproc agent`,
+            gRPC port 9100 by default), or None; `extproc.datastore.agent_client` watches it.
     """
 
     address: str
     models: list[str] = Field(min_length=1)
     labels: dict[str, str] = Field(default_factory=dict)
+    agent: str | None = None
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_addr(cls, v: str | None) -> str | None:
+        if v is not None and parse_host_port(v)[1] == 0:
+            raise ValueError(f"agent port must not be 0 in {v!r}")
+        return v
 
     @field_validator("address")
     @classmethod
@@ -172,20 +191,179 @@ class HealthCheckConfig(_Strict):
     healthy_threshold: int = Field(default=1, ge=1)
 
 
+class MetricsScrapeConfig(_Strict):
+    """Scraping each endpoint's engine `/metrics`.
+
+    Attributes:
+        enabled: scrape; when off, load-aware scorers see only our own accounting.
+        path: metrics path. interval_s: period (seconds; ~0.05–0.1 s tracks vLLM's queue closely).
+        timeout_s: per-scrape timeout (seconds). stale_after_s: metrics older than this are
+            stale (seconds); the `stale-metrics-filter` drops such endpoints.
+    """
+
+    enabled: bool = True
+    path: str = "/metrics"
+    interval_s: float = Field(default=0.1, gt=0)
+    timeout_s: float = Field(default=0.5, gt=0)
+    stale_after_s: float = Field(default=2.0, gt=0)
+
+
+class PluginSpec(_Strict):
+    """One plugin instance in a profile: its registered `type`, an optional instance `name`,
+    a `weight` (scorers only) and `params` validated by the plugin's own schema."""
+
+    type: str
+    name: str | None = None
+    weight: float = Field(default=1.0, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProfileConfig(_Strict):
+    """A scheduling profile: filters (in order), weighted scorers, one picker."""
+
+    filters: list[PluginSpec] = Field(default_factory=list)
+    scorers: list[PluginSpec] = Field(default_factory=list)
+    picker: PluginSpec = Field(default_factory=lambda: PluginSpec(type="max-score-picker"))
+
+    @model_validator(mode="after")
+    def _plugins_exist(self) -> ProfileConfig:
+        from extproc.scheduling.registry import PluginConfigError, build
+
+        for kind, specs in (("filters", self.filters), ("scorers", self.scorers), ("picker", [self.picker])):
+            for i, spec in enumerate(specs):
+                try:
+                    plugin = build(spec.type, spec.params, name=spec.name)
+                except PluginConfigError as exc:
+                    raise ValueError(f"{kind}[{i}]: {exc}") from None
+                method, noun = {"filters": ("filter", "filter"), "scorers": ("score", "scorer"), "picker": ("pick", "picker")}[kind]
+                if not callable(getattr(plugin, method, None)):
+                    raise ValueError(f"{kind}[{i}]: {spec.type!r} is not a {noun}")
+        return self
+
+
+def _p(type_: str, weight: float = 1.0, **params: Any) -> PluginSpec:
+    return PluginSpec(type=type_, weight=weight, params=params)
+
+
+BUILTIN_PROFILES: dict[str, ProfileConfig] = {
+    # The default: KV admission, then prefer short queues, free KV, light FLOPs load and fast
+    # endpoints (design notes' weight). Weights tuned in docs/benchmarks.md.
+    "load-aware": ProfileConfig(
+        filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter")],
+        scorers=[
+            _p("queue-depth-scorer", 1.0),
+            _p("kv-utilization-scorer", 1.0),
+            _p("flops-load-scorer", 1.0),
+            _p("compute-aware-scorer", 1.0),
+        ],
+    ),
+    # Issue-1 baseline: fewest in-flight requests counted by this server, random tie-break.
+    "least-inflight": ProfileConfig(filters=[_p("healthy-filter")], scorers=[_p("inflight-scorer")]),
+    # The seed's compute-aware weight alone.
+    "compute-aware": ProfileConfig(
+        filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter")],
+        scorers=[_p("compute-aware-scorer")],
+    ),
+    "random": ProfileConfig(filters=[_p("healthy-filter")], picker=_p("random-picker")),
+}
+
+
+class TierConfig(_Strict):
+    """Token-range tiers (design notes): < low_latency_below → `low-latency`,
+    ≤ high_throughput_above → `balanced`, above → `high-throughput` (prompt tokens)."""
+
+    low_latency_below: int = Field(default=512, ge=1)
+    high_throughput_above: int = Field(default=2048, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TierConfig:
+        if self.high_throughput_above < self.low_latency_below:
+            raise ValueError("high_throughput_above must be >= low_latency_below")
+        return self
+
+
 class SchedulingConfig(_Strict):
     """Scheduling settings.
 
     Attributes:
-        picker: `least-inflight` (fewest in-flight requests counted by this server, random tie-break).
-        block_size: KV block size of the engines (tokens), vLLM's default 16.
-        health_check: active health checking.
-        explain_header: add `x-llm-route-debug` to routed requests (upstream side only).
+        mode: `endpoint` — pick an endpoint and set `x-gateway-destination-endpoint`;
+            `tier` — set `x-llm-tier` from the prompt length and let Envoy route to per-tier
+            clusters (envoy/tier.yaml).
+        profile: the profile used for every request (a built-in or one under `profiles`).
+        profiles: user-defined profiles (added to the built-ins: load-aware, least-inflight,
+            compute-aware, random; a user profile may replace a built-in by name).
+        block_size: KV block size of the engines when they do not export theirs (tokens).
+        health_check: active health checking. metrics: engine metrics scraping.
+        tiers: tier boundaries (tier mode).
+        explain_header: add `x-llm-route-debug` (scores of the chosen endpoint and the
+            runner-up) to the response; off by default since it reveals fleet internals.
     """
 
-    picker: Literal["least-inflight", "random"] = "least-inflight"
+    mode: Literal["endpoint", "tier"] = "endpoint"
+    profile: str = "load-aware"
+    profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
     block_size: int = Field(default=16, ge=1)
     health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
+    metrics: MetricsScrapeConfig = Field(default_factory=MetricsScrapeConfig)
+    tiers: TierConfig = Field(default_factory=TierConfig)
     explain_header: bool = False
+
+    @model_validator(mode="after")
+    def _profile_known(self) -> SchedulingConfig:
+        if self.profile not in self.all_profiles():
+            raise ValueError(f"profile {self.profile!r} is not defined; defined: {sorted(self.all_profiles())}")
+        return self
+
+    def all_profiles(self) -> dict[str, ProfileConfig]:
+        """Built-in profiles overlaid with the configured ones."""
+        return {**BUILTIN_PROFILES, **self.profiles}
+
+
+class KVAdmissionConfig(_Strict):
+    """KV-cache admission control.
+
+    Attributes:
+        enabled: reserve KV blocks on pick (the `kv-fit-filter` reads them).
+        reject_status: status when no endpoint can fit the request: 429 (with retry-after) or 503.
+        retry_after_s: the `retry-after` value on that 429 (seconds).
+        settle_after_s: without an observed first token, a reservation stops counting at the
+            first scrape this long after the pick (seconds).
+    """
+
+    enabled: bool = True
+    reject_status: Literal[429, 503] = 429
+    retry_after_s: int = Field(default=1, ge=1)
+    settle_after_s: float = Field(default=2.0, gt=0)
+
+
+class PriorityConfig(_Strict):
+    """Priority classes and shedding under saturation.
+
+    The header value (`critical`, `standard`, `sheddable`; default `standard`) is read from
+    `header`; any other value is a 400. Fleet saturation is max(mean effective KV usage,
+    mean waiting requests / `queue_saturation_depth`) over the model's healthy endpoints (0..1+).
+    Sheddable requests are refused at `shed_sheddable_at`, standard ones at
+    `shed_standard_at`; critical ones only when no endpoint can fit them.
+    """
+
+    header: str = "x-llm-priority"
+    default: Literal["critical", "standard", "sheddable"] = "standard"
+    shed_sheddable_at: float = Field(default=0.8, gt=0)
+    shed_standard_at: float = Field(default=1.0, gt=0)
+    queue_saturation_depth: int = Field(default=32, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)
+
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        return v.lower()
+
+
+class AdmissionConfig(_Strict):
+    """Admission control: KV fit and priority shedding."""
+
+    kv: KVAdmissionConfig = Field(default_factory=KVAdmissionConfig)
+    priority: PriorityConfig = Field(default_factory=PriorityConfig)
 
 
 class Config(_Strict):
@@ -197,6 +375,7 @@ class Config(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

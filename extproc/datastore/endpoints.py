@@ -1,22 +1,38 @@
 """The endpoint datastore: what the scheduler knows about each inference endpoint.
 
-State per endpoint (all mutated on the event loop thread only):
+State per endpoint (mutated on the event loop thread only):
 
 * health, from active probes (`health.py`);
-* in-flight requests counted by this server: +1 when a request is routed there, −1 on every
-  way its ext_proc stream ends (the reservation object makes release idempotent).
+* engine metrics, from scrapes (`scraper.py`) — `engine`;
+* node-agent reports (`agent_client.py`) — `node`; response-path statistics — `stream_stats`;
+* our own accounting of requests we routed there and that have not ended: how many, how many
+  are still before their first token (prefill) or after it (decode), and the KV blocks we
+  reserved for them that the engine's own metrics do not show yet.
+
+A `Reservation` carries one request's share of that accounting. It *settles* (its blocks stop
+counting) once a scrape taken after the request's first token arrives — from then on the
+engine's `kv_cache_usage_perc` includes the request, and counting it again would double it —
+or, when no first token is ever observed (non-streaming responses), once a scrape taken after
+`settle_after_s` arrives. `release()` undoes everything still counted and is idempotent, so
+every way a request can end frees exactly what it held.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.config.schema import EndpointConfig
 from extproc.types import EndpointAddress
 
-__all__ = ["Endpoint", "Datastore", "Reservation"]
+__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+
+PREFILL_WEIGHT = 3
+"""A request before its first token counts 3× in the FLOPs-weighted load (design notes)."""
+DECODE_WEIGHT = 1
+"""A request after its first token counts 1×."""
 
 
 @dataclass(slots=True, eq=False)
@@ -29,8 +45,18 @@ class Endpoint:
         labels: configured labels.
         healthy: result of the latest probes (True until probed otherwise when probing is off).
         inflight: requests routed here and not yet ended (count).
+        prefill_inflight / decode_inflight: of those, before / after their first token (count).
+        prefill_tokens: prompt tokens of the requests in prefill (tokens).
+        reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
         probed: whether any probe has completed.
+        engine: latest scraped engine metrics (`extproc.datastore.scraper.EngineMetrics`), or None.
+        scrape_errors: consecutive failed scrapes (count).
+        routed_total: requests ever routed here (count).
+        routed_at_scrape: `routed_total` when the latest successful scrape started: requests
+            routed after it are not in the engine's numbers yet.
+        node: latest node-agent report (`extproc.datastore.agent_client.NodeReport`), or None.
+        stream_stats: response-path statistics (`extproc.telemetry.stats.EndpointStreamStats`), or None.
     """
 
     address: EndpointAddress
@@ -38,25 +64,63 @@ class Endpoint:
     labels: dict[str, str] = field(default_factory=dict)
     healthy: bool = True
     inflight: int = 0
+    prefill_inflight: int = 0
+    decode_inflight: int = 0
+    prefill_tokens: int = 0
+    reserved_blocks: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_probe_error: str | None = None
     probed: bool = False
     engine: Any = None
-    """Latest scraped engine metrics (`extproc.datastore.scraper.EngineMetrics`), or None."""
+    scrape_errors: int = 0
+    routed_total: int = 0
+    routed_at_scrape: int = 0
     node: Any = None
-    """Latest node-agent report (`extproc.datastore.agent_client.NodeReport`), or None."""
     stream_stats: Any = None
-    """Response-path latency statistics (`extproc.telemetry.stats.EndpointStreamStats`), or None."""
+    unsettled: set[Reservation] = field(default_factory=set, repr=False)
+
+    @property
+    def unseen(self) -> int:
+        """Requests routed here since the latest successful scrape started, still in flight
+        (count): the engine's queue numbers cannot include them yet."""
+        return min(self.inflight, self.routed_total - self.routed_at_scrape)
+
+    @property
+    def flops_load(self) -> int:
+        """FLOPs-weighted in-flight load: 3 per request in prefill, 1 per request in decode."""
+        return PREFILL_WEIGHT * self.prefill_inflight + DECODE_WEIGHT * self.decode_inflight
+
+    def metrics_age(self, now: float) -> float | None:
+        """Seconds since the last successful scrape, or None if never scraped."""
+        if self.engine is None:
+            return None
+        return now - self.engine.scraped_at
 
 
 class Reservation:
-    """A request's claim on an endpoint; `release()` is idempotent."""
+    """A request's claim on an endpoint: one in-flight slot, its phase, and its KV blocks.
 
-    __slots__ = ("endpoint", "_store", "_released")
+    Args:
+        store: the owning datastore.
+        endpoint: where the request was routed.
+        blocks: KV blocks reserved (blocks).
+        prompt_tokens: the request's prompt tokens (tokens), for token-weighted load.
+        settle_after_s: without an observed first token, settle on the first scrape taken this
+            many seconds after the reservation (seconds).
+    """
 
-    def __init__(self, store: Datastore, endpoint: Endpoint) -> None:
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
+
+    def __init__(self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float) -> None:
         self.endpoint = endpoint
+        self.blocks = blocks
+        self.prompt_tokens = prompt_tokens
+        self.created_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.settle_at = self.created_at + settle_after_s
+        self.settled = blocks == 0
+        self.in_prefill = True
         self._store = store
         self._released = False
 
@@ -64,23 +128,54 @@ class Reservation:
     def released(self) -> bool:
         return self._released
 
+    def mark_first_token(self, now: float | None = None) -> None:
+        """The first output token reached us: the request moves from prefill to decode."""
+        if self._released or not self.in_prefill:
+            return
+        self.in_prefill = False
+        self.first_token_at = time.monotonic() if now is None else now
+        ep = self.endpoint
+        ep.prefill_inflight -= 1
+        ep.prefill_tokens -= self.prompt_tokens
+        ep.decode_inflight += 1
+        self._store._changed(ep)
+
+    def settle(self) -> None:
+        """Stop counting this request's blocks (the engine's metrics now include it)."""
+        if self.settled or self._released:
+            return
+        self.settled = True
+        ep = self.endpoint
+        ep.reserved_blocks -= self.blocks
+        ep.unsettled.discard(self)
+        self._store._changed(ep)
+
     def release(self) -> None:
-        """Return the in-flight slot; safe to call more than once."""
-        if not self._released:
-            self._released = True
-            self._store._release(self)
+        """Return everything still counted; safe to call more than once."""
+        if self._released:
+            return
+        self.settle()
+        self._released = True
+        ep = self.endpoint
+        ep.inflight -= 1
+        if self.in_prefill:
+            ep.prefill_inflight -= 1
+            ep.prefill_tokens -= self.prompt_tokens
+        else:
+            ep.decode_inflight -= 1
+        self._store._open.discard(self)
+        self._store._changed(ep)
 
 
 class Datastore:
-    """Endpoints by address and by model; in-flight accounting.
+    """Endpoints by address and by model; in-flight and KV-reservation accounting.
 
     Args:
         endpoints: endpoint configurations.
-        on_change: optional callback(endpoint) after an endpoint's in-flight count changes
-            (metrics hook).
+        on_change: optional callback(endpoint) after an endpoint's accounting changes (metrics hook).
     """
 
-    def __init__(self, endpoints: Iterable[EndpointConfig], *, on_change=None) -> None:
+    def __init__(self, endpoints: Iterable[EndpointConfig], *, on_change: Callable[[Endpoint], None] | None = None) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         for cfg in endpoints:
@@ -102,20 +197,36 @@ class Datastore:
         """Endpoints serving a canonical model name (healthy or not)."""
         return self._by_model.get(model, [])
 
-    def reserve(self, endpoint: Endpoint) -> Reservation:
-        """Count a request in flight on `endpoint`; release the returned reservation when it ends."""
+    def reserve(self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0) -> Reservation:
+        """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks;
+        release the returned reservation when the request ends, however it ends."""
+        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s)
         endpoint.inflight += 1
-        r = Reservation(self, endpoint)
+        endpoint.routed_total += 1
+        endpoint.prefill_inflight += 1
+        endpoint.prefill_tokens += prompt_tokens
+        if blocks:
+            endpoint.reserved_blocks += blocks
+            endpoint.unsettled.add(r)
         self._open.add(r)
-        if self._on_change is not None:
-            self._on_change(endpoint)
+        self._changed(endpoint)
         return r
 
-    def _release(self, r: Reservation) -> None:
-        self._open.discard(r)
-        r.endpoint.inflight -= 1
+    def settle_scraped(self, endpoint: Endpoint, scraped_at: float) -> int:
+        """After a scrape of `endpoint` taken at `scraped_at` (monotonic seconds), settle every
+        reservation the engine's metrics now include. Returns how many settled."""
+        done = [
+            r
+            for r in endpoint.unsettled
+            if (r.first_token_at is not None and r.first_token_at <= scraped_at) or r.settle_at <= scraped_at
+        ]
+        for r in done:
+            r.settle()
+        return len(done)
+
+    def _changed(self, endpoint: Endpoint) -> None:
         if self._on_change is not None:
-            self._on_change(r.endpoint)
+            self._on_change(endpoint)
 
     @property
     def open_reservations(self) -> int:

@@ -1,7 +1,13 @@
-"""The request pipeline for one generation request: parse → count → check → pick → reserve.
+"""The request pipeline for one generation request:
 
-Runs inside the ext_proc stream's body phase. Every failure is an `ExtProcError` the server
-turns into an OpenAI-style `ImmediateResponse`; nothing here touches gRPC.
+    parse → resolve model → priority → count tokens → check context → estimate KV
+          → shed (priority under saturation) → filter → score → pick      (endpoint mode)
+          → tier from the prompt length                                  (tier mode)
+
+Runs inside the ext_proc stream's body phase. Every refusal is an `ExtProcError` the server
+turns into an OpenAI-style `ImmediateResponse`; nothing here touches gRPC, and nothing here
+reserves: the caller reserves the decision (`reserve`) with no await in between, so a
+cancelled stream can never leave a reservation behind.
 """
 
 from __future__ import annotations
@@ -13,21 +19,24 @@ from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from extproc.config.schema import Config, ModelConfig
+from extproc.admission.priority import check_shedding, fleet_saturation, parse_priority
+from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
-from extproc.errors import ContextLengthError, NoEndpointError, NotFoundError, PayloadTooLargeError
+from extproc.errors import ContextLengthError, NoEndpointError, NotFoundError, PayloadTooLargeError, RateLimitedError
 from extproc.metrics import Metrics
 from extproc.pipeline.tokens import TokenCounter
 from extproc.protocol.openai import ParsedRequest, parse_body
-from extproc.scheduling.picker import PICKERS
+from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
+from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
+from extproc.scheduling.registry import build
 from extproc.types import LLMRequest, RequestKind, TokenCount
 
-__all__ = ["ModelRuntime", "RequestPipeline", "Routed", "INLINE_TOKENIZE_CHARS"]
+__all__ = ["ModelRuntime", "RequestPipeline", "Routed", "INLINE_TOKENIZE_CHARS", "build_profile", "tier_for"]
 
 INLINE_TOKENIZE_CHARS = 6000
 """Prompts up to this many characters (~1.5k tokens) are tokenized on the event loop: a
 thread hop costs more than the work. Longer ones go to the executor, where the Rust
-tokenizer's `encode_batch` releases the GIL (docs/benchmarks.md has the measurement)."""
+tokenizer's `encode_batch` releases the GIL."""
 
 
 @dataclass(slots=True)
@@ -40,18 +49,40 @@ class ModelRuntime:
 
 @dataclass(slots=True)
 class Routed:
-    """A routing decision: the request and where it goes.
-
-    The caller reserves the endpoint (`RequestPipeline.reserve`) with no await between the
-    decision and the reservation, so a cancelled stream can never leave one behind.
+    """A routing decision.
 
     Attributes:
-        timings_s: seconds spent per phase (parse, tokenize, pick, total).
+        request: the parsed, counted request.
+        endpoint: the chosen endpoint (endpoint mode), else None.
+        tier: the chosen tier (tier mode), else None.
+        blocks: KV blocks to reserve on the endpoint (blocks; 0 when KV admission is off).
+        result: the scheduling cycle (scores, for explanations), or None in tier mode.
+        timings_s: seconds per phase (parse, tokenize, schedule, total).
     """
 
     request: LLMRequest
-    endpoint: Endpoint
+    endpoint: Endpoint | None
+    tier: str | None
+    blocks: int
+    result: ProfileResult | None
     timings_s: dict[str, float]
+
+
+def build_profile(name: str, cfg: ProfileConfig) -> Profile:
+    """Instantiate a profile's plugins (already validated at config load)."""
+    filters = [build(s.type, s.params, name=s.name) for s in cfg.filters]
+    scorers = [WeightedScorer(build(s.type, s.params, name=s.name), s.weight) for s in cfg.scorers]
+    picker = build(cfg.picker.type, cfg.picker.params, name=cfg.picker.name)
+    return Profile(name, filters, scorers, picker)
+
+
+def tier_for(prompt_tokens: int, low_latency_below: int, high_throughput_above: int) -> str:
+    """The design notes' token-range tier: < low → low-latency, ≤ high → balanced, else high-throughput."""
+    if prompt_tokens < low_latency_below:
+        return "low-latency"
+    if prompt_tokens <= high_throughput_above:
+        return "balanced"
+    return "high-throughput"
 
 
 class RequestPipeline:
@@ -59,7 +90,7 @@ class RequestPipeline:
 
     Args:
         config: validated configuration.
-        store: endpoint datastore (health, in-flight).
+        store: endpoint datastore (health, metrics, accounting).
         models: canonical model name → runtime (tokenizer).
         metrics: metrics sink.
         executor: where long prompts are tokenized.
@@ -85,8 +116,11 @@ class RequestPipeline:
         self._metrics = metrics
         self._executor = executor
         self._rng = rng or random.Random()
-        self._pick = PICKERS[config.scheduling.picker]
         self._max_body = config.limits.max_body_bytes
+        sched = config.scheduling
+        self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
+        self.profile = self.profiles[sched.profile]
+        self._passthrough = self.profiles["least-inflight"]
 
     @property
     def served_models(self) -> list[str]:
@@ -107,31 +141,39 @@ class RequestPipeline:
             )
         return self._models[canonical]
 
-    async def route(self, kind: RequestKind, body: bytes) -> Routed:
-        """Parse, count, check and pick for one request body (reserves nothing).
+    async def route(self, kind: RequestKind, body: bytes, *, priority_header: str | None = None) -> Routed:
+        """Decide for one request body (reserves nothing).
+
+        Args:
+            kind: chat or completion (from the path).
+            body: the raw request body (bytes).
+            priority_header: the value of the priority header, if sent.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
-            BadRequestError: malformed body, or prompt + max_tokens over `max_model_len`.
+            BadRequestError: malformed body, bad priority, or prompt + max_tokens over `max_model_len`.
             NotFoundError: unknown model.
-            NoEndpointError: no healthy endpoint serves the model.
+            RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
+            NoEndpointError: no healthy endpoint (503), or no KV fit with `reject_status: 503`.
         """
         t0 = time.perf_counter()
+        cfg = self._config
         if len(body) > self._max_body:
-            raise PayloadTooLargeError(
-                f"request body is {len(body)} bytes; the limit is {self._max_body} bytes"
-            )
+            raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {self._max_body} bytes")
         parsed = parse_body(kind, body)
         runtime = self.resolve_model(parsed.model)
+        priority = parse_priority(priority_header, cfg.admission.priority)
         t1 = time.perf_counter()
         prompt_tokens, token_ids = await self._count(parsed, runtime)
         t2 = time.perf_counter()
-        self._check_context(parsed, runtime.config, prompt_tokens)
+        model = runtime.config
+        self._check_context(parsed, model, prompt_tokens)
+        total_prompt = sum(prompt_tokens)
         req = LLMRequest(
             kind=kind,
             model=parsed.model,
-            served_model=runtime.config.name,
-            prompt_tokens=TokenCount(sum(prompt_tokens)),
+            served_model=model.name,
+            prompt_tokens=TokenCount(total_prompt),
             max_tokens=parsed.max_tokens,
             n=parsed.n,
             stream=parsed.stream,
@@ -140,26 +182,87 @@ class RequestPipeline:
             body_bytes=len(body),  # type: ignore[arg-type]
             token_ids=token_ids,
         )
-        endpoint = self.pick(runtime.config.name)
+        if cfg.scheduling.mode == "tier":
+            tiers = cfg.scheduling.tiers
+            tier = tier_for(total_prompt, tiers.low_latency_below, tiers.high_throughput_above)
+            return Routed(req, None, tier, 0, None, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0})
+        expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
+        pool = self._store.for_model(model.name)
+        healthy = [ep for ep in pool if ep.healthy]
+        if healthy:
+            check_shedding(priority, fleet_saturation(healthy, cfg.admission.priority.queue_saturation_depth), cfg.admission.priority)
+        ctx = SchedulingContext(
+            request=req,
+            expected_output_tokens=expected,
+            default_block_size=cfg.scheduling.block_size,
+            now=time.monotonic(),
+            rng=self._rng,
+            priority=priority,
+            stale_after_s=cfg.scheduling.metrics.stale_after_s,
+        )
+        result = self.profile.run(ctx, pool)
+        for plugin, seconds in result.timings_s.items():
+            self._metrics.plugin_seconds.labels(plugin).observe(seconds)
+        if result.pick is None:
+            raise self._rejection(result, ctx, pool)
+        endpoint = result.pick.primary.endpoint
+        blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
-        return Routed(req, endpoint, {"parse": t1 - t0, "tokenize": t2 - t1, "pick": t3 - t2, "total": t3 - t0})
+        return Routed(req, endpoint, None, blocks, result, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0})
 
-    def reserve(self, endpoint: Endpoint) -> Reservation:
-        """Count a request in flight on `endpoint` until the reservation is released."""
+    def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
+        """The client-facing error for a cycle whose filters left no endpoint."""
+        by = result.rejected_by or "?"
+        r = ctx.request
+        if by.startswith("kv-fit"):
+            kv = self._config.admission.kv
+            msg = (
+                f"no endpoint has enough free KV cache for this request ({r.prompt_tokens} prompt + "
+                f"{ctx.expected_output_tokens} output tokens, n={r.n}); retry later"
+            )
+            if kv.reject_status == 429:
+                return RateLimitedError(msg, retry_after_s=kv.retry_after_s, code="kv_cache_full")
+            return NoEndpointError(msg, code="kv_cache_full")
+        if by.startswith("healthy"):
+            return NoEndpointError(f"no healthy endpoint for model `{r.served_model}` ({len(pool)} configured, 0 healthy)")
+        if by.startswith("stale"):
+            return NoEndpointError(f"no endpoint for model `{r.served_model}` has fresh metrics", code="stale_metrics")
+        return NoEndpointError(f"no endpoint for model `{r.served_model}` passed {by}", code="no_eligible_endpoint")
+
+    def reserve(self, routed: Routed) -> Reservation | None:
+        """Hold the decision: an in-flight slot and the KV blocks on the chosen endpoint."""
+        if routed.endpoint is None:
+            return None
+        return self._store.reserve(
+            routed.endpoint,
+            routed.blocks,
+            prompt_tokens=routed.request.prompt_tokens,
+            settle_after_s=self._config.admission.kv.settle_after_s,
+        )
+
+    def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:
+        """Hold an in-flight slot for a request that is not a generation (no KV)."""
         return self._store.reserve(endpoint)
 
-    def pick(self, model: str | None) -> Endpoint:
-        """Choose a healthy endpoint for `model` (None: any endpoint, for non-generation paths).
+    def pick_any(self) -> Endpoint:
+        """A healthy endpoint for a non-generation request (GET /v1/models, /health, ...):
+        fewest in-flight, random tie-break, any model.
 
         Raises:
             NoEndpointError: none is healthy.
         """
-        pool = self._store.for_model(model) if model is not None else self._store.all()
-        candidates = [ep for ep in pool if ep.healthy]
-        if not candidates:
-            what = f"model `{model}`" if model else "this request"
-            raise NoEndpointError(f"no healthy endpoint for {what} ({len(pool)} configured, 0 healthy)")
-        return self._pick(candidates, self._rng)
+        pool = self._store.all()
+        ctx = SchedulingContext(
+            request=LLMRequest(kind=RequestKind.CHAT, model=""),
+            expected_output_tokens=0,
+            default_block_size=self._config.scheduling.block_size,
+            now=time.monotonic(),
+            rng=self._rng,
+        )
+        result = self._passthrough.run(ctx, pool)
+        if result.pick is None:
+            raise NoEndpointError(f"no healthy endpoint for this request ({len(pool)} configured, 0 healthy)")
+        return result.pick.primary.endpoint
 
     async def _count(self, parsed: ParsedRequest, runtime: ModelRuntime) -> tuple[list[int], list[int] | None]:
         """Prompt tokens per prompt (a list: completions may batch several prompts) and the ids of
@@ -169,7 +272,11 @@ class RequestPipeline:
             size = sum(len(m.get("content") or "") for m in parsed.messages)
 
             def work() -> list[list[int]]:
-                return [counter.count_chat(parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs).token_ids]
+                return [
+                    counter.count_chat(
+                        parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
+                    ).token_ids
+                ]
         elif parsed.prompts:
             size = sum(len(p) for p in parsed.prompts)
 

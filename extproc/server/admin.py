@@ -1,19 +1,35 @@
-"""The admin HTTP server (default port 9090): `/metrics`, `/healthz`, `/api/v1/endpoints`.
+"""The admin HTTP server (default port 9090): `/metrics`, `/healthz`, `/api/v1/endpoints`,
+`/api/v1/weights`.
 
-Nothing here echoes request content, user ids or credentials.
+`/api/v1/weights` is what an external balancer (or Grafana) pulls: per endpoint, the active
+profile's weighted score for a reference request (a 512-token prompt with the model's default
+output), each scorer's value, the design notes' compute-aware components, metrics staleness and
+reserved KV blocks. Nothing here echoes request content, user ids or credentials.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.datastore.endpoints import Datastore
 from extproc.metrics import Metrics
+from extproc.scheduling.framework import SchedulingContext
+from extproc.scheduling.plugins.scorers.compute_aware import components
+from extproc.types import LLMRequest, RequestKind, TokenCount
 
-__all__ = ["AdminServer"]
+if TYPE_CHECKING:
+    from extproc.pipeline.request import RequestPipeline
+
+__all__ = ["AdminServer", "REFERENCE_PROMPT_TOKENS"]
+
+REFERENCE_PROMPT_TOKENS = 512
+"""Prompt length of the reference request `/api/v1/weights` scores endpoints for (tokens)."""
 
 
 class AdminServer:
@@ -26,7 +42,16 @@ class AdminServer:
         host, port: listen address (port 0 picks a free one; see `.port` after start).
     """
 
-    def __init__(self, metrics: Metrics, store: Datastore, is_serving: Callable[[], bool], host: str, port: int) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        store: Datastore,
+        is_serving: Callable[[], bool],
+        host: str,
+        port: int,
+        pipeline: RequestPipeline | None = None,
+    ) -> None:
+        self._pipeline = pipeline
         self._metrics = metrics
         self._store = store
         self._is_serving = is_serving
@@ -40,6 +65,7 @@ class AdminServer:
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/api/v1/endpoints", self._endpoints)
+        app.router.add_get("/api/v1/weights", self._weights)
         return app
 
     async def start(self) -> None:
@@ -57,8 +83,14 @@ class AdminServer:
             self._runner = None
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
         for ep in self._store.all():
             self._metrics.endpoint_healthy.labels(ep.address).set(1 if ep.healthy else 0)
+            age = ep.metrics_age(now)
+            if age is not None:
+                self._metrics.endpoint_metrics_age.labels(ep.address).set(age)
+        for row in self.weights():
+            self._metrics.endpoint_weight.labels(row["address"]).set(row["weight"])
         body = generate_latest(self._metrics.registry)
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
@@ -78,9 +110,67 @@ class AdminServer:
                         "labels": ep.labels,
                         "healthy": ep.healthy,
                         "inflight": ep.inflight,
+                        "prefill_inflight": ep.prefill_inflight,
+                        "decode_inflight": ep.decode_inflight,
+                        "reserved_kv_blocks": ep.reserved_blocks,
                         "last_probe_error": ep.last_probe_error,
+                        "engine": None
+                        if ep.engine is None
+                        else {
+                            "running": ep.engine.running,
+                            "waiting": ep.engine.waiting,
+                            "kv_cache_usage": ep.engine.kv_usage,
+                            "num_gpu_blocks": ep.engine.num_gpu_blocks,
+                            "block_size": ep.engine.block_size,
+                            "ttft_p95_s": ep.engine.ttft_p95_s,
+                            "age_s": round(time.monotonic() - ep.engine.scraped_at, 3),
+                        },
                     }
                     for ep in self._store.all()
                 ]
             }
         )
+
+    def weights(self) -> list[dict]:
+        """Per endpoint: the active profile's score for the reference request and its parts."""
+        pipeline = self._pipeline
+        endpoints = self._store.all()
+        if pipeline is None or not endpoints:
+            return []
+        profile = pipeline.profile
+        ctx = SchedulingContext(
+            request=LLMRequest(kind=RequestKind.CHAT, model="", prompt_tokens=TokenCount(REFERENCE_PROMPT_TOKENS)),
+            expected_output_tokens=512,
+            default_block_size=16,
+            now=time.monotonic(),
+            rng=random.Random(0),
+        )
+        totals = [0.0] * len(endpoints)
+        parts: list[dict[str, float]] = [{} for _ in endpoints]
+        for ws in profile.scorers:
+            for i, v in enumerate(ws.scorer.score(ctx, endpoints)):
+                v = min(1.0, max(0.0, v))
+                parts[i][ws.scorer.name] = round(v, 4)
+                totals[i] += ws.weight * v
+        comp = components(endpoints)
+        rows = []
+        for i, ep in enumerate(endpoints):
+            age = ep.metrics_age(ctx.now)
+            rows.append(
+                {
+                    "address": ep.address,
+                    "weight": round(totals[i], 4) if ep.healthy else 0.0,
+                    "healthy": ep.healthy,
+                    "scores": parts[i],
+                    "compute_aware": {k: (None if v is None else round(v, 4)) for k, v in comp[i].items()},
+                    "metrics_age_s": None if age is None else round(age, 3),
+                    "stale": ctx.is_stale(ep),
+                    "reserved_kv_blocks": ep.reserved_blocks,
+                    "inflight": ep.inflight,
+                }
+            )
+        return rows
+
+    async def _weights(self, request: web.Request) -> web.Response:
+        profile = self._pipeline.profile.name if self._pipeline is not None else None
+        return web.json_response({"profile": profile, "reference_prompt_tokens": REFERENCE_PROMPT_TOKENS, "endpoints": self.weights()})

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from extproc.config.schema import Config
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
+from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
@@ -71,6 +72,13 @@ class ExtProcApp:
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.store, config.scheduling.health_check)
+        m = config.scheduling.metrics
+        self._scraper = (
+            MetricsScraper(self.store, path=m.path, interval_s=m.interval_s, timeout_s=m.timeout_s, on_scrape=self._on_scrape)
+            if m.enabled
+            else None
+        )
+        self.pipeline: RequestPipeline | None = None
         self._admin: AdminServer | None = None
         self._serving = False
         self.servicer: ExtProcServicer | None = None
@@ -79,6 +87,17 @@ class ExtProcApp:
 
     def _on_inflight_change(self, endpoint) -> None:
         self.metrics.endpoint_inflight.labels(endpoint.address).set(endpoint.inflight)
+        self.metrics.endpoint_reserved_blocks.labels(endpoint.address).set(endpoint.reserved_blocks)
+
+    def _on_scrape(self, endpoint, ok: bool, seconds: float) -> None:
+        m = self.metrics
+        m.scrape_seconds.labels(endpoint.address).observe(seconds)
+        if ok:
+            endpoint.scrape_errors = 0
+            self.store.settle_scraped(endpoint, endpoint.engine.scraped_at)
+        else:
+            endpoint.scrape_errors += 1
+            m.scrape_errors.labels(endpoint.address).inc()
 
     async def start(self) -> None:
         """Load tokenizers, probe endpoints, then listen (gRPC, then admin).
@@ -95,8 +114,17 @@ class ExtProcApp:
             self.metrics.endpoint_inflight.labels(ep.address).set(0)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
-        self.servicer = ExtProcServicer(pipeline, self.metrics, decision_timeout_s=cfg.limits.decision_timeout_ms / 1000)
+        self.servicer = ExtProcServicer(
+            pipeline,
+            self.metrics,
+            decision_timeout_s=cfg.limits.decision_timeout_ms / 1000,
+            priority_header=cfg.admission.priority.header,
+            explain_header=cfg.scheduling.explain_header,
+        )
+        self.pipeline = pipeline
         await self._checker.start()
+        if self._scraper is not None:
+            await self._scraper.start()
 
         options = [
             ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
@@ -121,7 +149,7 @@ class ExtProcApp:
             from extproc.config.schema import parse_host_port
 
             host, aport = parse_host_port(cfg.listen.admin)
-            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport)
+            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline)
             try:
                 await self._admin.start()
             except OSError as exc:
@@ -139,6 +167,8 @@ class ExtProcApp:
             await self._grpc.stop(grace)
             self._grpc = None
         await self._checker.aclose()
+        if self._scraper is not None:
+            await self._scraper.aclose()
         if self._admin is not None:
             await self._admin.aclose()
             self._admin = None

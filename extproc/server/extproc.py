@@ -3,13 +3,17 @@
 Phases, each answered with exactly one `ProcessingResponse` of the same kind, in order:
 
 1. request_headers — generation path (`POST /v1/chat/completions`, `/v1/completions`): strip
-   owned headers and wait for the body. Any other request: pick a healthy endpoint now, set the
-   routing header, and (if a body follows) tell Envoy not to send it to us. A generation request
+   owned headers, switch the stream to GENERATION_MODE (buffered body, then response headers)
+   and wait for the body. Any other request: pick a healthy endpoint now, set the routing
+   header, and (if a body follows) tell Envoy not to send it to us. A generation request
    without a body is a 400.
 2. request_body (BUFFERED, so it arrives whole) — run the pipeline; set
-   `x-gateway-destination-endpoint`, `x-llm-prompt-tokens`, and `x-request-id` when absent, with
-   `clear_route_cache`; or answer an `ImmediateResponse` with the JSON error.
-3. anything else — continue unchanged.
+   `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
+   `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
+   the JSON error.
+3. response_headers — a 2xx marks the request's first token (prefill → decode) for the load
+   accounting; the explain header is added when configured.
+4. anything else — continue unchanged.
 
 The stream's end, however it comes (clean close after the response, CANCELLED, a client abort,
 a server error), releases the request's reservation: that is the `finally` below. Success is
@@ -29,35 +33,22 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.datastore.endpoints import Reservation
-from extproc.errors import BadRequestError, ExtProcError, NoEndpointError
+from extproc.errors import BadRequestError, ExtProcError
 from extproc.metrics import Metrics
-from extproc.pipeline.request import RequestPipeline
+from extproc.pipeline.request import RequestPipeline, Routed
 from extproc.protocol.openai import route_kind
 from extproc.server import responses
 from extproc.types import RequestKind
 
-__all__ = ["ExtProcServicer"]
+__all__ = ["ExtProcServicer", "DecisionTimeout"]
 
 log = logging.getLogger(__name__)
-
-_WANTED = frozenset((":method", ":path", "x-request-id"))
 
 
 class DecisionTimeout(ExtProcError):
     status = 503
     type = "service_unavailable"
     code = "decision_timeout"
-
-
-def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
-    """The few request headers we read, decoded as Latin-1 (any byte sequence is valid, so a
-    value with byte 0xFF cannot crash us; we never echo these values back)."""
-    out: dict[str, str] = {}
-    for h in msg.headers.headers:
-        key = h.key
-        if key in _WANTED:
-            out[key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -67,53 +58,75 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         pipeline: decides generation requests.
         metrics: metrics sink.
         decision_timeout_s: budget for one decision (seconds); past it the client gets a 503.
+        priority_header: request header carrying the priority class (lower case).
+        explain_header: add `x-llm-route-debug` to responses.
     """
 
-    def __init__(self, pipeline: RequestPipeline, metrics: Metrics, *, decision_timeout_s: float) -> None:
+    def __init__(
+        self,
+        pipeline: RequestPipeline,
+        metrics: Metrics,
+        *,
+        decision_timeout_s: float,
+        priority_header: str = "x-llm-priority",
+        explain_header: bool = False,
+    ) -> None:
         self._pipeline = pipeline
         self._metrics = metrics
         self._timeout = decision_timeout_s
+        self._priority_header = priority_header
+        self._explain = explain_header
+        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header))
         self.active_streams = 0
+
+    def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
+        """The few request headers we read, decoded as Latin-1 (any byte sequence is valid, so a
+        value with byte 0xFF cannot crash us; we never echo these values back)."""
+        out: dict[str, str] = {}
+        wanted = self._wanted
+        for h in msg.headers.headers:
+            if h.key in wanted:
+                out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        return out
 
     async def Process(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         reservation: Reservation | None = None
-        kind = None
-        request_id: str | None = None
+        routed: Routed | None = None
+        kind: RequestKind | None = None
+        hdrs: dict[str, str] = {}
         self.active_streams += 1
         self._metrics.streams_active.inc()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
                 if phase == "request_headers":
-                    hdrs = _headers(msg.request_headers)
-                    request_id = hdrs.get("x-request-id")
+                    hdrs = self._headers(msg.request_headers)
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
-                        yield responses.continue_request_headers()
-                        continue
-                    if kind is not None:
-                        err = BadRequestError("request body is required for this endpoint")
-                        self._metrics.requests.labels("rejected", err.code).inc()
-                        yield responses.immediate_error(err, request_id=request_id)
-                        continue
-                    try:
-                        endpoint = self._pipeline.pick(None)
-                    except NoEndpointError as err:
-                        self._metrics.requests.labels("rejected", err.code).inc()
-                        yield responses.immediate_error(err, request_id=request_id)
-                        continue
-                    reservation = self._pipeline.reserve(endpoint)
-                    self._metrics.requests.labels("passthrough", "ok").inc()
-                    yield responses.route_in_headers(self._routing_headers(endpoint.address, None, request_id), skip_body=not end)
+                        yield responses.continue_request_headers(mode=responses.GENERATION_MODE)
+                    elif kind is not None:
+                        yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
+                    else:
+                        try:
+                            endpoint = self._pipeline.pick_any()
+                        except ExtProcError as err:
+                            yield self._reject(err, hdrs)
+                            continue
+                        reservation = self._pipeline.reserve_endpoint(endpoint)
+                        self._metrics.requests.labels("passthrough", "ok").inc()
+                        headers = self._routing_headers(endpoint.address, None, None, hdrs.get("x-request-id"))
+                        yield responses.route_in_headers(headers, skip_body=not end)
                 elif phase == "request_body":
-                    if kind is None or reservation is not None:
+                    if kind is None or routed is not None or reservation is not None:
                         yield responses.continue_for(phase)
                         continue
-                    response, reservation = await self._decide(msg.request_body.body, kind, request_id)
+                    response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs)
                     yield response
+                elif phase == "response_headers":
+                    yield self._on_response_headers(msg.response_headers, routed, reservation)
                 else:
                     yield responses.continue_for(phase)
         except asyncio.CancelledError:
@@ -127,9 +140,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.active_streams -= 1
             self._metrics.streams_active.dec()
 
+    def _reject(self, err: ExtProcError, hdrs: dict[str, str]) -> pb.ProcessingResponse:
+        self._metrics.requests.labels("rejected", err.code or "error").inc()
+        return responses.immediate_error(err, request_id=hdrs.get("x-request-id"))
+
     @staticmethod
-    def _routing_headers(address: str, prompt_tokens: int | None, request_id: str | None) -> dict[str, str]:
-        headers = {"x-gateway-destination-endpoint": address}
+    def _routing_headers(address: str | None, tier: str | None, prompt_tokens: int | None, request_id: str | None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if address is not None:
+            headers["x-gateway-destination-endpoint"] = address
+        if tier is not None:
+            headers["x-llm-tier"] = tier
         if prompt_tokens is not None:
             headers["x-llm-prompt-tokens"] = str(prompt_tokens)
         if not request_id:
@@ -137,12 +158,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return headers
 
     async def _decide(
-        self, body: bytes, kind: RequestKind, request_id: str | None
-    ) -> tuple[pb.ProcessingResponse, Reservation | None]:
-        """Run the pipeline on a body; reserve the chosen endpoint (no await in between)."""
+        self, body: bytes, kind: RequestKind, hdrs: dict[str, str]
+    ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None]:
+        """Run the pipeline on a body; reserve the decision (no await in between)."""
         start = time.perf_counter()
         try:
-            routed = await asyncio.wait_for(self._pipeline.route(kind, body), self._timeout)
+            routed = await asyncio.wait_for(
+                self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header)), self._timeout
+            )
         except asyncio.TimeoutError:
             err: ExtProcError = DecisionTimeout(f"routing decision took longer than {self._timeout:.3f} s")
         except ExtProcError as exc:
@@ -151,15 +174,38 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("decision failed")
             err = ExtProcError("internal error while routing the request")
         else:
-            reservation = self._pipeline.reserve(routed.endpoint)
+            reservation = self._pipeline.reserve(routed)
             m = self._metrics
             for phase, seconds in routed.timings_s.items():
                 m.decision_seconds.labels(phase).observe(seconds)
             m.prompt_tokens.observe(routed.request.prompt_tokens)
             m.requests.labels("routed", "ok").inc()
-            m.endpoint_routed.labels(routed.endpoint.address).inc()
-            headers = self._routing_headers(routed.endpoint.address, routed.request.prompt_tokens, request_id)
-            return responses.route_in_body(headers), reservation
+            address = routed.endpoint.address if routed.endpoint is not None else None
+            if address is not None:
+                m.endpoint_routed.labels(address).inc()
+            if routed.result is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.result.explain())
+            headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
+            return responses.route_in_body(headers), routed, reservation
         self._metrics.decision_seconds.labels("total").observe(time.perf_counter() - start)
-        self._metrics.requests.labels("rejected", err.code or "error").inc()
-        return responses.immediate_error(err, request_id=request_id), None
+        return self._reject(err, hdrs), None, None
+
+    def _on_response_headers(
+        self, msg: pb.HttpHeaders, routed: Routed | None, reservation: Reservation | None
+    ) -> pb.ProcessingResponse:
+        status = 0
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                try:
+                    status = int(h.raw_value or h.value)
+                except ValueError:
+                    status = 0
+                break
+        if reservation is not None and 200 <= status < 300:
+            # Without body telemetry, the response starting is our best signal that prefill is
+            # over (an engine answers a stream's headers with its first chunk).
+            reservation.mark_first_token()
+        extra: dict[str, str] = {}
+        if self._explain and routed is not None:
+            extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
+        return responses.response_headers(extra)

@@ -19,6 +19,9 @@ from extproc.errors import ExtProcError
 __all__ = [
     "OWNED_HEADERS",
     "continue_request_headers",
+    "response_headers",
+    "GENERATION_MODE",
+    "PASSTHROUGH_MODE",
     "route_in_headers",
     "route_in_body",
     "immediate_error",
@@ -45,11 +48,53 @@ def _set(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOption]:
     ]
 
 
-def continue_request_headers(remove: Iterable[str] = OWNED_HEADERS) -> pb.ProcessingResponse:
-    """Headers-phase reply for a request whose body we still need: strip owned headers, go on."""
-    return pb.ProcessingResponse(
+_PM = processing_mode_pb2.ProcessingMode
+
+GENERATION_MODE = _PM(
+    request_header_mode=_PM.SEND,
+    request_body_mode=_PM.BUFFERED,
+    request_trailer_mode=_PM.SKIP,
+    response_header_mode=_PM.SEND,
+    response_body_mode=_PM.NONE,
+    response_trailer_mode=_PM.SKIP,
+)
+"""Processing for a generation request: the whole request body, then the response headers
+(first-token phase tracking, the explain header). Envoy replaces its whole mode with an
+override, so every field is set (DEFAULT would mean SEND)."""
+
+PASSTHROUGH_MODE = _PM(
+    request_header_mode=_PM.SEND,
+    request_body_mode=_PM.NONE,
+    request_trailer_mode=_PM.SKIP,
+    response_header_mode=_PM.SKIP,
+    response_body_mode=_PM.NONE,
+    response_trailer_mode=_PM.SKIP,
+)
+"""Processing for any other request: nothing after the request headers."""
+
+
+def continue_request_headers(
+    remove: Iterable[str] = OWNED_HEADERS, mode: processing_mode_pb2.ProcessingMode | None = None
+) -> pb.ProcessingResponse:
+    """Headers-phase reply for a request whose body we still need: strip owned headers, go on,
+    optionally overriding the processing mode for the rest of the stream."""
+    resp = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(remove)))
+        )
+    )
+    if mode is not None:
+        resp.mode_override.CopyFrom(mode)
+    return resp
+
+
+def response_headers(set_headers: Mapping[str, str]) -> pb.ProcessingResponse:
+    """Response-headers reply adding `set_headers` (may be empty: continue unchanged)."""
+    if not set_headers:
+        return _EMPTY["response_headers"]
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(set_headers)))
         )
     )
 
@@ -66,7 +111,7 @@ def route_in_headers(headers: Mapping[str, str], *, skip_body: bool) -> pb.Proce
         )
     )
     if skip_body:
-        resp.mode_override.request_body_mode = processing_mode_pb2.ProcessingMode.NONE
+        resp.mode_override.CopyFrom(PASSTHROUGH_MODE)
     return resp
 
 

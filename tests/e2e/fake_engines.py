@@ -81,6 +81,7 @@ class Backend:
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)  # scraped by the server; not recorded
         app.router.add_get("/v1/models", self._models)
         for path in _API_PATHS:
             app.router.add_post(path, self._generate)
@@ -106,6 +107,10 @@ class Backend:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok", headers=self._headers())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = b'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="Qwen/Qwen3-8B"} 0\n'
+        return web.Response(body=body, content_type="text/plain", headers=self._headers())
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._record(request)

@@ -1,0 +1,247 @@
+"""Scrape each endpoint's vLLM `/metrics` on a short period; keep the latest snapshot.
+
+Understood names (both vLLM generations, DESIGN section 4):
+
+* `vllm:num_requests_running`, `vllm:num_requests_waiting` (summed over `model_name`);
+* `vllm:kv_cache_usage_perc`, or the older `vllm:gpu_cache_usage_perc` (fraction 0..1);
+* `vllm:cache_config_info{block_size, num_gpu_blocks}` (an info-style gauge);
+* `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (tokens, cumulative);
+* `vllm:num_preemptions_total`;
+* `vllm:time_to_first_token_seconds` histogram (cumulative buckets; P95 over the window between
+  two scrapes is derived from bucket deltas).
+
+Only lines of those families are handed to prometheus_client's parser: a vLLM exposition is
+tens of KB of histograms we do not need, and parsing is pure Python.
+
+An endpoint whose last successful scrape is older than `stale_after_s` is stale; scrapes that
+time out or fail count as errors and leave the previous snapshot (which then ages into
+staleness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.datastore.endpoints import Datastore, Endpoint
+
+__all__ = ["EngineMetrics", "MetricsScraper", "parse_vllm_metrics", "histogram_quantile"]
+
+log = logging.getLogger(__name__)
+
+_FAMILIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+    "vllm:time_to_first_token_seconds",
+)
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """One scrape of an engine.
+
+    Attributes:
+        running / waiting: requests running / waiting in the engine (count).
+        kv_usage: fraction of the KV block pool in use (0..1).
+        num_gpu_blocks / block_size: the pool (blocks, tokens per block); None if not exported.
+        prefix_queries / prefix_hits: cumulative prefix-cache lookups / hits (tokens).
+        preemptions: cumulative preemptions (count).
+        ttft_buckets: cumulative TTFT histogram, upper bound (seconds) → count.
+        ttft_p95_s: P95 TTFT over the interval since the previous scrape (seconds), or None
+            when no request finished its prefill in that interval.
+        scraped_at: `time.monotonic()` when the scrape completed (seconds).
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    preemptions: float = 0.0
+    ttft_buckets: dict[float, float] = field(default_factory=dict)
+    ttft_p95_s: float | None = None
+    scraped_at: float = 0.0
+
+    @property
+    def free_blocks(self) -> int | None:
+        """Free KV blocks by the engine's own count: num_gpu_blocks × (1 − kv_usage)."""
+        if self.num_gpu_blocks is None:
+            return None
+        return int(self.num_gpu_blocks * (1.0 - min(1.0, max(0.0, self.kv_usage))))
+
+
+def _filter_lines(text: str) -> str:
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2].startswith(_FAMILIES):
+                keep.append(line)
+        elif line.startswith(_FAMILIES):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Quantile from cumulative buckets (upper bound → count), interpolating linearly inside the
+    bucket as Prometheus' `histogram_quantile` does. None when the histogram is empty."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for b in bounds:
+        c = buckets[b]
+        if c >= rank:
+            if math.isinf(b):
+                return prev_bound
+            if c == prev_count:
+                return b
+            return prev_bound + (b - prev_bound) * (rank - prev_count) / (c - prev_count)
+        prev_bound, prev_count = b, c
+    return bounds[-1]
+
+
+def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> EngineMetrics:
+    """Parse a vLLM exposition into `EngineMetrics` (`scraped_at` left for the caller).
+
+    Raises:
+        ValueError: the text is not valid Prometheus exposition format.
+    """
+    m = EngineMetrics()
+    legacy_usage: float | None = None
+    have_usage = False
+    for fam in text_string_to_metric_families(_filter_lines(text)):
+        for s in fam.samples:
+            name = s.name
+            if name == "vllm:num_requests_running":
+                m.running += int(s.value)
+            elif name == "vllm:num_requests_waiting":
+                m.waiting += int(s.value)
+            elif name == "vllm:kv_cache_usage_perc":
+                m.kv_usage = max(m.kv_usage, s.value)
+                have_usage = True
+            elif name == "vllm:gpu_cache_usage_perc":
+                legacy_usage = max(legacy_usage or 0.0, s.value)
+            elif name == "vllm:cache_config_info":
+                try:
+                    m.num_gpu_blocks = int(float(s.labels.get("num_gpu_blocks", "")))
+                except ValueError:
+                    pass
+                try:
+                    m.block_size = int(float(s.labels.get("block_size", "")))
+                except ValueError:
+                    pass
+            elif name == "vllm:prefix_cache_queries_total":
+                m.prefix_queries += s.value
+            elif name == "vllm:prefix_cache_hits_total":
+                m.prefix_hits += s.value
+            elif name == "vllm:num_preemptions_total":
+                m.preemptions += s.value
+            elif name == "vllm:time_to_first_token_seconds_bucket":
+                le = float(s.labels["le"])
+                m.ttft_buckets[le] = m.ttft_buckets.get(le, 0.0) + s.value
+    if not have_usage and legacy_usage is not None:
+        m.kv_usage = legacy_usage
+    if previous is not None and previous.ttft_buckets:
+        delta = {le: c - previous.ttft_buckets.get(le, 0.0) for le, c in m.ttft_buckets.items()}
+        if all(v >= 0 for v in delta.values()):  # a counter reset (engine restart) gives negatives
+            m.ttft_p95_s = histogram_quantile(0.95, delta)
+    return m
+
+
+class MetricsScraper:
+    """Scrapes every endpoint of a datastore concurrently every `interval_s` seconds.
+
+    Args:
+        store: endpoints to scrape; `endpoint.engine` receives each snapshot.
+        path: metrics path (`/metrics`).
+        interval_s: period (seconds). timeout_s: per-scrape timeout (seconds).
+        on_scrape: optional callback(endpoint, ok: bool, seconds: float) for metrics.
+    """
+
+    def __init__(
+        self,
+        store: Datastore,
+        *,
+        path: str = "/metrics",
+        interval_s: float = 0.1,
+        timeout_s: float = 0.5,
+        on_scrape: Callable[[Endpoint, bool, float], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._path = path
+        self._interval = interval_s
+        self._timeout = timeout_s
+        self._on_scrape = on_scrape
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """One scrape of every endpoint (so first decisions see data), then one loop per endpoint."""
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self._timeout),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        )
+        await asyncio.gather(*(self.scrape(ep) for ep in self._store.all()))
+        # One loop per endpoint: a hanging endpoint never delays the others.
+        self._tasks = [asyncio.create_task(self._loop(ep), name=f"scrape-{ep.address}") for ep in self._store.all()]
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _loop(self, ep: Endpoint) -> None:
+        while True:
+            started = time.monotonic()
+            await self.scrape(ep)
+            await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
+
+    async def scrape(self, ep: Endpoint) -> bool:
+        """Scrape one endpoint now; True on success (the snapshot is then on `ep.engine`)."""
+        assert self._session is not None
+        t0 = time.monotonic()
+        mark = ep.routed_total
+        ok = False
+        try:
+            async with self._session.get(f"http://{ep.address}{self._path}") as resp:
+                if resp.status == 200:
+                    text = await resp.text()
+                    ep.engine = parse_vllm_metrics(text, ep.engine)
+                    ep.engine.scraped_at = time.monotonic()
+                    ep.routed_at_scrape = mark
+                    ok = True
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
+            log.debug("scrape of %s failed: %s", ep.address, exc)
+        except Exception:  # a parser bug must not kill the loop
+            log.exception("scrape of %s failed", ep.address)
+        if self._on_scrape is not None:
+            self._on_scrape(ep, ok, time.monotonic() - t0)
+        return ok

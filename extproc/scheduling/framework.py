@@ -1,0 +1,213 @@
+"""The scheduling framework: filters drop endpoints, scorers rank them, a picker chooses.
+
+Modelled on the Gateway API Inference Extension's endpoint picker. Plugins are synchronous and
+free of I/O: they read snapshots (the datastore's endpoint state, computed once per request in
+`SchedulingContext`). The profile runner — not the plugins — clamps scores to [0, 1], applies
+weights, times each plugin and records an explanation of the decision.
+
+Interfaces::
+
+    Filter.filter(ctx, endpoints) -> endpoints            (a subset, order kept)
+    Scorer.score(ctx, endpoints)  -> [score per endpoint]  (same order; clamped to [0, 1])
+    Picker.pick(ctx, scored)      -> PickResult            (primary and fallbacks)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from extproc.datastore.endpoints import Endpoint
+from extproc.types import LLMRequest
+
+__all__ = [
+    "Filter",
+    "Scorer",
+    "Picker",
+    "SchedulingContext",
+    "ScoredEndpoint",
+    "PickResult",
+    "WeightedScorer",
+    "Profile",
+    "ProfileResult",
+    "min_max_inverted",
+]
+
+
+@dataclass(slots=True)
+class SchedulingContext:
+    """Everything plugins may read about the request being scheduled.
+
+    Attributes:
+        request: the parsed request (prompt tokens, max_tokens, n, ...).
+        expected_output_tokens: max_tokens when given, else the model's estimate (tokens).
+        default_block_size: block size when an endpoint does not export its own (tokens).
+        now: `time.monotonic()` at the start of the cycle (seconds).
+        rng: randomness for tie-breaks.
+        priority: the request's priority class (critical / standard / sheddable).
+        stale_after_s: engine metrics older than this are stale (seconds).
+        data: per-cycle scratch space shared by plugins (e.g. prefix hashes).
+    """
+
+    request: LLMRequest
+    expected_output_tokens: int
+    default_block_size: int
+    now: float
+    rng: random.Random
+    priority: str = "standard"
+    stale_after_s: float = 2.0
+    data: dict[str, object] = field(default_factory=dict)
+
+    def block_size(self, ep: Endpoint) -> int:
+        """The endpoint's KV block size (tokens): from its metrics, else the configured default."""
+        engine = ep.engine
+        if engine is not None and engine.block_size:
+            return engine.block_size
+        return self.default_block_size
+
+    def is_stale(self, ep: Endpoint) -> bool:
+        """True when the endpoint has been scraped but not within `stale_after_s` seconds."""
+        age = ep.metrics_age(self.now)
+        return age is not None and age > self.stale_after_s
+
+
+@runtime_checkable
+class Filter(Protocol):
+    """Drops endpoints that must not take the request."""
+
+    name: str
+
+    def filter(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[Endpoint]: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores each endpoint in [0, 1]; higher is better."""
+
+    name: str
+
+    def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]: ...
+
+
+@dataclass(slots=True)
+class ScoredEndpoint:
+    """An endpoint with its weighted total and each scorer's (clamped, unweighted) value."""
+
+    endpoint: Endpoint
+    total: float
+    parts: dict[str, float]
+
+
+@dataclass(slots=True)
+class PickResult:
+    """The chosen endpoint and the others in preference order."""
+
+    primary: ScoredEndpoint
+    fallbacks: list[ScoredEndpoint]
+
+
+@runtime_checkable
+class Picker(Protocol):
+    """Chooses among scored endpoints."""
+
+    name: str
+
+    def pick(self, ctx: SchedulingContext, scored: Sequence[ScoredEndpoint]) -> PickResult: ...
+
+
+@dataclass(slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    """The outcome of one scheduling cycle.
+
+    Attributes:
+        pick: the decision, or None when every endpoint was filtered out.
+        filtered_by: for each filter, how many endpoints it removed (count).
+        rejected_by: the filter that removed the last candidates (when `pick` is None).
+        timings_s: seconds spent per plugin name.
+    """
+
+    pick: PickResult | None
+    filtered_by: dict[str, int]
+    rejected_by: str | None
+    timings_s: dict[str, float]
+
+    def explain(self) -> str:
+        """One line: every scorer's value for the chosen endpoint and the runner-up."""
+        if self.pick is None:
+            return f"rejected by {self.rejected_by}"
+
+        def fmt(s: ScoredEndpoint) -> str:
+            parts = " ".join(f"{k}={v:.3f}" for k, v in s.parts.items())
+            return f"{s.endpoint.address} total={s.total:.3f} [{parts}]"
+
+        out = f"chose {fmt(self.pick.primary)}"
+        if self.pick.fallbacks:
+            out += f"; runner-up {fmt(self.pick.fallbacks[0])}"
+        return out
+
+
+class Profile:
+    """A named pipeline of filters, weighted scorers and a picker.
+
+    Args:
+        name: profile name (from config).
+        filters: applied in order.
+        scorers: weighted; the total is Σ weight × clamp(score, 0, 1).
+        picker: chooses from the scored endpoints.
+    """
+
+    def __init__(self, name: str, filters: Sequence[Filter], scorers: Sequence[WeightedScorer], picker: Picker) -> None:
+        self.name = name
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+
+    def run(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> ProfileResult:
+        """One scheduling cycle over `endpoints` (already restricted to the request's model)."""
+        timings: dict[str, float] = {}
+        filtered: dict[str, int] = {}
+        candidates = list(endpoints)
+        for f in self.filters:
+            t = time.perf_counter()
+            kept = f.filter(ctx, candidates)
+            timings[f.name] = time.perf_counter() - t
+            filtered[f.name] = len(candidates) - len(kept)
+            if not kept:
+                return ProfileResult(None, filtered, f.name, timings)
+            candidates = kept
+        totals = [0.0] * len(candidates)
+        parts: list[dict[str, float]] = [{} for _ in candidates]
+        for ws in self.scorers:
+            t = time.perf_counter()
+            values = ws.scorer.score(ctx, candidates)
+            timings[ws.scorer.name] = time.perf_counter() - t
+            for i, v in enumerate(values):
+                v = 0.0 if v != v else min(1.0, max(0.0, v))  # NaN → 0, then clamp
+                parts[i][ws.scorer.name] = v
+                totals[i] += ws.weight * v
+        scored = [ScoredEndpoint(ep, totals[i], parts[i]) for i, ep in enumerate(candidates)]
+        t = time.perf_counter()
+        pick = self.picker.pick(ctx, scored)
+        timings[self.picker.name] = time.perf_counter() - t
+        return ProfileResult(pick, filtered, None, timings)
+
+
+def min_max_inverted(values: Sequence[float]) -> list[float]:
+    """Lower is better, scaled to [0, 1] across the candidates: (max − v) / (max − min);
+    all equal → 1.0 for everyone (no preference). The GIE queue and KV scorers' normalisation."""
+    if not values:
+        return []
+    lo, hi = min(values), max(values)
+    if hi - lo <= 1e-12:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - v) / span for v in values]

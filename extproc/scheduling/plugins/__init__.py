@@ -1,0 +1,1 @@
+"""Scheduling plugins, one per module: `filters/`, `scorers/`, `pickers/`."""

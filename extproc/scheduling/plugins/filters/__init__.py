@@ -1,0 +1,1 @@
+"""Filters (one per module; see extproc.scheduling.framework for the interface)."""

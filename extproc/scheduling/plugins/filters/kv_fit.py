@@ -1,0 +1,61 @@
+"""`kv-fit-filter`: KV-cache admission — drop endpoints whose free KV blocks cannot hold the request.
+
+Blocks needed = ceil over (prompt tokens + expected output) with the prompt blocks shared by
+the `n` choices (`extproc.pipeline.kv.blocks_for_request`); expected output = `max_tokens` when
+given, else the model's `default_output_tokens` (not the `max_model_len` worst case, which
+would starve the fleet). Free blocks = `num_gpu_blocks × (1 − kv_cache_usage_perc)` from the
+engine's metrics minus our own unsettled reservations on that endpoint.
+
+An endpoint that does not export `vllm:cache_config_info` (or has not been scraped) cannot be
+judged and is kept.
+
+Parameters:
+    headroom_fraction (float 0..0.5, default 0): keep this fraction of the pool free, e.g. 0.05
+        so decode growth of running requests does not preempt them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from extproc.datastore.endpoints import Endpoint
+from extproc.pipeline.kv import blocks_for_request
+from extproc.scheduling.framework import SchedulingContext
+from extproc.scheduling.plugins.base import Params, Plugin
+from extproc.scheduling.registry import register
+
+__all__ = ["KVFitFilter", "free_blocks", "blocks_needed"]
+
+
+def blocks_needed(ctx: SchedulingContext, ep: Endpoint) -> int:
+    """KV blocks the request may occupy on `ep` (blocks)."""
+    r = ctx.request
+    return blocks_for_request(r.prompt_tokens, ctx.expected_output_tokens, ctx.block_size(ep), r.n)
+
+
+def free_blocks(ep: Endpoint) -> int | None:
+    """Free blocks after our unsettled reservations (blocks), or None when unknown."""
+    engine = ep.engine
+    if engine is None or engine.free_blocks is None:
+        return None
+    return engine.free_blocks - ep.reserved_blocks
+
+
+@register("kv-fit-filter")
+class KVFitFilter(Plugin):
+    class Params(Params):
+        headroom_fraction: float = Field(default=0.0, ge=0.0, le=0.5)
+
+    def filter(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        out = []
+        for ep in endpoints:
+            free = free_blocks(ep)
+            if free is None:
+                out.append(ep)
+                continue
+            headroom = int(self.params.headroom_fraction * (ep.engine.num_gpu_blocks or 0))
+            if blocks_needed(ctx, ep) <= free - headroom:
+                out.append(ep)
+        return out

@@ -1,0 +1,1 @@
+"""Pickers (one per module; see extproc.scheduling.framework for the interface)."""

@@ -1,0 +1,1 @@
+"""Scorers (one per module; see extproc.scheduling.framework for the interface)."""

@@ -1,0 +1,66 @@
+"""Plugin registry: a kebab-case type name → plugin class with a pydantic `Params` model.
+
+Each plugin module registers itself with `@register("type-name")`; the config names plugins
+by type and passes parameters, which the plugin's `Params` validates (unknown keys and invalid
+values are errors, never silent defaults).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+import pydantic
+
+__all__ = ["register", "build", "registered", "PluginConfigError"]
+
+_REGISTRY: dict[str, type] = {}
+
+
+class PluginConfigError(ValueError):
+    """Unknown plugin type or invalid parameters (the message names both)."""
+
+
+def register(type_name: str):
+    """Class decorator: make a plugin available under `type_name`."""
+
+    def deco(cls: type) -> type:
+        if type_name in _REGISTRY:
+            raise RuntimeError(f"plugin type {type_name!r} registered twice")
+        cls.type_name = type_name  # type: ignore[attr-defined]
+        _REGISTRY[type_name] = cls
+        return cls
+
+    return deco
+
+
+def _load_all() -> None:
+    from extproc.scheduling import plugins
+
+    for mod in pkgutil.walk_packages(plugins.__path__, plugins.__name__ + "."):
+        importlib.import_module(mod.name)
+
+
+def registered() -> dict[str, type]:
+    """Every registered plugin type → class."""
+    _load_all()
+    return dict(_REGISTRY)
+
+
+def build(type_name: str, params: dict[str, Any] | None = None, *, name: str | None = None) -> Any:
+    """Instantiate a plugin.
+
+    Raises:
+        PluginConfigError: unknown type, or parameters its `Params` rejects.
+    """
+    types = registered()
+    cls = types.get(type_name)
+    if cls is None:
+        raise PluginConfigError(f"unknown plugin type {type_name!r}; known: {sorted(types)}")
+    try:
+        p = cls.Params.model_validate(params or {})
+    except pydantic.ValidationError as exc:
+        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise PluginConfigError(f"plugin {type_name!r}: invalid parameters: {details}") from None
+    return cls(p, name=name or type_name)
