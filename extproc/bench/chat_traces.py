@@ -160,8 +160,9 @@ def read_mtbench(
     synthesizer = PromptSynthesizer(counter)
     arrivals = poisson_arrivals(rate, seed)
     for number, row in iter_jsonl(path):
-        turns = row.get("turns") if isinstance(row, dict) else None
-        if "question_id" not in (row if isinstance(row, dict) else {}) or not (
+        row = row if isinstance(row, dict) else {}
+        turns = row.get("turns")
+        if "question_id" not in row or not (
             isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)
         ):
             raise TraceFormatError(path, "expected 'question_id' and a non-empty list of string 'turns'", line=number)

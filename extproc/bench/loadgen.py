@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from extproc.bench.prompts import PromptSynthesizer
     from extproc.bench.traces import TraceRequest
 
-__all__ = ["LoadGenConfig", "LoadGenerator", "Progress", "RequestResult", "RunRecord"]
+__all__ = ["LoadGenConfig", "LoadGenerator", "Progress", "RequestResult", "RunRecord", "error_reason"]
 
 _ERROR_BODY_LIMIT = 64 * 1024
 
@@ -204,8 +204,12 @@ class Progress:
     behind: int
 
 
-def error_reason(status: int, body: bytes) -> tuple[str, str | None]:
-    """`("429 rate_limit_exceeded", message)` from an error response (OpenAI or vLLM shape)."""
+def _error_fields(body: bytes) -> tuple[str | None, str | None]:
+    """`(code, message)` of an error body: OpenAI's `{"error": {...}}` or vLLM's flat shape.
+
+    The code is the error's string `code`, else its `type` (vLLM puts the HTTP status, an int, in
+    `code`); the message falls back to the body's first 200 characters.
+    """
     code: Any = None
     message = None
     with contextlib.suppress(orjson.JSONDecodeError, TypeError):
@@ -216,7 +220,13 @@ def error_reason(status: int, body: bytes) -> tuple[str, str | None]:
             message = err.get("message") if isinstance(err.get("message"), str) else None
     if message is None and body:
         message = body[:200].decode("utf-8", errors="replace")
-    return (f"{status} {code}" if isinstance(code, str) and code else str(status)), message
+    return (code if isinstance(code, str) and code else None), message
+
+
+def error_reason(status: int, body: bytes) -> tuple[str, str | None]:
+    """`("429 rate_limit_exceeded", message)` from an HTTP error response (status, then code)."""
+    code, message = _error_fields(body)
+    return (f"{status} {code}" if code else str(status)), message
 
 
 class LoadGenerator:
@@ -291,8 +301,10 @@ class LoadGenerator:
                 duration (main thread only; ignored elsewhere).
         """
         loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         planned = self.plan(requests)
+        if self.prompts is None and any(r.messages is None for r in planned):
+            raise ValueError("requests without messages need a PromptSynthesizer (prompts=...)")
+        self._stop = asyncio.Event()
         self._planned = len(planned)
         self._counts = dict.fromkeys(self._counts, 0)
         self._header_scales = set()
@@ -302,50 +314,65 @@ class LoadGenerator:
         stop_waiter = asyncio.ensure_future(self._stop.wait())
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        url = self.config.base_url.rstrip("/") + self.config.path
-        t0 = loop.time()
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-                first = planned[0].arrival_s if planned else 0.0
-                for index, request in enumerate(planned):
-                    body = self.body(request, index)
-                    target = t0 + (request.arrival_s - first) / self.config.speed
-                    delay = target - loop.time()
-                    if delay > 0:
-                        await asyncio.wait({stop_waiter}, timeout=delay)
-                    if self._stop.is_set():
-                        break
-                    now = loop.time()
-                    result = RequestResult(
-                        index=index,
-                        scheduled_s=request.arrival_s,
-                        lag_s=now - target,
-                        input_tokens=request.input_tokens,
-                        max_tokens=request.output_tokens,
-                        session=request.session,
-                        sent_wall_s=now - t0,
-                    )
-                    results.append(result)
-                    self._counts["sent"] += 1
-                    self._counts["behind"] += result.lag_s > self.config.lag_threshold_s
-                    headers = {"content-type": "application/json", **self.config.headers}
-                    if self.config.session_header and request.session:
-                        headers[self.config.session_header] = request.session
-                    task = asyncio.create_task(self._send(session, url, body, headers, result, t0))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    self._report()
-                while tasks and not self._stop.is_set():
-                    await asyncio.wait({*tasks, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
-                for task in list(tasks):
-                    task.cancel()
-                if tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                try:
+                    await self._send_all(session, planned, results, tasks, stop_waiter)
+                    while tasks and not self._stop.is_set():
+                        await asyncio.wait({*tasks, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # stopped, or the run itself cancelled: nothing outlives the session
+                    for task in list(tasks):
+                        task.cancel()
+                    if tasks:
+                        await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             stop_waiter.cancel()
             for sig in installed:
                 loop.remove_signal_handler(sig)
         return self._record(results, interrupted=self._stop.is_set())
+
+    async def _send_all(
+        self,
+        session: aiohttp.ClientSession,
+        planned: list[TraceRequest],
+        results: list[RequestResult],
+        tasks: set[asyncio.Task[None]],
+        stop_waiter: asyncio.Future[bool],
+    ) -> None:
+        """The schedule: start each request at its wall time (trace gap / speed) until stopped."""
+        assert self._stop is not None
+        loop = asyncio.get_running_loop()
+        url = self.config.base_url.rstrip("/") + self.config.path
+        t0 = loop.time()
+        first = planned[0].arrival_s if planned else 0.0
+        for index, request in enumerate(planned):
+            body = self.body(request, index)  # built while waiting for the send time
+            target = t0 + (request.arrival_s - first) / self.config.speed
+            delay = target - loop.time()
+            if delay > 0:
+                await asyncio.wait({stop_waiter}, timeout=delay)
+            if self._stop.is_set():
+                return
+            now = loop.time()
+            result = RequestResult(
+                index=index,
+                scheduled_s=request.arrival_s,
+                lag_s=now - target,
+                input_tokens=request.input_tokens,
+                max_tokens=request.output_tokens,
+                session=request.session,
+                sent_wall_s=now - t0,
+            )
+            results.append(result)
+            self._counts["sent"] += 1
+            self._counts["behind"] += result.lag_s > self.config.lag_threshold_s
+            headers = {"content-type": "application/json", **self.config.headers}
+            if self.config.session_header and request.session:
+                headers[self.config.session_header] = request.session
+            task = asyncio.create_task(self._send(session, url, body, headers, result, t0))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            self._report()
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
         installed = []
@@ -466,10 +493,9 @@ class LoadGenerator:
         if not isinstance(obj, dict):
             result.error, result.error_detail = "bad_stream", f"event is not a JSON object: {data[:120]!r}"
             return False
-        if "error" in obj:
-            reason, message = error_reason(0, data.encode())
-            result.error = "stream_error" + reason.removeprefix("0")
-            result.error_detail = message
+        if "error" in obj or obj.get("object") == "error":  # OpenAI's and vLLM's in-stream errors
+            code, result.error_detail = _error_fields(data.encode())
+            result.error = f"stream_error {code}" if code else "stream_error"
             return False
         usage = obj.get("usage")
         completion = usage.get("completion_tokens") if isinstance(usage, dict) else None

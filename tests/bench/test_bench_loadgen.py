@@ -3,6 +3,7 @@
 The server picks its behaviour from the request's `max_tokens` (so one run can mix them):
     429 → OpenAI-style 429 JSON error     400 → vLLM-style 400 JSON error
     13  → two content events, then the connection is dropped
+    77  → one content event, then a vLLM-style error event (and [DONE])
     999 → waits 30 s before answering (timeouts, Ctrl-C)
     any other n → a normal stream of n tokens; events are cut across network writes.
 """
@@ -10,6 +11,8 @@ The server picks its behaviour from the request's `max_tokens` (so one run can m
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -68,6 +71,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     while sent < n:
         if n == 13 and sent == 2:
             request.transport.close()  # the engine died mid-stream
+            return response
+        if n == 77 and sent == 1:
+            err = {"object": "error", "message": "engine overloaded", "type": "InternalServerError", "code": 500}
+            await response.write(_event(err) + b"data: [DONE]\n\n")
             return response
         step = min(per_chunk, n - sent)
         sent += step
@@ -143,7 +150,8 @@ async def test_continuous_usage_gives_exact_tokens_per_chunk(server: tuple[web.A
 
 async def test_error_reasons(server: tuple[web.Application, str]) -> None:
     _, url = server
-    run = await LoadGenerator(LoadGenConfig(url)).run([_req(0.0, 429), _req(0.0, 400), _req(0.0, 13)])
+    requests = [_req(0.0, 429), _req(0.0, 400), _req(0.0, 13), _req(0.0, 77)]
+    run = await LoadGenerator(LoadGenConfig(url)).run(requests)
     by_status = {r.max_tokens: r for r in run.results}
     assert by_status[429].status == 429 and by_status[429].error == "429 rate_limit_exceeded"
     assert by_status[429].error_detail == "slow down"
@@ -151,6 +159,8 @@ async def test_error_reasons(server: tuple[web.Application, str]) -> None:
     dropped = by_status[13]
     assert dropped.status == 200 and dropped.error == "stream_truncated"
     assert dropped.ttft_s is not None and dropped.e2e_s is None  # it started, it never finished
+    assert by_status[77].error == "stream_error InternalServerError"
+    assert by_status[77].error_detail == "engine overloaded"
     assert not any(r.ok for r in run.results)
 
 
@@ -276,3 +286,13 @@ def test_body_for_a_length_only_request(synth: PromptSynthesizer, qwen_counter: 
 def test_bad_config(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         LoadGenConfig(**{"base_url": "http://127.0.0.1:1", **kwargs})
+
+
+async def test_ctrl_c_stops_the_run_cleanly(server: tuple[web.Application, str]) -> None:
+    _, url = server
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, os.kill, os.getpid(), signal.SIGINT)
+    run = await LoadGenerator(LoadGenConfig(url)).run([_req(0.0, 999), _req(60.0, 2)], handle_signals=True)
+    assert run.interrupted and [r.error for r in run.results] == ["cancelled"]
+    # The handler is gone again: Ctrl-C means KeyboardInterrupt outside a run.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
