@@ -3,7 +3,8 @@
 * `num_blocks` blocks of `block_size` tokens; each has a reference count and, once full, a hash.
 * Block hashes chain on the parent block: ``h_i = hash((h_{i-1}, tokens of block i))``, so a
   hash names the whole prefix up to and including its block (vLLM's `hash_block_tokens`).
-* Free blocks sit in one LRU queue (an insertion-ordered dict): allocation takes from the head
+* Free blocks sit in one LRU queue (an `OrderedDict`, O(1) at both ends and for removal from
+  the middle; a plain dict degrades when popped from the front): allocation takes from the head
   and, if the block still carries a hash, evicts that cache entry. Blocks released by a finished
   request go to the tail *with their hash kept*, so a later request with the same prefix can
   take them back (a "hit") until they are evicted. A request frees its blocks tail-first, so a
@@ -16,6 +17,7 @@ Everything is synchronous and O(blocks touched); no I/O.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from extproc.types import BlockHash
@@ -67,7 +69,7 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -133,8 +135,7 @@ class BlockPool:
         out: list[int] = []
         free = self._free
         for _ in range(n):
-            bid = next(iter(free))
-            del free[bid]
+            bid = free.popitem(last=False)[0]
             h = self._hash[bid]
             if h is not None:
                 if self._cached.get(h) == bid:
@@ -167,4 +168,4 @@ class BlockPool:
         self._ref = [0] * self.num_blocks
         self._hash = [None] * self.num_blocks
         self._cached.clear()
-        self._free = dict.fromkeys(range(self.num_blocks))
+        self._free = OrderedDict.fromkeys(range(self.num_blocks))

@@ -460,7 +460,10 @@ class SimServer:
         created = int(time.time())
         try:
             if params.stream:
-                return await self._stream(request, req, event, kind, rid, created, params.include_usage)
+                try:
+                    return await self._stream(request, req, event, kind, rid, created, params.include_usage)
+                except ConnectionResetError:  # the client went away mid-stream
+                    return web.Response(status=499)
             while not req.finished:
                 await event.wait()
                 event.clear()
