@@ -43,9 +43,13 @@ def test_default_config_serves_the_default_model():
         (minimal(models=[{"name": "m", "aliases": ["m"]}]), ["alias 'm'"]),
         (minimal(limits={"max_body_bytes": 9_000_000}), ["grpc_max_message_bytes", "max_body_bytes"]),
         ({"endpoints": []}, ["models: required key is missing"]),
-        (minimal(scheduling={"picker": "round-robin"}), ["scheduling.picker", "'round-robin'"]),
+        (minimal(scheduling={"profile": "round-robin"}), ["scheduling", "'round-robin' is not defined"]),
+        (minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "kv-fit-filter"}]}}}), ["scheduling.profiles.p", "is not a scorer"]),
+        (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "nope-filter"}]}}}), ["unknown plugin type 'nope-filter'"]),
+        (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "kv-fit-filter", "params": {"headroom_fraction": 2}}]}}}), ["headroom_fraction"]),
+        (minimal(admission={"priority": {"default": "vip"}}), ["admission.priority.default", "'vip'"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "missing-models", "unknown-picker"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,116 @@
+"""Parsing vLLM's /metrics (both generations) and the scraper's staleness behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from extproc.config.schema import EndpointConfig
+from extproc.datastore.endpoints import Datastore
+from extproc.datastore.scraper import MetricsScraper, histogram_quantile, parse_vllm_metrics
+
+MODERN = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 7.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.42
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="25000"} 1.0
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen3-8B"} 1000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} 250.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="Qwen/Qwen3-8B"} 10.0
+vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="Qwen/Qwen3-8B"} 20.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="Qwen/Qwen3-8B"} 20.0
+vllm:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 20.0
+vllm:time_to_first_token_seconds_sum{model_name="Qwen/Qwen3-8B"} 3.0
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="Qwen/Qwen3-8B"} 5.0
+"""
+
+LEGACY = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 2.0
+vllm:num_requests_running{model_name="b"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a"} 0.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="a"} 0.9
+"""
+
+
+def test_modern_names():
+    m = parse_vllm_metrics(MODERN)
+    assert (m.running, m.waiting, m.kv_usage, m.num_gpu_blocks, m.block_size) == (7, 3, 0.42, 25000, 16)
+    assert (m.prefix_queries, m.prefix_hits) == (1000.0, 250.0)
+    assert m.free_blocks == 14500  # 25000 × (1 − 0.42)
+    assert m.ttft_p95_s is None  # needs two scrapes
+
+
+def test_legacy_names_and_summing_over_models():
+    m = parse_vllm_metrics(LEGACY)
+    assert (m.running, m.waiting, m.kv_usage, m.num_gpu_blocks, m.free_blocks) == (3, 0, 0.9, None, None)
+
+
+def test_ttft_p95_from_bucket_deltas():
+    first = parse_vllm_metrics(MODERN)
+    later = MODERN.replace('le="0.1",model_name="Qwen/Qwen3-8B"} 10.0', 'le="0.1",model_name="Qwen/Qwen3-8B"} 10.0')
+    later = later.replace('le="0.5",model_name="Qwen/Qwen3-8B"} 20.0', 'le="0.5",model_name="Qwen/Qwen3-8B"} 40.0')
+    later = later.replace('le="+Inf",model_name="Qwen/Qwen3-8B"} 20.0', 'le="+Inf",model_name="Qwen/Qwen3-8B"} 40.0')
+    second = parse_vllm_metrics(later, first)
+    # 20 new observations, all in (0.1, 0.5]: p95 = 0.1 + 0.4 · 19/20 = 0.48 s
+    assert second.ttft_p95_s == pytest.approx(0.48)
+
+
+def test_histogram_quantile():
+    assert histogram_quantile(0.5, {}) is None
+    assert histogram_quantile(0.5, {1.0: 0.0, float("inf"): 0.0}) is None
+    assert histogram_quantile(0.5, {1.0: 10.0, 2.0: 20.0, float("inf"): 20.0}) == pytest.approx(1.0)
+
+
+def test_malformed_exposition_is_an_error():
+    with pytest.raises(ValueError):
+        parse_vllm_metrics("vllm:num_requests_waiting{model_name=\"a\" oops\n")
+
+
+async def test_hanging_metrics_age_into_staleness_and_recover():
+    state = {"hang": False}
+
+    async def metrics(request):
+        if state["hang"]:
+            await asyncio.sleep(5)
+        return web.Response(text=MODERN)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"])])
+    ep = store.all()[0]
+    results = []
+    scraper = MetricsScraper(store, interval_s=0.05, timeout_s=0.2, on_scrape=lambda e, ok, s: results.append(ok))
+    try:
+        await scraper.start()
+        assert ep.engine is not None and ep.engine.waiting == 3
+        state["hang"] = True
+        await asyncio.sleep(0.8)
+        assert results[-1] is False
+        import time
+
+        assert ep.metrics_age(time.monotonic()) > 0.5  # the old snapshot ages
+        state["hang"] = False
+        await asyncio.sleep(0.5)
+        assert results[-1] is True and ep.metrics_age(time.monotonic()) < 0.3
+    finally:
+        await scraper.aclose()
+        await runner.cleanup()

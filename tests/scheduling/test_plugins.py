@@ -1,0 +1,164 @@
+"""Each scheduling plugin on endpoints in known states (expected values explained inline)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from extproc.scheduling.framework import Filter, Picker, Scorer
+from extproc.scheduling.registry import PluginConfigError, build, registered
+
+from .conftest import context, engine
+
+
+def test_every_registered_plugin_satisfies_its_protocol():
+    for type_name, cls in registered().items():
+        plugin = build(type_name, {"match": {"a": "b"}} if type_name == "label-filter" else {})
+        kinds = [p for p in (Filter, Scorer, Picker) if isinstance(plugin, p)]
+        assert len(kinds) == 1, f"{type_name} must implement exactly one of filter/score/pick"
+        assert type_name.endswith(("-filter", "-scorer", "-picker"))
+        assert cls.__module__.rsplit(".", 2)[-2] == {Filter: "filters", Scorer: "scorers", Picker: "pickers"}[kinds[0]]
+
+
+def test_unknown_params_are_errors_not_defaults():
+    with pytest.raises(PluginConfigError, match="tie_epsilon"):
+        build("max-score-picker", {"tie_epsilon": -1})
+    with pytest.raises(PluginConfigError, match="unknown plugin type"):
+        build("fastest-scorer")
+
+
+def test_healthy_filter_drops_unhealthy_and_device_faults(store):
+    a, b, c = store.all()
+    b.healthy = False
+    c.node = SimpleNamespace(device_fault="ECC uncorrectable errors", gpu_util=0.1)
+    assert build("healthy-filter").filter(context(), [a, b, c]) == [a]
+
+
+def test_stale_metrics_filter(store):
+    a, b, c = store.all()
+    a.engine = engine(age=0.1)
+    b.engine = engine(age=5.0)  # older than stale_after_s = 2 s
+    # c was never scraped: not stale (nothing to judge by)
+    assert build("stale-metrics-filter").filter(context(), [a, b, c]) == [a, c]
+    # All stale: kept by default (serve on old data) or dropped on request.
+    a.engine = engine(age=9)
+    c.engine = engine(age=9)
+    assert build("stale-metrics-filter").filter(context(), [a, b, c]) == [a, b, c]
+    assert build("stale-metrics-filter", {"keep_all_if_all_stale": False}).filter(context(), [a, b, c]) == []
+
+
+def test_kv_fit_filter_counts_engine_usage_and_our_reservations(store):
+    a, b, c = store.all()
+    # 100-token prompt + 28 output tokens → 6 full prompt blocks + 2 = 8 blocks needed.
+    a.engine = engine(kv=0.5, blocks=16)  # 8 free → fits exactly
+    b.engine = engine(kv=0.5, blocks=16)
+    store.reserve(b, blocks=1)  # our unsettled reservation leaves 7 → does not fit
+    c.engine = None  # unknown pool → kept
+    assert build("kv-fit-filter").filter(context(), [a, b, c]) == [a, c]
+    # headroom_fraction keeps 25 % of 16 = 4 blocks free: a no longer fits.
+    assert build("kv-fit-filter", {"headroom_fraction": 0.25}).filter(context(), [a, b, c]) == [c]
+
+
+def test_kv_fit_uses_each_endpoints_block_size(store):
+    a, b, _ = store.all()
+    a.engine = engine(kv=0.0, blocks=4, block_size=32)  # 128 tokens need 4 blocks of 32 (prompt 96 + tail 4+28)
+    b.engine = engine(kv=0.0, blocks=4, block_size=16)  # 8 blocks of 16 needed, 4 free
+    assert build("kv-fit-filter").filter(context(), [a, b]) == [a]
+
+
+def test_label_filter(store):
+    a, b, c = store.all()
+    a.labels.update(gpu="h100", zone="x")
+    b.labels.update(gpu="a100")
+    assert build("label-filter", {"match": {"gpu": "h100"}}).filter(context(), [a, b, c]) == [a]
+
+
+@pytest.mark.parametrize(
+    ("waiting", "unseen", "expected"),
+    [
+        ((0, 0, 0), (0, 0, 0), [1.0, 1.0, 1.0]),  # no preference
+        ((0, 5, 10), (0, 0, 0), [1.0, 0.5, 0.0]),  # min-max: 0 → 1, 10 → 0
+        ((0, 0, 0), (4, 0, 0), [0.0, 1.0, 1.0]),  # requests routed since the last scrape count too
+    ],
+    ids=["idle", "engine-queues", "unseen-burst"],
+)
+def test_queue_depth_scorer(store, waiting, unseen, expected):
+    eps = store.all()
+    for ep, w, u in zip(eps, waiting, unseen):
+        ep.engine = engine(waiting=w)
+        for _ in range(u):
+            store.reserve(ep)
+    assert build("queue-depth-scorer").score(context(), eps) == pytest.approx(expected)
+
+
+def test_kv_utilization_scorer(store):
+    a, b, c = store.all()
+    a.engine = engine(kv=0.2, blocks=100)
+    b.engine = engine(kv=0.2, blocks=100)
+    store.reserve(b, blocks=30)  # effective usage 0.5
+    c.engine = None  # unknown → neutral 0.5
+    assert build("kv-utilization-scorer").score(context(), [a, b, c]) == pytest.approx([0.8, 0.5, 0.5])
+
+
+def test_flops_load_scorer_weights_prefill_three_times(store):
+    a, b, _ = store.all()
+    for _ in range(3):
+        r = store.reserve(a)
+        r.mark_first_token()  # 3 decoding → load 3
+    store.reserve(b)  # 1 in prefill → load 3
+    store.reserve(b)  # 2 in prefill → load 6
+    assert [a.flops_load, b.flops_load] == [3, 6]
+    assert build("flops-load-scorer").score(context(), [a, b]) == pytest.approx([1.0, 0.0])
+
+
+def test_flops_load_token_weighted(store):
+    a, b, _ = store.all()
+    store.reserve(a, prompt_tokens=8000)  # 3 × 8 = 24
+    for _ in range(10):
+        store.reserve(b, prompt_tokens=100).mark_first_token()  # 10 decoding = 10
+    assert build("flops-load-scorer", {"token_weighted": True}).score(context(), [a, b]) == pytest.approx([0.0, 1.0])
+
+
+def test_inflight_scorer(store):
+    a, b, c = store.all()
+    store.reserve(a)
+    store.reserve(a)
+    store.reserve(b)
+    assert build("inflight-scorer").score(context(), [a, b, c]) == pytest.approx([0.0, 0.5, 1.0])
+
+
+def test_compute_aware_scorer_is_the_seed_formula(store):
+    a, b, _ = store.all()
+    a.engine = engine(kv=0.2, ttft=0.1)
+    b.engine = engine(kv=0.6, ttft=0.4)
+    a.node = SimpleNamespace(gpu_util=0.5, device_fault=None)
+    b.node = SimpleNamespace(gpu_util=0.9, device_fault=None)
+    scorer = build("compute-aware-scorer", {"alpha": 0.5, "beta": 0.3, "gamma": 0.2})
+    # a: 0.5·(0.1/0.1) + 0.3·0.8 + 0.2·0.5 = 0.84;  b: 0.5·(0.1/0.4) + 0.3·0.4 + 0.2·0.1 = 0.265
+    assert scorer.score(context(), [a, b]) == pytest.approx([0.84, 0.265])
+    # Without agents the GPU term is dropped and α, β renormalised (0.625, 0.375).
+    a.node = b.node = None
+    assert scorer.score(context(), [a, b]) == pytest.approx([0.625 + 0.375 * 0.8, 0.625 * 0.25 + 0.375 * 0.4])
+
+
+def test_compute_aware_prefers_measured_ttft_over_engine_histogram(store):
+    a, b, _ = store.all()
+    a.engine = engine(ttft=0.1)
+    b.engine = engine(ttft=0.1)
+    b.stream_stats = SimpleNamespace(ttft_p95_s=lambda: 1.0)  # what clients actually saw
+    scores = build("compute-aware-scorer", {"alpha": 1, "beta": 0, "gamma": 0}).score(context(), [a, b])
+    assert scores == pytest.approx([1.0, 0.1])
+
+
+def test_max_score_picker_breaks_ties_randomly(store):
+    from extproc.scheduling.framework import ScoredEndpoint
+
+    a, b, c = store.all()
+    scored = [ScoredEndpoint(a, 1.0, {}), ScoredEndpoint(b, 1.0, {}), ScoredEndpoint(c, 0.5, {})]
+    picker = build("max-score-picker")
+    ctx = context()
+    chosen = {picker.pick(ctx, scored).primary.endpoint.address for _ in range(50)}
+    assert chosen == {a.address, b.address}
+    result = picker.pick(ctx, scored)
+    assert result.fallbacks[-1].endpoint is c
