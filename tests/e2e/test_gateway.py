@@ -61,6 +61,7 @@ async def test_picked_engine_gets_the_request_and_its_prompt_tokens(
     assert rec.body == sent
     # llm-extproc's decision, not the client's, names the engine that got it.
     assert rec.header("x-gateway-destination-endpoint") == engine.address.encode()
+    assert r.headers["x-llm-endpoint"] == engine.address  # Envoy reports the upstream it used
     if path == "/v1/chat/completions":
         expected = qwen_counter.count_chat(body["messages"]).count
     else:
