@@ -362,6 +362,7 @@ class LoadGenerator:
                 max_tokens=request.output_tokens,
                 session=request.session,
                 sent_wall_s=now - t0,
+                time_scale=self.config.speed,
             )
             results.append(result)
             self._counts["sent"] += 1
