@@ -48,7 +48,7 @@ __all__ = [
     "validate_config_file",
 ]
 
-CONFIG_NAMES: tuple[str, ...] = ("fail-open", "fail-closed")
+CONFIG_NAMES: tuple[str, ...] = ("fail-open", "fail-closed", "tier")
 """Configs shipped in `envoy/` (installed as `extproc/_envoy_configs/`), by name."""
 
 FALLBACK_CLUSTER = "llm_fallback"
@@ -185,13 +185,15 @@ def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"address": host, "port_value": port}
 
 
-def _set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]]) -> None:
-    cluster["load_assignment"] = {
-        "cluster_name": cluster["name"],
-        "endpoints": [
-            {"lb_endpoints": [{"endpoint": {"address": {"socket_address": _socket_address(h, p)}}} for h, p in addresses]}
-        ],
-    }
+def _set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int] | tuple[str, int, int]]) -> None:
+    """Replace a cluster's endpoints; a third tuple element is the endpoint's health-check port."""
+    lb = []
+    for addr in addresses:
+        endpoint: dict[str, Any] = {"address": {"socket_address": _socket_address(addr[0], addr[1])}}
+        if len(addr) > 2:
+            endpoint["health_check_config"] = {"port_value": addr[2]}
+        lb.append({"endpoint": endpoint})
+    cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [{"lb_endpoints": lb}]}
 
 
 def stripped_headers(cfg: Mapping[str, Any]) -> list[str]:
@@ -221,6 +223,9 @@ class RunSettings:
             llm-extproc's `limits.max_body_bytes`.
         grpc_max_message_bytes: ext_proc `max_receive_message_length` (bytes); equal to
             llm-extproc's `limits.grpc_max_message_bytes`.
+        clusters: other clusters' endpoints by cluster name (tier mode: `llm_tier_<tier>`),
+            each (host, port) or (host, port, health-check port); a cluster the config lacks
+            is an error.
     """
 
     listener: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -229,6 +234,7 @@ class RunSettings:
     endpoints: Sequence[tuple[str, int]] | None = None
     max_body_bytes: int | None = None
     grpc_max_message_bytes: int | None = None
+    clusters: Mapping[str, Sequence[tuple[str, int] | tuple[str, int, int]]] | None = None
 
 
 def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, Any]:
@@ -271,6 +277,13 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
         fallback = _cluster(out, FALLBACK_CLUSTER)
         if fallback is not None:
             _set_endpoints(fallback, settings.endpoints)
+    for name, addresses in (settings.clusters or {}).items():
+        cluster = _cluster(out, name)
+        if cluster is None:
+            raise EnvoyError(f"the config has no cluster {name!r}")
+        if not addresses:
+            raise EnvoyError(f"cluster {name!r}: endpoints must not be empty")
+        _set_endpoints(cluster, addresses)
     return out
 
 

@@ -67,6 +67,7 @@ class Backend:
     def __init__(self, name: str) -> None:
         self.name = name
         self.received: list[Received] = []
+        self.failing_health = False
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -81,6 +82,7 @@ class Backend:
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/healthz", self._healthz)  # what a node agent answers Envoy's checks with
         app.router.add_get("/metrics", self._metrics)  # scraped by the server; not recorded
         app.router.add_get("/v1/models", self._models)
         for path in _API_PATHS:
@@ -107,6 +109,9 @@ class Backend:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok", headers=self._headers())
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.failing_health else 200, text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = b'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="Qwen/Qwen3-8B"} 0\n'

@@ -83,13 +83,16 @@ def test_ext_proc_settings(path: Path) -> None:
     # 2 s: above the server's own decision budget (1500 ms), far above Envoy's 200 ms default.
     assert ext_proc["message_timeout"] == "2s"
     assert LimitsConfig().decision_timeout_ms < 2000
-    expected_fail_open = path.stem == "fail-open"
+    expected_fail_open = path.stem in ("fail-open", "tier")
     assert ext_proc["failure_mode_allow"] is expected_fail_open
     if not expected_fail_open:
         assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+ENDPOINT_MODE_FILES = [p for p in CONFIG_FILES if p.stem != "tier"]
+
+
+@pytest.mark.parametrize("path", ENDPOINT_MODE_FILES, ids=[p.name for p in ENDPOINT_MODE_FILES])
 def test_clusters_routes_and_timeouts(path: Path) -> None:
     cfg = load_envoy_config(path)
     pinned = _cluster(cfg, "llm_endpoints")
@@ -117,6 +120,25 @@ def test_clusters_routes_and_timeouts(path: Path) -> None:
     # Non-streaming generations are silent until done: idle timeout well above Envoy's 5 min.
     assert int(_hcm(cfg)["stream_idle_timeout"].rstrip("s")) >= 600
     assert _hcm(cfg)["codec_type"] == "AUTO"
+
+
+def test_tier_config_routes_each_tier_to_its_cluster() -> None:
+    cfg = load_envoy_config("tier")
+    routes = _routes(cfg)
+    tiers = ["low-latency", "balanced", "high-throughput"]
+    for route, tier in zip(routes, tiers):
+        assert route["match"]["headers"] == [{"name": "x-llm-tier", "string_match": {"exact": tier}}]
+        cluster = _cluster(cfg, route["route"]["cluster"])
+        assert cluster["name"] == "llm_tier_" + tier.replace("-", "_")
+        assert cluster["lb_policy"] == "LEAST_REQUEST"
+        # Health through the node agent's port, never the engine's own.
+        (hc,) = cluster["health_checks"]
+        assert hc["http_health_check"]["path"] == "/healthz"
+        for lb in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]:
+            assert lb["endpoint"]["health_check_config"]["port_value"] != lb["endpoint"]["address"]["socket_address"]["port_value"]
+    assert routes[3]["route"]["cluster"] == "llm_fallback" and "headers" not in routes[3]["match"]
+    # No ORIGINAL_DST cluster: no header can steer a request to an address of its choosing.
+    assert all(c["type"] != "ORIGINAL_DST" for c in cfg["static_resources"]["clusters"])
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])

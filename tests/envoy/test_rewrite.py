@@ -72,7 +72,7 @@ def test_full_rewrite_changes_exactly_the_run_fields(name: str) -> None:
         f"{EXT_PROC_GRPC}/max_receive_message_length": 2 * 1024 * 1024,
         f"{EXTPROC_EP.format(i=ext)}/port_value": 19002,
     }
-    if name == "fail-open":
+    if name in ("fail-open", "tier"):
         fb = _cluster_index(out, "llm_fallback")
         base = f"static_resources/clusters/{fb}/load_assignment/endpoints/0/lb_endpoints"
         expected[f"{base}/0/endpoint/address/socket_address/port_value"] = 18001
