@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class NodeLoadStub:
-    """Missing associated documentation comment in .proto file."""
+    """The latest load of one GPU node, as sampled by its agent.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class NodeLoadStub:
 
 
 class NodeLoadServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The latest load of one GPU node, as sampled by its agent.
+    """
 
     def Get(self, request, context):
         """The latest report. FAILED_PRECONDITION until the first sample is taken.
@@ -86,7 +88,8 @@ def add_NodeLoadServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class NodeLoad:
-    """Missing associated documentation comment in .proto file."""
+    """The latest load of one GPU node, as sampled by its agent.
+    """
 
     @staticmethod
     def Get(request,
