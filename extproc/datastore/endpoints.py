@@ -22,10 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from extproc.config.schema import EndpointConfig
 from extproc.types import EndpointAddress
+
+if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
+    # (config.schema → scheduling registry → plugins → datastore.endpoints)
+    from extproc.config.schema import EndpointConfig
 
 __all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
 
