@@ -206,7 +206,9 @@ class SimServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.on_response_prepare.append(self._add_speed_header)
         self._routes(app)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that disconnects cancels its handler, whose `finally`
+        # aborts the engine request (vLLM aborts on disconnect too, freeing the KV blocks).
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._runner.setup()
         await self._listen()
         self._task = asyncio.create_task(self._engine_loop(), name=f"sim-engine-{self.port}")

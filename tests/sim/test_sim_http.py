@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -236,3 +237,21 @@ async def test_gpu_view(start_sim, http) -> None:
     async with http.get(f"{sim.url}/sim/gpu") as resp:
         busy = await resp.json()
     assert 0.0 < busy["utilization"] <= 1.0  # busy in the last simulated second
+
+
+async def test_client_disconnect_aborts_the_request(start_sim, http) -> None:
+    sim = await start_sim(speed=2.0)
+    body = {"prompt": [3] * 2000, "max_tokens": 4000, "ignore_eos": True}
+    task = asyncio.create_task(post(http, f"{sim.url}/v1/completions", body))
+    assert sim.engine is not None
+    for _ in range(200):
+        if sim.engine.running:
+            break
+        await asyncio.sleep(0.01)
+    assert sim.engine.pool.num_used > 0
+    task.cancel()
+    for _ in range(200):
+        if sim.engine.stats.finished["abort"]:
+            break
+        await asyncio.sleep(0.01)
+    assert sim.engine.stats.finished["abort"] == 1 and sim.engine.pool.num_used == 0
