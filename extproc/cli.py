@@ -1,4 +1,4 @@
-"""The `llm-extproc` command: serve | sim | demo | up | bench | analyze.
+"""The `llm-extproc` command: serve | agent | sim | demo | up | bench | analyze.
 
 Each subcommand's options live beside its implementation; heavy imports happen inside the
 command bodies so `llm-extproc --help` stays fast.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from extproc.agent.cli import agent
 from extproc.bench.cli import analyze
 from extproc.server.cli import serve
 from extproc.sim.cli import sim
@@ -23,6 +24,7 @@ app = typer.Typer(
 )
 app.command("serve")(serve)
 app.command("sim")(sim)
+app.command("agent")(agent)
 app.command("analyze")(analyze)
 
 

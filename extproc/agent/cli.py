@@ -1,0 +1,89 @@
+"""`llm-extproc agent`: run the node agent until SIGTERM/SIGINT.
+
+Prints one line when ready:
+`agent listening grpc=HOST:PORT metrics=HOST:PORT node=NAME gpu-source=SPEC`.
+Exit status 2 for unusable options (a bad `--gpu-source`, `nvml` without the NVML library),
+1 when a port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["agent"]
+
+
+def agent(
+    engine_url: str = typer.Option(
+        "http://127.0.0.1:8000", help="the local engine's base URL (/metrics, /health); 'none' to watch no engine"
+    ),
+    gpu_source: str = typer.Option("nvml", help="nvml | sim:URL (a simulator's /sim/gpu) | none"),
+    grpc_port: int = typer.Option(9100, help="gRPC port: grpc.health.v1 + llm_extproc.v1.NodeLoad (0 = any free port)"),
+    metrics_port: int = typer.Option(9101, help="Prometheus /metrics port (0 = any free port)"),
+    host: str = typer.Option("0.0.0.0", help="listen address of both ports"),
+    period: float = typer.Option(1.0, help="sampling period (seconds); also NodeLoad.Watch's cadence"),
+    node: str = typer.Option("", help="node name in reports (default: the host name)"),
+    engine_timeout: float = typer.Option(1.0, help="timeout of each engine or sim request (seconds)"),
+    unhealthy_after: int = typer.Option(2, help="consecutive failed engine /health probes before NOT_SERVING"),
+    latency_window: float = typer.Option(30.0, help="window of the TTFT P95 (seconds)"),
+    alpha: float = typer.Option(1 / 3, help="weight of the latency term min(1, latency-ref-ms / TTFT P95)"),
+    beta: float = typer.Option(1 / 3, help="weight of the free-KV term free_kv / total_kv"),
+    gamma: float = typer.Option(1 / 3, help="weight of the idle-GPU term 1 - gpu_util"),
+    latency_ref_ms: float = typer.Option(200.0, help="TTFT P95 (ms) at or below which the latency term is 1"),
+    log_level: str = typer.Option("info", help="debug, info, warning, error"),
+) -> None:
+    """Run the node agent: NVML + the local engine's metrics → health, load reports, Prometheus."""
+    import asyncio
+    import logging
+    import signal
+    import sys
+
+    from extproc.agent.app import AgentSettings, NodeAgent
+    from extproc.agent.devices import GpuSourceError, gpu_source_from_spec
+    from extproc.agent.weight import WeightParams
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        weight = WeightParams(alpha=alpha, beta=beta, gamma=gamma, latency_ref_ms=latency_ref_ms)
+        extra = {"node": node} if node else {}
+        settings = AgentSettings(
+            host=host,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            period_s=period,
+            engine_url=None if engine_url in ("", "none") else engine_url,
+            engine_timeout_s=engine_timeout,
+            unhealthy_after=unhealthy_after,
+            latency_window_s=latency_window,
+            weight=weight,
+            **extra,
+        )
+        source = gpu_source_from_spec(gpu_source, timeout_s=engine_timeout)
+    except (ValueError, GpuSourceError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    async def run() -> None:
+        app = NodeAgent(settings, source)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await app.start()
+        except GpuSourceError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        except OSError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        print(
+            f"agent listening grpc={host}:{app.grpc_port} metrics={host}:{app.metrics_port} "
+            f"node={settings.node} gpu-source={gpu_source}",
+            flush=True,
+        )
+        await stop.wait()
+        print("agent shutting down", file=sys.stderr, flush=True)
+        await app.aclose()
+
+    asyncio.run(run())
