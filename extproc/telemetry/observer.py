@@ -10,8 +10,10 @@ What it measures (all times from the monotonic `now_ns` the caller passes, conve
   chunk: exact when every content event carries `usage` (vLLM `continuous_usage_stats`);
   otherwise, at the end, the final `usage.completion_tokens` spread evenly over the content
   events (vLLM's `--stream-interval` packs several tokens into one event); without any usage,
-  one content event counts as one token (`tokens_source` says which). The live gaps fed to
-  `EndpointStreamStats` use the exact count when known, else one token per event;
+  each content event counts as the endpoint's learned `tokens_per_event` (from its earlier
+  responses that reported usage; 1.0 — one event, one token — before any). `tokens_source`
+  says which. The live gaps fed to `EndpointStreamStats` use the exact count when known, else
+  the learned `tokens_per_event`;
 * E2E: request start → `on_end`;
 * the decomposition: queue+prefill = TTFT; decode = last content − first content;
   post-processing = end of the response body − last content; network = E2E − the three
@@ -40,6 +42,13 @@ the caller's reason when it is not `complete`; else `backend_error` for a status
 error event in the stream (vLLM writes `data: {"error": ...}` mid-stream); `stream_error` when
 no response headers came, the body never reached end of stream, or it ended inside an event;
 else `complete`. A response cut mid-stream keeps what was seen (events, tokens, partial usage).
+
+At `on_end` the observer records: into the endpoint's stats the TTFT (any outcome that had a
+first content event), the mean time per output token and tokens per event (completed responses);
+into the metrics the TTFT likewise, the duration, time per output token, decomposition and token
+usage (completed responses; output tokens only when counted by `usage`, never estimated), one
+error count per other outcome (plus `sse_limit` when parsing gave up), and the endpoint's
+backpressure level.
 
 Cost: a few microseconds per chunk (see `scripts/bench_sse.py`).
 """
@@ -136,8 +145,9 @@ class StreamResult:
         breakdown: the decomposition, when a content event was seen.
         events: SSE data events, `[DONE]` excluded (count).
         content_events: events that carried output (count).
-        output_tokens: `usage.completion_tokens`, else `content_events` (see `tokens_source`).
-        tokens_source: `usage_continuous`, `usage`, `events` (one event = one token) or `none`.
+        output_tokens: `usage.completion_tokens`, else an estimate from `content_events`.
+        tokens_source: `usage_continuous`, `usage`, `events` (content events × the endpoint's
+            learned tokens per event, an estimate) or `none`.
         tpot_s: mean time per output token after the first content chunk.
         usage: the last `usage` seen.
         done: the SSE `[DONE]` sentinel was seen.
@@ -429,7 +439,10 @@ class StreamObserver:
             self._first_events = arrival_events
             self._first_tokens = arrival_tokens if tokens_known else None
         elif self._stats is not None and self._last_ns is not None:
-            per = arrival_tokens if tokens_known and arrival_tokens > 0 else arrival_events
+            if tokens_known and arrival_tokens > 0:
+                per = float(arrival_tokens)
+            else:
+                per = arrival_events * self._tokens_per_event()
             self._stats.record_gap(_s(now_ns - self._last_ns) / per, now_ns)
         self._last_ns = now_ns
 
@@ -510,7 +523,7 @@ class StreamObserver:
                 output_tokens = usage.completion_tokens
                 source = "usage_continuous" if self._continuous and self._usage_in_content else "usage"
             elif self._content_events:
-                output_tokens, source = self._content_events, "events"
+                output_tokens, source = round(self._content_events * self._tokens_per_event()), "events"
         elif usage is not None and usage.completion_tokens is not None:
             output_tokens, source = usage.completion_tokens, "usage"
         if self._first_ns is not None and self._last_ns is not None:
@@ -556,13 +569,19 @@ class StreamObserver:
         elif source == "usage":
             after_first = tokens - self._first_events * tokens / self._content_events
         else:
-            after_first = self._content_events - self._first_events
+            after_first = (self._content_events - self._first_events) * self._tokens_per_event()
         return decode_s / after_first if after_first > 0 else None
+
+    def _tokens_per_event(self) -> float:
+        return self._stats.tokens_per_event if self._stats is not None else 1.0
 
     def _record(self, r: StreamResult, end_ns: int) -> None:
         ok = r.outcome == "complete"
         if self._stats is not None:
-            self._stats.record_end(ok=ok, ttft_s=r.ttft_s, itl_s=r.tpot_s if ok else None, now_ns=end_ns)
+            tpe = None
+            if ok and r.content_events and r.tokens_source in ("usage", "usage_continuous") and r.output_tokens:
+                tpe = r.output_tokens / r.content_events
+            self._stats.record_end(ok=ok, ttft_s=r.ttft_s, itl_s=r.tpot_s if ok else None, tokens_per_event=tpe, now_ns=end_ns)
         m = self._metrics
         if m is None:
             return
@@ -587,5 +606,5 @@ class StreamObserver:
             prompt = self._prompt_tokens
         if prompt is not None:
             m.token_usage.labels("input", *labels).observe(prompt)
-        if r.output_tokens is not None:
+        if r.output_tokens is not None and r.tokens_source != "events":  # counted, not estimated
             m.token_usage.labels("output", *labels).observe(r.output_tokens)

@@ -8,9 +8,10 @@ Windows are bounded by time and by count (whichever drops a sample first):
 * TTFT (seconds), one sample per response that produced a first content event;
 * ITL (seconds per token), one sample per completed response (its mean time per output token);
 * inter-chunk gaps (seconds per token), one sample per body chunk that carried content, divided
-  by the tokens it carried when known at that moment, else by its content events (one event is
-  taken as one token). Samples from concurrent responses on the endpoint mix: that is the
-  endpoint's jitter.
+  by the tokens it carried when known at that moment, else by its content events times
+  `tokens_per_event` — learned from this endpoint's completed responses that reported usage
+  (vLLM's `--stream-interval` packs several tokens into one event), 1.0 until then. Samples
+  from concurrent responses on the endpoint mix: that is the endpoint's jitter.
 
 Derived values (DESIGN section 8 and the design notes' section 4):
 
@@ -147,6 +148,7 @@ class EndpointStreamStats:
         self._gaps = _Window(p.gap_window_s, p.gap_max_samples)
         self._completed = 0
         self._failed = 0
+        self._tokens_per_event: float | None = None
         self._snapshot: StreamStatsSnapshot | None = None
         self._snapshot_ns = 0
 
@@ -154,16 +156,36 @@ class EndpointStreamStats:
         """One content-carrying chunk arrived `gap_s` seconds per token after the previous one."""
         self._gaps.add(self._clock() if now_ns is None else now_ns, gap_s)
 
-    def record_end(self, *, ok: bool, ttft_s: float | None, itl_s: float | None, now_ns: int | None = None) -> None:
+    @property
+    def tokens_per_event(self) -> float:
+        """Output tokens per SSE content event on this endpoint (moving average over responses
+        that reported usage; 1.0 before any did)."""
+        return self._tokens_per_event or 1.0
+
+    def record_end(
+        self,
+        *,
+        ok: bool,
+        ttft_s: float | None,
+        itl_s: float | None,
+        tokens_per_event: float | None = None,
+        now_ns: int | None = None,
+    ) -> None:
         """A response ended.
 
         Args:
             ok: it completed (False: client abort, backend or stream error).
             ttft_s: its TTFT (seconds), or None when no content event came.
             itl_s: its mean time per output token (seconds), or None when unknown.
+            tokens_per_event: its `usage.completion_tokens` / content events, when it had both.
             now_ns: monotonic time of the end (ns); default: now.
         """
         now = self._clock() if now_ns is None else now_ns
+        if tokens_per_event is not None and tokens_per_event > 0:
+            old = self._tokens_per_event
+            # An exponential moving average (weight 0.2 for the newest response): follows a
+            # changed --stream-interval within a few responses, shrugs off one odd response.
+            self._tokens_per_event = tokens_per_event if old is None else 0.8 * old + 0.2 * tokens_per_event
         if ttft_s is not None:
             self._ttft.add(now, ttft_s)
         if itl_s is not None:
@@ -179,7 +201,7 @@ class EndpointStreamStats:
         recomputed (a sort of the TTFT window, ≤ `max_samples`), O(1) otherwise."""
         now = self._clock() if now_ns is None else now_ns
         snap = self._snapshot
-        if snap is not None and now - self._snapshot_ns < self.params.snapshot_ttl_s * 1e9:
+        if snap is not None and 0 <= now - self._snapshot_ns < self.params.snapshot_ttl_s * 1e9:
             return snap
         snap = self._compute(now)
         self._snapshot = snap

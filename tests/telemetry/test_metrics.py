@@ -66,6 +66,15 @@ def test_jittery_endpoint_sets_the_backpressure_gauge(make_observer, registry):
     assert registry.get_sample_value("llm_extproc_endpoint_backpressure_level", {"endpoint": ENDPOINT}) == 2
 
 
+def test_estimated_output_tokens_are_not_exported_as_usage(make_observer, registry):
+    # Without usage the output count is an estimate from events: kept in the result, not exported.
+    body = b"".join(e for e in events_of(recorded("completion.sse")) if b'"choices":[]' not in e)
+    obs = make_observer()
+    play(obs, [body], [30])
+    assert obs.on_end("complete").tokens_source == "events"
+    assert registry.get_sample_value("gen_ai_client_token_usage_count", {"gen_ai_token_type": "output", **LABELS}) is None
+
+
 def test_our_prompt_count_fills_in_when_usage_is_missing(make_observer, registry):
     body = b'{"id":"x","object":"chat.completion","choices":[]}'
     obs = make_observer(prompt_tokens=321)

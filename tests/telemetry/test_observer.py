@@ -140,6 +140,23 @@ def test_stream_interval_with_final_usage_only_spreads_tokens_evenly(make_observ
     assert stats.snapshot(START + 200 * MS).gap_mean_s == pytest.approx(0.0375)
 
 
+def test_live_gaps_use_the_endpoint_learned_tokens_per_event(make_observer, stats):
+    # A first response with usage teaches the endpoint 16 tokens / 5 events = 3.2 per event; a
+    # later one without usage then has its 40 ms event gaps counted as 40 / 3.2 = 12.5 ms per token.
+    times = [40, 50, 90, 130, 170, 200, 200, 200, 200]
+    taught = events_of(strip_usage(recorded("chat_interval_usage.sse"), keep_last=True))
+    play(make_observer(), taught, times).observer.on_end("complete", START + 200 * MS)
+    assert stats.tokens_per_event == pytest.approx(3.2)
+    plain = events_of(strip_usage(recorded("chat_interval_usage.sse"), keep_last=False))
+    before = stats.snapshot(START).gap_samples
+    r = play(make_observer(), plain, [t + 1000 for t in times[: len(plain)]]).observer.on_end("complete")
+    # Its tokens are an estimate too: 5 events × 3.2 = 16, the 4 events after the first 12.8.
+    assert (r.tokens_source, r.output_tokens, r.tpot_s) == ("events", 16, pytest.approx(0.150 / 12.8))
+    snap = stats.snapshot(START)
+    assert snap.gap_samples == before + 4
+    assert snap.gap_mean_s == pytest.approx((0.0375 * 4 + (0.040 * 3 + 0.030) / 3.2) / 8)
+
+
 def test_without_usage_one_event_counts_as_one_token(make_observer):
     chunks = events_of(strip_usage(recorded("chat_reasoning.sse"), keep_last=False))
     played = play(make_observer(), chunks, ticks(len(chunks)))

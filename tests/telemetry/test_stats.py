@@ -98,6 +98,15 @@ def test_ttft_p95_itl_and_counts():
     assert st.ttft_p95_s() == snap.ttft_p95_s  # the accessor the compute-aware scorer calls
 
 
+def test_tokens_per_event_is_a_moving_average():
+    st = EndpointStreamStats(clock_ns=lambda: T0)
+    assert st.tokens_per_event == 1.0  # nothing learned yet
+    st.record_end(ok=True, ttft_s=None, itl_s=None, tokens_per_event=4.0)
+    assert st.tokens_per_event == 4.0
+    st.record_end(ok=True, ttft_s=None, itl_s=None, tokens_per_event=1.0)
+    assert st.tokens_per_event == pytest.approx(0.8 * 4.0 + 0.2 * 1.0)
+
+
 def test_empty_stats():
     snap = EndpointStreamStats(clock_ns=lambda: T0).snapshot()
     assert (snap.ttft_p95_s, snap.itl_mean_s, snap.itl_recent_s, snap.gap_mean_s, snap.gap_stddev_s) == (None,) * 5
