@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from extproc.agent.cli import agent
-from extproc.bench.cli import analyze
+from extproc.bench.cli import analyze, bench, demo, up
 from extproc.server.cli import serve
 from extproc.sim.cli import sim
 
@@ -25,6 +25,9 @@ app = typer.Typer(
 app.command("serve")(serve)
 app.command("sim")(sim)
 app.command("agent")(agent)
+app.command("demo")(demo)
+app.command("up")(up)
+app.command("bench")(bench)
 app.command("analyze")(analyze)
 
 

@@ -1,0 +1,308 @@
+"""What `llm-extproc demo`, `up` and `bench` do, once their options are parsed (`extproc.bench.cli`).
+
+Each runs in one asyncio loop of the calling process: the load generator lives here, every
+simulator, llm-extproc, Envoy and peer router is a child process in its own session, stopped by
+PID on the way out, whether the command ends normally, fails, or gets SIGINT/SIGTERM
+(`runner.Interrupts`). Child logs go to a temporary directory, removed after a clean run and
+kept (its path printed) after a failure.
+
+Return values are exit codes: 0 done, 1 a child failed, 2 bad input, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import orjson
+from rich.console import Console
+
+from extproc.bench.policies import Policy
+from extproc.bench.results import SLO, LabeledRun, Report, build_report, render_report
+from extproc.bench.runner import Interrupts, ReplayOptions, Workload, replay
+from extproc.bench.stacks import PolicyStack, StackSettings
+
+__all__ = ["BenchOptions", "DemoOptions", "Outputs", "run_bench", "run_demo", "run_up"]
+
+_BEHIND_WARN = 0.01  # behind-schedule fraction above which a run is flagged (CPU headroom gone)
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """Where results go: the JSON report and the PNG figure (None: not written)."""
+
+    json_path: Path | None = None
+    plot_path: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """`demo`: one policy, one workload."""
+
+    policy: Policy
+    workload: Workload
+    stack: StackSettings
+    replay: ReplayOptions
+    outputs: Outputs
+    slo: SLO
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """`bench`: every policy on the same requests at every rate scale.
+
+    Attributes:
+        workload: the requests at rate scale 1 (each scale divides their arrival times).
+        rate_scales: the loads to run, in order.
+        duration_s: keep only arrivals within this many seconds of the first, after scaling.
+    """
+
+    policies: Sequence[Policy]
+    workload: Workload
+    rate_scales: Sequence[float]
+    duration_s: float | None
+    stack: StackSettings
+    replay: ReplayOptions
+    outputs: Outputs
+    slo: SLO
+
+
+class _Logs:
+    """A temp dir for child logs: removed when all went well, kept (and named) otherwise."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=prefix))
+        self.keep = False
+
+    def finish(self, console: Console) -> None:
+        if self.keep:
+            console.print(f"child logs kept in {self.path}", highlight=False)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _load_prompts():  # type: ignore[no-untyped-def]
+    """The prompt synthesizer over the default tokenizer (1-2 s; run in a thread)."""
+    from extproc.bench.prompts import PromptSynthesizer
+    from extproc.pipeline.tokens import TokenCounter
+
+    return PromptSynthesizer(TokenCounter.from_source("builtin:qwen3"))
+
+
+def _describe(stack: PolicyStack) -> str:
+    counts: dict[str, int] = {}
+    for p in stack.settings.profiles:
+        counts[p] = counts.get(p, 0) + 1
+    fleet = ", ".join(f"{n}× {p}" for p, n in counts.items())
+    return f"{stack.policy.description}; fleet: {fleet}; speed {stack.settings.speed:g}"
+
+
+def _warn_behind(console: Console, report: Report) -> None:
+    for run in report.runs:
+        b = run.behind_schedule
+        if b.fraction > _BEHIND_WARN:
+            console.print(
+                f"[yellow]warning:[/yellow] {run.policy} ({run.trace}): the load generator fell behind its "
+                f"schedule for {b.fraction:.1%} of sends (max {b.max_lag_ms:,.0f} ms late): the CPU was "
+                "saturated, so the offered load was lower than planned; use a lower --speed or --rate-scale",
+                highlight=False,
+            )
+
+
+def _write_json(report: Report, path: Path, console: Console) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(report.model_dump(mode="json"), option=orjson.OPT_INDENT_2))
+    console.print(f"wrote {path}", highlight=False)
+
+
+async def _start(stack: PolicyStack, console: Console) -> None:
+    console.print(f"starting: {_describe(stack)}", highlight=False)
+    await stack.start()
+
+
+def _print_services(stack: PolicyStack, console: Console) -> None:
+    for what, url in stack.services():
+        console.print(f"  {what}: {url}", highlight=False, soft_wrap=True)
+
+
+async def _guarded(
+    work: Callable[[Interrupts], Awaitable[None]], logs: _Logs, console: Console
+) -> Literal["done", "interrupted", "failed"]:
+    """Run `work` under `Interrupts`; a signal or an error becomes an outcome, never a traceback.
+
+    `work` must stop what it started itself (try/finally): this only reports. The logs are
+    kept after a failure.
+    """
+    interrupts = Interrupts(asyncio.current_task(), on_signal=lambda s: console.print(f"{s}: stopping"))
+    try:
+        with interrupts:
+            await work(interrupts)
+    except asyncio.CancelledError:
+        if not interrupts.fired:
+            raise
+    except Exception as exc:  # noqa: BLE001 - a child failed or a port was taken: say so, exit 1
+        logs.keep = True
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return "failed"
+    finally:
+        logs.finish(console)
+    return "interrupted" if interrupts.fired else "done"
+
+
+async def run_demo(options: DemoOptions, console: Console) -> int:
+    """Start the stack, replay the workload with a progress bar, print and write the results."""
+    from extproc.bench.plots import plot_runs
+    from extproc.bench.views import render_run_details
+
+    logs = _Logs("llm-extproc-demo-")
+    stack = PolicyStack(options.policy, options.stack, workdir=logs.path)
+    runs: list[LabeledRun] = []
+
+    async def work(interrupts: Interrupts) -> None:
+        prompts_task = asyncio.ensure_future(asyncio.to_thread(_load_prompts))
+        try:
+            await _start(stack, console)
+            _print_services(stack, console)
+            prompts = await prompts_task
+            console.print(
+                f"replaying {len(options.workload.requests):,} requests of {options.workload.name} "
+                f"(offered {options.workload.offered_rps or 0:.2f} req/s)",
+                highlight=False,
+            )
+            runs.append(await replay(stack, options.workload, prompts, options.replay, console=console, interrupts=interrupts))
+        finally:
+            prompts_task.cancel()
+            await stack.aclose()
+
+    outcome = await _guarded(work, logs, console)
+    if outcome == "interrupted":
+        console.print("interrupted; every process started was stopped")
+    if not runs:
+        return 1 if outcome == "failed" else 130
+    report = build_report(runs, options.slo)
+    console.print(render_run_details(report.runs[0], time_unit=report.time_unit, profiles=_profiles(stack)))
+    _warn_behind(console, report)
+    if options.outputs.plot_path is not None:
+        options.outputs.plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot_runs(runs, options.outputs.plot_path, by="endpoint", slo=options.slo)
+        console.print(f"wrote {options.outputs.plot_path}", highlight=False)
+    if options.outputs.json_path is not None:
+        _write_json(report, options.outputs.json_path, console)
+    return 130 if outcome == "interrupted" else 0
+
+
+def _profiles(stack: PolicyStack) -> dict[str, str]:
+    return {s.address: s.profile for s in stack.fleet.sims if s.port is not None}
+
+
+async def run_up(policy: Policy, settings: StackSettings, console: Console) -> int:
+    """Start the stack, print its URLs, and keep it running until SIGINT/SIGTERM (exit 0)."""
+    logs = _Logs("llm-extproc-up-")
+    stack = PolicyStack(policy, settings, workdir=logs.path)
+
+    async def work(interrupts: Interrupts) -> None:
+        try:
+            await _start(stack, console)
+            console.print("ready:", highlight=False)
+            _print_services(stack, console)
+            console.print(f"  logs: {logs.path}", highlight=False, soft_wrap=True)
+            console.print(
+                f"try: curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' "
+                f"-d '{{\"model\": \"qwen3-8b\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+                highlight=False, soft_wrap=True,
+            )
+            console.print("Ctrl-C stops everything.", highlight=False)
+            await asyncio.Event().wait()  # until a signal cancels us
+        finally:
+            await stack.aclose()
+
+    outcome = await _guarded(work, logs, console)
+    if outcome == "failed":
+        return 1
+    console.print("stopped; every process started was stopped")
+    return 0
+
+
+async def run_bench(options: BenchOptions, console: Console) -> int:
+    """Every policy in turn, at every rate scale, each on a fresh fleet; then tables, JSON, plots.
+
+    A policy whose peer router is not installed is skipped with a note; an interrupted bench
+    still reports the runs it finished.
+    """
+    logs = _Logs("llm-extproc-bench-")
+    runs: list[LabeledRun] = []
+    skipped: list[str] = []
+
+    async def work(interrupts: Interrupts) -> None:
+        prompts = await asyncio.to_thread(_load_prompts)
+        for scale in options.rate_scales:
+            workload = _scaled(options, scale)
+            for policy in options.policies:
+                reason = policy.unavailable()
+                if reason is not None:
+                    note = f"{policy.name}: skipped, {reason}"
+                    if note not in skipped:
+                        skipped.append(note)
+                        console.print(f"[yellow]{note}[/yellow]", highlight=False)
+                    continue
+                if interrupts.fired:
+                    return
+                stack = PolicyStack(policy, options.stack, workdir=logs.path / f"{policy.name}-x{scale:g}")
+                try:
+                    await _start(stack, console)
+                    runs.append(await replay(stack, workload, prompts, options.replay, console=console, interrupts=interrupts))
+                finally:
+                    await stack.aclose()
+
+    outcome = await _guarded(work, logs, console)
+    if outcome == "interrupted":
+        console.print("interrupted; every process started was stopped; results so far:")
+    status = {"done": 0, "interrupted": 130, "failed": 1}[outcome]
+    if not runs:
+        return status or 1
+    report = build_report(runs, options.slo)
+    console.print(render_report(report))
+    if len(options.rate_scales) > 1:
+        from extproc.bench.views import render_goodput
+
+        console.print(render_goodput(report))
+    _warn_behind(console, report)
+    for note in skipped:
+        console.print(note, highlight=False)
+    if options.outputs.plot_path is not None:
+        _plot_bench(options, runs, report, console)
+    if options.outputs.json_path is not None:
+        _write_json(report, options.outputs.json_path, console)
+    return status
+
+
+def _scaled(options: BenchOptions, scale: float) -> Workload:
+    workload = options.workload.scaled(scale)
+    if len(options.rate_scales) > 1:
+        workload = replace(workload, name=f"{workload.name} ×{scale:g}")
+    if options.duration_s is not None and workload.requests:
+        end = workload.requests[0].arrival_s + options.duration_s
+        workload = replace(workload, requests=[r for r in workload.requests if r.arrival_s <= end])
+    return workload
+
+
+def _plot_bench(options: BenchOptions, runs: list[LabeledRun], report: Report, console: Console) -> None:
+    """TTFT CDF per policy at the highest load to `--plot`; goodput vs load beside it when several."""
+    from extproc.bench.plots import plot_runs
+    from extproc.bench.views import plot_goodput
+
+    path = options.outputs.plot_path
+    assert path is not None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    last = runs[-1].trace
+    plot_runs([r for r in runs if r.trace == last], path, by="policy", slo=options.slo)
+    console.print(f"wrote {path} (TTFT CDF per policy, {last})", highlight=False)
+    if len(options.rate_scales) > 1:
+        goodput = path.with_name(f"{path.stem}-goodput{path.suffix or '.png'}")
+        plot_goodput(report, goodput)
+        console.print(f"wrote {goodput} (goodput vs offered load)", highlight=False)

@@ -1,0 +1,286 @@
+"""Replay one workload through one running stack, with a progress bar, into a `LabeledRun`.
+
+    workload = load_workload(WorkloadOptions(trace=None, requests=600, rate=4.0))
+    run = await replay(stack, workload, prompts, ReplayOptions(speed=1.0), console=console)
+
+Also here: building the workload `demo` and `bench` replay (a trace file, or the synthetic
+workload when none is given), and `Interrupts`, the SIGINT/SIGTERM handling both commands share:
+the first signal stops the replay in progress (what was measured is kept) or, between replays,
+cancels the command's main task so that its cleanup stops every child; later signals are ignored
+while that cleanup runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from extproc.bench.loadgen import LoadGenConfig, LoadGenerator, Progress as LoadProgress
+from extproc.bench.prompts import PromptSynthesizer
+from extproc.bench.results import LabeledRun, prefix_cache_counters, prefix_cache_hit_rate
+from extproc.bench.stacks import PolicyStack
+from extproc.bench.traces import TraceRequest, load_trace
+from extproc.bench.workload import WorkloadSpec, synthetic_workload
+
+__all__ = [
+    "Interrupts",
+    "ReplayOptions",
+    "Workload",
+    "WorkloadOptions",
+    "load_workload",
+    "replay",
+    "scrape_prefix_counters",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadOptions:
+    """Which requests to replay.
+
+    Attributes:
+        trace: a trace file (formats of `analyze`), or None for the synthetic workload.
+        format: the trace format, or `auto`.
+        requests: replay at most this many (None: all of the trace; synthetic: see `rate`).
+        duration_s: replay only requests arriving in the first this-many trace seconds
+            (after rescaling).
+        rate_scale: multiply the arrival rate (> 0).
+        rate: arrival rate of the synthetic workload and of ShareGPT/MT-Bench (requests/s,
+            before `rate_scale`).
+        seed: seed of the synthetic workload and of synthesized arrivals.
+        start_offset_s: skip this much of the trace's beginning (trace seconds).
+    """
+
+    trace: Path | None = None
+    format: str = "auto"
+    requests: int | None = None
+    duration_s: float | None = None
+    rate_scale: float = 1.0
+    rate: float = 4.0
+    seed: int = 0
+    start_offset_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Requests to replay (sorted by arrival, first at 0 s) and the name reports use."""
+
+    name: str
+    requests: list[TraceRequest]
+
+    def scaled(self, rate_scale: float) -> Workload:
+        """The same requests with every arrival time divided by `rate_scale` (> 0)."""
+        if not (rate_scale > 0 and math.isfinite(rate_scale)):
+            raise ValueError(f"rate_scale must be a positive number, got {rate_scale}")
+        return Workload(self.name, [dataclasses.replace(r, arrival_s=r.arrival_s / rate_scale) for r in self.requests])
+
+    @property
+    def offered_rps(self) -> float | None:
+        """Requests per second over the span of arrivals (None below two distinct arrivals)."""
+        if len(self.requests) < 2 or self.requests[-1].arrival_s <= self.requests[0].arrival_s:
+            return None
+        return len(self.requests) / (self.requests[-1].arrival_s - self.requests[0].arrival_s)
+
+
+_SYNTHETIC_DEFAULT_REQUESTS = 1000
+
+
+def load_workload(options: WorkloadOptions) -> Workload:
+    """Build the workload: the trace cut and rescaled, or the synthetic one (Poisson arrivals).
+
+    Synthetic without `requests`: enough requests to cover `duration_s` at the scaled rate, or
+    1,000 when no duration is given either.
+
+    Raises:
+        TraceFormatError: unreadable or malformed trace.
+        ValueError: an option out of range.
+    """
+    if not (options.rate_scale > 0 and math.isfinite(options.rate_scale)):
+        raise ValueError(f"--rate-scale must be a positive number, got {options.rate_scale}")
+    if options.duration_s is not None and options.duration_s <= 0:
+        raise ValueError(f"--duration must be > 0 seconds, got {options.duration_s}")
+    if options.trace is None:
+        rate = options.rate * options.rate_scale
+        count = options.requests
+        if count is None:
+            count = math.ceil(rate * options.duration_s) + 1 if options.duration_s else _SYNTHETIC_DEFAULT_REQUESTS
+        requests = synthetic_workload(WorkloadSpec(requests=count, rate=rate, seed=options.seed))
+        name = "synthetic"
+    else:
+        trace = load_trace(
+            options.trace,
+            format=options.format,
+            limit=options.requests,
+            rate_scale=options.rate_scale,
+            start_offset=options.start_offset_s,
+            rate=options.rate,
+            seed=options.seed,
+        )
+        requests, name = trace.requests, trace.path.name
+    if options.duration_s is not None and requests:
+        end = requests[0].arrival_s + options.duration_s
+        requests = [r for r in requests if r.arrival_s <= end]
+    if not requests:
+        raise ValueError("the workload is empty (check --requests, --duration and --start-offset)")
+    return Workload(name, requests)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """How to replay.
+
+    Attributes:
+        speed: time compression; must equal the simulators' speed (latencies are simulated time).
+        request_timeout_s: per-request limit (wall seconds).
+        lag_threshold_s: a send this late counts as behind schedule (wall seconds).
+        progress: show a progress bar.
+    """
+
+    speed: float = 1.0
+    request_timeout_s: float = 120.0
+    lag_threshold_s: float = 0.050
+    progress: bool = True
+
+
+class Interrupts:
+    """SIGINT/SIGTERM for a command that runs stacks and replays (see the module docstring).
+
+    Use `with Interrupts(asyncio.current_task()) as interrupts:` inside the command's main
+    coroutine; `interrupts.fired` tells whether to skip what is left.
+    """
+
+    def __init__(self, main: asyncio.Task[object] | None, *, on_signal: Callable[[str], None] | None = None) -> None:
+        self._main = main
+        self._on_signal = on_signal
+        self._loadgen: LoadGenerator | None = None
+        self._installed: list[int] = []
+        self.fired = False
+
+    def __enter__(self) -> Interrupts:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._fire, sig)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Keep ignoring signals until the process exits: the caller's cleanup is still running
+        # and the default SIGTERM action would kill us with children left behind.
+        loop = asyncio.get_running_loop()
+        for sig in self._installed:
+            loop.add_signal_handler(sig, lambda: None)
+
+    def _fire(self, sig: signal.Signals) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        if self._on_signal is not None:
+            self._on_signal(signal.Signals(sig).name)
+        if self._loadgen is not None:
+            self._loadgen.stop()
+        elif self._main is not None:
+            self._main.cancel()
+
+    @contextlib.contextmanager
+    def replaying(self, loadgen: LoadGenerator):  # type: ignore[no-untyped-def]
+        """While inside, a signal stops `loadgen` instead of cancelling the main task."""
+        self._loadgen = loadgen
+        try:
+            if self.fired:
+                loadgen.stop()
+            yield
+        finally:
+            self._loadgen = None
+
+
+async def scrape_prefix_counters(urls: Sequence[str], timeout_s: float = 2.0) -> list[tuple[float, float]] | None:
+    """`(hits, queries)` prefix-cache tokens of each engine (`<url>/metrics`); None if any fails."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+            texts = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls))
+        return [prefix_cache_counters(r.text) for r in texts if r.status_code == 200] if all(
+            r.status_code == 200 for r in texts
+        ) else None
+    except httpx.HTTPError:
+        return None
+
+
+def _progress_bar(console: Console, label: str) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]{label}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+async def replay(
+    stack: PolicyStack,
+    workload: Workload,
+    prompts: PromptSynthesizer,
+    options: ReplayOptions,
+    *,
+    console: Console,
+    interrupts: Interrupts | None = None,
+    label: str | None = None,
+) -> LabeledRun:
+    """Replay `workload` through the running `stack` (open loop) and label the result.
+
+    The bar counts finished requests; the engines' prefix-cache counters are read before and
+    after (none for a failed scrape). Latencies are in simulated time: at speed 1 the simulated
+    and wall clocks agree, so a run whose responses all lacked `x-sim-speed` (every request
+    failed before an engine answered) is labelled simulated too, keeping runs comparable.
+
+    Returns:
+        the run under `label` (default: the stack's policy name) and the workload's name.
+    """
+    config = LoadGenConfig(
+        base_url=stack.url,
+        model=_model_of(stack),
+        speed=options.speed,
+        request_timeout_s=options.request_timeout_s,
+        endpoint_headers=stack.endpoint_headers or ("x-llm-endpoint",),
+        lag_threshold_s=options.lag_threshold_s,
+    )
+    label = label or stack.policy.name
+    before = await scrape_prefix_counters(stack.fleet.urls)
+    with (_progress_bar(console, label) if options.progress else contextlib.nullcontext()) as bar:
+        task = bar.add_task(label, total=len(workload.requests), stats="") if bar is not None else None
+
+        def on_progress(p: LoadProgress) -> None:
+            if bar is not None and task is not None:
+                stats = f"sent {p.sent}  in flight {p.in_flight}  failed {p.failed}  behind {p.behind}"
+                bar.update(task, completed=p.completed + p.failed, stats=stats)
+
+        loadgen = LoadGenerator(config, prompts, on_progress=on_progress)
+        with interrupts.replaying(loadgen) if interrupts is not None else contextlib.nullcontext():
+            record = await loadgen.run(workload.requests)
+    after = await scrape_prefix_counters(stack.fleet.urls)
+    if record.time_unit == "wall":
+        record.time_unit = "simulated"
+    hit_rate = prefix_cache_hit_rate(before, after) if before is not None and after is not None else None
+    return LabeledRun(policy=label, trace=workload.name, record=record, prefix_cache_hit_rate=hit_rate)
+
+
+def _model_of(stack: PolicyStack) -> str:
+    from extproc.sim.profiles import PROFILES
+
+    models = {PROFILES[p].model for p in stack.settings.profiles}
+    if len(models) != 1:
+        raise ValueError(f"the fleet serves several models {sorted(models)}; replays need one")
+    return models.pop()

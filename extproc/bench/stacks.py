@@ -1,0 +1,308 @@
+"""The local stack for one routing policy: a simulator fleet plus the front the policy needs.
+
+    stack = PolicyStack(POLICIES["llm-extproc"], settings, workdir=Path("/tmp/run"))
+    await stack.start()      # simulators, then llm-extproc, then Envoy (each waits for ready)
+    ... stack.url ...        # where clients (the load generator) send requests
+    await stack.aclose()     # reverse order, every child stopped by PID
+
+Fronts, by `Policy.kind`:
+  - `extproc`: Envoy on `envoy/fail-open.yaml` + `llm-extproc serve` with the policy's profile;
+  - `envoy`: Envoy alone: the fail-open config without the ext_proc filter (and its cluster),
+    the fallback cluster's `lb_policy` set to the policy's (`envoy_only_config`);
+  - `peer`: sglang-router or vllm-router started on the fleet's URLs, talked to directly.
+    DESIGN 10's gotchas: each router gets its own `--prometheus-port` (both default to 29000),
+    `HF_ENDPOINT` points at a closed local port so sglang-router never tries the hub for a
+    tokenizer, and the simulators answer vllm-router's `/tokenize` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from extproc.bench.policies import Policy
+from extproc.sim.profiles import PROFILES
+from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
+from extproc.stack.fleet import DEFAULT_FLEET, Fleet
+from extproc.stack.ports import free_ports
+from extproc.stack.procs import ManagedProcess, wait_until
+from extproc.stack.server import ExtProcServerProcess
+
+__all__ = ["PortBusyError", "PolicyStack", "StackSettings", "check_port_free", "envoy_only_config", "server_config"]
+
+_HCM = "envoy.filters.network.http_connection_manager"
+_EXT_PROC = "envoy.filters.http.ext_proc"
+ENVOY_LB_POLICIES = ("ROUND_ROBIN", "LEAST_REQUEST", "RANDOM")
+
+
+class PortBusyError(OSError):
+    """A fixed port asked for is already in use (the message says which and what to do)."""
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raise `PortBusyError` when `host:port` cannot be bound (port 0 always passes).
+
+    Raises:
+        PortBusyError: the port is taken, or not ours to bind (the message names it).
+    """
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise PortBusyError(
+                f"port {port} on {host} {why}; stop whatever holds it or pick another with --port (0 = any free port)"
+            ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class StackSettings:
+    """How to run the fleet and the front.
+
+    Attributes:
+        profiles: simulator profile per endpoint.
+        speed: simulated seconds per wall second (the simulators' `--speed`).
+        stream_interval: output tokens per SSE chunk (the simulators' `--stream-interval`).
+        seed: simulator seeds start here (endpoint i: seed + i).
+        port: the client-facing port (Envoy's listener or the peer router); 0 = any free one.
+        envoy_concurrency: Envoy worker threads.
+    """
+
+    profiles: Sequence[str] = DEFAULT_FLEET
+    speed: float = 1.0
+    stream_interval: int = 8
+    seed: int = 0
+    port: int = 0
+    envoy_concurrency: int = 2
+
+
+def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
+    """A copy of a fail-open config with llm-extproc taken out: Envoy alone balances the engines.
+
+    Removes the ext_proc HTTP filter and the cluster it calls, and sets the fallback cluster's
+    `lb_policy` (every request takes the fallback route, since no routing header survives the
+    header-stripping filters). `cfg` is untouched.
+
+    Raises:
+        EnvoyError: the config is not shaped like ours (no listener HCM, no ext_proc filter, no
+            fallback cluster), or `lb_policy` is not one of `ENVOY_LB_POLICIES`.
+    """
+    if lb_policy not in ENVOY_LB_POLICIES:
+        raise EnvoyError(f"lb_policy must be one of {', '.join(ENVOY_LB_POLICIES)}, got {lb_policy!r}")
+    out = copy.deepcopy(dict(cfg))
+    try:
+        clusters = out["static_resources"]["clusters"]
+        chains = out["static_resources"]["listeners"][0]["filter_chains"]
+    except (KeyError, IndexError, TypeError):
+        raise EnvoyError("Envoy config has no static listener or clusters") from None
+    hcms = [f["typed_config"] for chain in chains for f in chain.get("filters", []) if f.get("name") == _HCM]
+    if not hcms:
+        raise EnvoyError(f"the listener has no {_HCM} filter")
+    hcm = hcms[0]
+    ext_procs = [f for f in hcm.get("http_filters", []) if f.get("name") == _EXT_PROC]
+    if not ext_procs:
+        raise EnvoyError(f"the config has no {_EXT_PROC} filter to remove")
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f.get("name") != _EXT_PROC]
+    extproc_clusters = {f["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] for f in ext_procs}
+    fallback = [c for c in clusters if c.get("name") == FALLBACK_CLUSTER]
+    if not fallback:
+        raise EnvoyError(f"the config has no {FALLBACK_CLUSTER!r} cluster")
+    fallback[0]["lb_policy"] = lb_policy
+    out["static_resources"]["clusters"] = [c for c in clusters if c.get("name") not in extproc_clusters]
+    return out
+
+
+def server_config(addresses: Mapping[str, str], *, profile: str) -> dict[str, Any]:
+    """llm-extproc's config for a simulated fleet: one model entry per served model.
+
+    Args:
+        addresses: simulator profile name by endpoint address (`ip:port`).
+        profile: the scheduling profile.
+
+    Each model gets the architecture and context limit of its simulator profile; endpoints are
+    labelled with their GPU and profile. Shutdown grace is short: a local run has nothing to drain.
+    """
+    models: dict[str, dict[str, Any]] = {}
+    endpoints = []
+    for address, name in addresses.items():
+        p = PROFILES[name]
+        models.setdefault(
+            p.model, {"name": p.model, "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len}
+        )
+        endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
+    return {
+        "limits": {"shutdown_grace_s": 2.0},
+        "models": list(models.values()),
+        "endpoints": endpoints,
+        "scheduling": {"profile": profile},
+    }
+
+
+class PolicyStack:
+    """A fleet and the front for `policy`, started and stopped as one.
+
+    Args:
+        policy: what routes requests.
+        settings: fleet and port settings.
+        workdir: every child's log (`sim-<i>.log`, `llm-extproc.log`, `envoy.log`, `<peer>.log`).
+
+    Nothing runs until `start()`.
+    """
+
+    def __init__(self, policy: Policy, settings: StackSettings, *, workdir: Path) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.workdir = Path(workdir)
+        self.fleet = Fleet(
+            settings.profiles,
+            workdir=self.workdir,
+            speed=settings.speed,
+            stream_interval=settings.stream_interval,
+            seed=settings.seed,
+            load_shape="vllm-router" if policy.peer == "vllm-router" else "sglang",
+        )
+        self.server: ExtProcServerProcess | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.peer: ManagedProcess | None = None
+        self._peer_port: int | None = None
+        self._peer_metrics_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL clients send requests to."""
+        if self.envoy is not None:
+            return self.envoy.url
+        if self.peer is not None:
+            return f"http://127.0.0.1:{self._peer_port}"
+        raise RuntimeError("the stack is not started")
+
+    @property
+    def endpoint_headers(self) -> tuple[str, ...]:
+        """Response headers naming the endpoint that served (Envoy's `x-llm-endpoint`)."""
+        return ("x-llm-endpoint",) if self.envoy is not None else ()
+
+    def services(self) -> list[tuple[str, str]]:
+        """`(what, URL)` of every started service, for people: front first, then admin pages."""
+        out: list[tuple[str, str]] = [(f"{self.policy.name} (OpenAI API)", f"{self.url}/v1")]
+        if self.envoy is not None:
+            out.append(("Envoy admin", self.envoy.admin_url))
+        if self.server is not None:
+            out.append(("llm-extproc admin", f"{self.server.admin_url}/api/v1/endpoints"))
+            out.append(("llm-extproc metrics", f"{self.server.admin_url}/metrics"))
+        if self.peer is not None:
+            out.append((f"{self.policy.peer} metrics", f"http://127.0.0.1:{self._peer_metrics_port}/metrics"))
+        for sim in self.fleet.sims:
+            out.append((f"{sim.name} {sim.profile}", f"{sim.url}/metrics  {sim.url}/sim/state"))
+        return out
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of every child started so far."""
+        procs: list[ManagedProcess | None] = [self.peer]
+        for owner in (self.envoy, self.server):
+            with contextlib.suppress(RuntimeError):  # not spawned yet: no process
+                procs.append(owner.process if owner is not None else None)
+        return [*self.fleet.pids, *(p.pid for p in procs if p is not None and p.pid is not None)]
+
+    async def start(self) -> None:
+        """Start the fleet, then the front; on any failure stop what started and raise.
+
+        Raises:
+            PortBusyError: `settings.port` is taken.
+            ProcessError: a child exited or was not ready in time (with its log tail).
+            EnvoyError: no Envoy binary or a config problem.
+        """
+        check_port_free(self.settings.port)
+        try:
+            await self.fleet.start()
+            if self.policy.kind == "peer":
+                await self._start_peer()
+            else:
+                if self.policy.kind == "extproc":
+                    await self._start_server()
+                await self._start_envoy()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _start_server(self) -> None:
+        assert self.policy.profile is not None
+        path = self.workdir / "llm-extproc.yaml"
+        cfg = server_config(self.fleet.profiles, profile=self.policy.profile)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+        self.server = ExtProcServerProcess(path, workdir=self.workdir, log_level="warning")
+        await self.server.start()
+
+    async def _start_envoy(self) -> None:
+        base = load_envoy_config("fail-open")
+        if self.policy.kind == "envoy":
+            assert self.policy.envoy_lb_policy is not None
+            base = envoy_only_config(base, self.policy.envoy_lb_policy)
+        endpoints = [("127.0.0.1", s.port) for s in self.fleet.sims if s.port is not None]
+        cfg = rewrite_config(
+            base,
+            RunSettings(
+                listener=("127.0.0.1", self.settings.port),
+                extproc=self.server.grpc_address if self.server is not None else None,
+                endpoints=endpoints,
+            ),
+        )
+        self.envoy = EnvoyProcess(cfg, workdir=self.workdir, concurrency=self.settings.envoy_concurrency)
+        await self.envoy.start()
+
+    def _peer_argv(self, port: int, metrics_port: int) -> list[str]:
+        assert self.policy.peer_module is not None and self.policy.peer_policy is not None
+        return [
+            sys.executable, "-m", self.policy.peer_module,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *self.fleet.urls,
+            "--policy", self.policy.peer_policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--log-level", "warn" if self.policy.peer == "sglang" else "warning",
+        ]  # fmt: skip
+
+    async def _start_peer(self, timeout_s: float = 60.0) -> None:
+        reason = self.policy.unavailable()
+        if reason is not None:
+            raise RuntimeError(f"{self.policy.name}: {reason}")
+        ports = free_ports(2)
+        self._peer_port = self.settings.port or ports[0]
+        self._peer_metrics_port = ports[1]
+        # A closed local port as the hub: sglang-router asks it for a tokenizer and gets a refusal.
+        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+        self.peer = ManagedProcess(
+            self._peer_argv(self._peer_port, self._peer_metrics_port),
+            name=self.policy.name,
+            log_path=self.workdir / f"{self.policy.name}.log",
+            env=env,
+        )
+        self.peer.spawn()
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+
+            async def ready() -> bool:
+                return (await client.get(f"{self.url}/health")).status_code == 200
+
+            await wait_until(ready, proc=self.peer, what="healthy", timeout_s=timeout_s, interval_s=0.1)
+
+    async def aclose(self) -> None:
+        """Stop the front, then llm-extproc, then the fleet (each by PID, bounded). Safe twice."""
+        if self.envoy is not None:
+            await self.envoy.aclose()
+        if self.peer is not None:
+            await self.peer.astop(10.0)
+        if self.server is not None:
+            await self.server.aclose(timeout_s=10.0)
+        await self.fleet.aclose()

@@ -1,0 +1,224 @@
+"""A fleet of simulated vLLM endpoints, each `llm-extproc sim` in its own subprocess.
+
+    fleet = Fleet(DEFAULT_FLEET, workdir=Path("/tmp/run"), speed=1.0, stream_interval=8)
+    await fleet.start()          # all in parallel; each binds port 0 and reports its URL
+    ... fleet.addresses ...      # ["127.0.0.1:41234", ...] in profile order
+    await fleet.aclose()         # SIGTERM by PID, bounded wait, SIGKILL
+
+Every simulator runs in its own process (never in the caller's: a load generator sharing a
+process with four engine loops would measure its own CPU contention). Each binds port 0 and
+prints `sim listening on http://HOST:PORT ...` (see `extproc.sim.cli`); we read the port from its
+log, so concurrent fleets on one host never race for a port. A fleet is started once: to get
+empty caches and queues, start a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from extproc.sim.profiles import PROFILES
+from extproc.stack.procs import ManagedProcess, ProcessError, wait_until
+
+__all__ = ["DEFAULT_FLEET", "Fleet", "SimProcess"]
+
+DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-8b", "a100-qwen3-8b")
+"""The demo and bench fleet: two H100 and two A100 engines serving Qwen3-8B (mixed speeds)."""
+
+_READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) ", re.MULTILINE)
+
+
+class SimProcess:
+    """One `llm-extproc sim` child on 127.0.0.1, port picked by the simulator itself.
+
+    Args:
+        profile: engine profile name (`extproc.sim.profiles.PROFILES`).
+        name: label for logs and errors (`sim-0`); the log is `<workdir>/<name>.log`.
+        workdir: where the log goes.
+        speed: simulated seconds per wall second.
+        stream_interval: output tokens per streamed chunk (vLLM `--stream-interval`).
+        seed: the simulator's seed.
+        load_shape: `/get_load` body shape (`sglang` or `vllm-router`).
+
+    Raises:
+        ValueError: unknown profile, or speed / stream_interval out of range.
+
+    Nothing runs until `start()`.
+    """
+
+    def __init__(
+        self,
+        profile: str,
+        *,
+        name: str,
+        workdir: Path,
+        speed: float = 1.0,
+        stream_interval: int = 1,
+        seed: int = 0,
+        load_shape: str = "sglang",
+    ) -> None:
+        if profile not in PROFILES:
+            raise ValueError(f"unknown simulator profile {profile!r}; known: {', '.join(PROFILES)}")
+        if not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.profile = profile
+        self.name = name
+        self.workdir = Path(workdir)
+        self.speed = speed
+        self.stream_interval = stream_interval
+        self.seed = seed
+        self.load_shape = load_shape
+        self.port: int | None = None
+        self._proc: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. `http://127.0.0.1:41234` (serves `/v1/...`, `/metrics`, `/sim/state`)."""
+        if self.port is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """`ip:port`, as Envoy's `x-llm-endpoint` and llm-extproc's config spell it."""
+        return self.url.removeprefix("http://")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def process(self) -> ManagedProcess:
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self._proc
+
+    def argv(self) -> list[str]:
+        """The child's command line."""
+        return [
+            sys.executable, "-m", "extproc", "sim",
+            "--host", "127.0.0.1", "--port", "0",
+            "--profile", self.profile,
+            "--speed", repr(float(self.speed)),
+            "--stream-interval", str(self.stream_interval),
+            "--seed", str(self.seed),
+            "--load-shape", self.load_shape,
+        ]  # fmt: skip
+
+    async def start(self, timeout_s: float = 90.0) -> None:
+        """Spawn the simulator; return once it printed its URL and `/health` answers 200.
+
+        Raises:
+            ProcessError: it exited or was not ready within `timeout_s` seconds (with its log).
+            RuntimeError: already started.
+        """
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._proc = ManagedProcess(self.argv(), name=self.name, log_path=self.workdir / f"{self.name}.log", env=env)
+        self._proc.spawn()
+        try:
+
+            async def listening() -> bool:
+                match = _READY.search(self._proc.log_tail(16_000)) if self._proc else None
+                if match:
+                    self.port = int(match.group(3))
+                return match is not None
+
+            await wait_until(listening, proc=self._proc, what="listening", timeout_s=timeout_s, interval_s=0.1)
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+
+                async def healthy() -> bool:
+                    return (await client.get(f"{self.url}/health")).status_code == 200
+
+                await wait_until(healthy, proc=self._proc, what="healthy", timeout_s=timeout_s)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM by PID, wait up to `timeout_s` seconds, then SIGKILL. Safe to call twice."""
+        if self._proc is not None:
+            await self._proc.astop(timeout_s)
+
+
+class Fleet:
+    """Simulators for `profiles` (one per entry, in order), started and stopped together.
+
+    Args:
+        profiles: engine profile per endpoint (default `DEFAULT_FLEET`).
+        workdir: logs go to `<workdir>/sim-<i>.log`.
+        speed, stream_interval, load_shape: as `SimProcess`.
+        seed: endpoint i gets seed `seed + i`.
+
+    Raises:
+        ValueError: no profiles, or a bad profile or setting.
+    """
+
+    def __init__(
+        self,
+        profiles: Sequence[str] = DEFAULT_FLEET,
+        *,
+        workdir: Path,
+        speed: float = 1.0,
+        stream_interval: int = 1,
+        seed: int = 0,
+        load_shape: str = "sglang",
+    ) -> None:
+        if not profiles:
+            raise ValueError("a fleet needs at least one simulator profile")
+        self.sims = [
+            SimProcess(
+                p, name=f"sim-{i}", workdir=workdir, speed=speed, stream_interval=stream_interval,
+                seed=seed + i, load_shape=load_shape,
+            )
+            for i, p in enumerate(profiles)
+        ]  # fmt: skip
+        self._started = False
+
+    @property
+    def addresses(self) -> list[str]:
+        """`ip:port` of each simulator, in profile order."""
+        return [s.address for s in self.sims]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.sims]
+
+    @property
+    def profiles(self) -> dict[str, str]:
+        """Profile name by address."""
+        return {s.address: s.profile for s in self.sims}
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.sims if s.pid is not None]
+
+    async def start(self, timeout_s: float = 90.0) -> None:
+        """Start every simulator in parallel; on any failure stop them all and raise.
+
+        Raises:
+            ProcessError: a simulator failed to start (the first failure, with its log).
+            RuntimeError: already started.
+        """
+        if self._started:
+            raise RuntimeError("fleet already started (start a new Fleet for empty caches)")
+        self._started = True
+        results = await asyncio.gather(*(s.start(timeout_s) for s in self.sims), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await self.aclose()
+            first = next((f for f in failures if isinstance(f, ProcessError)), failures[0])
+            raise first
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Stop every simulator (in parallel, each bounded by `timeout_s` seconds)."""
+        await asyncio.gather(*(s.aclose(timeout_s) for s in self.sims), return_exceptions=True)
