@@ -127,7 +127,9 @@ class NodeAgent:
                 await self._engine.start()
             await self.sample_once()
             await self._serve_grpc()
-            self._http = MetricsServer(self.metrics.registry, s.host, s.metrics_port)
+            self._http = MetricsServer(
+                self.metrics.registry, s.host, s.metrics_port, is_healthy=lambda: self.latest is not None and self.latest.healthy
+            )
             await self._http.start()
             self.metrics_port = self._http.port
         except BaseException:

@@ -20,6 +20,7 @@ no engine (or cannot read its `/metrics`), is NaN rather than a misleading 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -115,15 +116,22 @@ class AgentMetrics:
 
 
 class MetricsServer:
-    """aiohttp server exposing a registry at `GET /metrics`.
+    """aiohttp server exposing a registry at `GET /metrics` and the node's health at
+    `GET /healthz` (200 while serving, 503 otherwise: what Envoy's HTTP health checks of the
+    tier clusters read, since Envoy only runs gRPC health checks on HTTP/2 clusters).
 
     Args:
         registry: what to expose.
         host, port: listen address (port 0 picks a free one; `.port` holds the bound port after
             `start()`).
+        is_healthy: the node's overall verdict (the gRPC health service's "" status); None
+            means always healthy.
     """
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, host: str, port: int, is_healthy: Callable[[], bool] | None = None
+    ) -> None:
+        self._is_healthy = is_healthy
         self._registry = registry
         self._host = host
         self.port = port
@@ -137,6 +145,7 @@ class MetricsServer:
         """
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self.port, reuse_address=True)
@@ -153,6 +162,10 @@ class MetricsServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        ok = self._is_healthy is None or self._is_healthy()
+        return web.Response(status=200 if ok else 503, text="SERVING\n" if ok else "NOT_SERVING\n")
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self._registry), headers={"content-type": CONTENT_TYPE_LATEST})

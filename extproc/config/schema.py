@@ -17,6 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from extproc.telemetry.observer import ObserverOptions
+from extproc.telemetry.stats import StreamStatsParams
+
 __all__ = [
     "AdminConfig",
     "Config",
@@ -34,6 +37,7 @@ __all__ = [
     "KVAdmissionConfig",
     "PriorityConfig",
     "BUILTIN_PROFILES",
+    "TelemetryConfig",
     "parse_host_port",
 ]
 
@@ -249,12 +253,13 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # The default: KV admission, then prefer short queues, free KV, light FLOPs load and fast
     # endpoints (design notes' weight). Weights tuned in docs/benchmarks.md.
     "load-aware": ProfileConfig(
-        filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter")],
+        filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter"), _p("backpressure-cap-filter")],
         scorers=[
             _p("queue-depth-scorer", 1.0),
             _p("kv-utilization-scorer", 1.0),
             _p("flops-load-scorer", 1.0),
             _p("compute-aware-scorer", 1.0),
+            _p("backpressure-scorer", 0.5),
         ],
     ),
     # Issue-1 baseline: fewest in-flight requests counted by this server, random tie-break.
@@ -366,6 +371,24 @@ class AdmissionConfig(_Strict):
     priority: PriorityConfig = Field(default_factory=PriorityConfig)
 
 
+class TelemetryConfig(_Strict):
+    """Response-path telemetry (TTFT, inter-token latency, usage, backpressure).
+
+    Attributes:
+        enabled: stream generation responses through the server (one ext_proc message per body
+            chunk): per-endpoint TTFT / ITL / jitter feed the scorers, usage is extracted, the
+            first content token moves a request from prefill to decode. Off: only response
+            headers are seen (first token ≈ response start) and bodies never cross the server.
+        observer: markers (`: x-chunk-id=N x-sent-at-us=T` SSE comments, opt-in) and body bounds.
+        stats: per-endpoint windows and backpressure thresholds (σ of inter-token gaps ≥ 15 ms
+            light, ≥ 25 ms heavy; latency buckets 50 / 200 ms).
+    """
+
+    enabled: bool = True
+    observer: ObserverOptions = Field(default_factory=ObserverOptions)
+    stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
+
+
 class Config(_Strict):
     """The whole configuration."""
 
@@ -376,6 +399,7 @@ class Config(_Strict):
     endpoints: list[EndpointConfig] = Field(min_length=1)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from extproc.config.schema import Config
+from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
 from extproc.datastore.scraper import MetricsScraper
@@ -25,6 +26,8 @@ from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
+from extproc.telemetry.metrics import TelemetryMetrics
+from extproc.telemetry.stats import EndpointStreamStats
 
 __all__ = ["ExtProcApp", "load_models", "EXTPROC_SERVICE"]
 
@@ -66,12 +69,16 @@ class ExtProcApp:
     ) -> None:
         self.config = config
         self.metrics = Metrics(registry or CollectorRegistry())
+        self.telemetry = TelemetryMetrics(self.metrics.registry)
+        # Response bodies are observed per endpoint; tier mode leaves the endpoint to Envoy.
+        self._telemetry_on = config.telemetry.enabled and config.scheduling.mode == "endpoint"
         self.store = Datastore(config.endpoints, on_change=self._on_inflight_change)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.store, config.scheduling.health_check)
+        self._agents = AgentWatcher(self.store, config.endpoints, stale_after_s=config.scheduling.metrics.stale_after_s)
         m = config.scheduling.metrics
         self._scraper = (
             MetricsScraper(self.store, path=m.path, interval_s=m.interval_s, timeout_s=m.timeout_s, on_scrape=self._on_scrape)
@@ -112,6 +119,7 @@ class ExtProcApp:
             self._models = await loop.run_in_executor(None, load_models, cfg)
         for ep in self.store.all():
             self.metrics.endpoint_inflight.labels(ep.address).set(0)
+            ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
         self.servicer = ExtProcServicer(
@@ -120,9 +128,12 @@ class ExtProcApp:
             decision_timeout_s=cfg.limits.decision_timeout_ms / 1000,
             priority_header=cfg.admission.priority.header,
             explain_header=cfg.scheduling.explain_header,
+            telemetry=self.telemetry if self._telemetry_on else None,
+            observer_options=cfg.telemetry.observer,
         )
         self.pipeline = pipeline
         await self._checker.start()
+        await self._agents.start()
         if self._scraper is not None:
             await self._scraper.start()
 
@@ -167,6 +178,7 @@ class ExtProcApp:
             await self._grpc.stop(grace)
             self._grpc = None
         await self._checker.aclose()
+        await self._agents.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()
         if self._admin is not None:

@@ -11,9 +11,13 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
    `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
    `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
    the JSON error.
-3. response_headers — a 2xx marks the request's first token (prefill → decode) for the load
-   accounting; the explain header is added when configured.
-4. anything else — continue unchanged.
+3. response_headers — telemetry on: the stream's observer sees status and content type (and
+   asks for `content-length` to go when it will inject markers); telemetry off: a 2xx marks
+   the request's first token (prefill → decode). The explain header is added when configured.
+4. response_body (STREAMED, telemetry on) — each chunk feeds the observer (TTFT, inter-token
+   gaps, usage); the first content event moves the request from prefill to decode; the chunk
+   goes back unchanged, or with marker comment lines when markers are on.
+5. anything else — continue unchanged.
 
 The stream's end, however it comes (clean close after the response, CANCELLED, a client abort,
 a server error), releases the request's reservation: that is the `finally` below. Success is
@@ -38,11 +42,15 @@ from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
 from extproc.protocol.openai import route_kind
 from extproc.server import responses
+from extproc.telemetry.metrics import TelemetryMetrics
+from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
 
 __all__ = ["ExtProcServicer", "DecisionTimeout"]
 
 log = logging.getLogger(__name__)
+
+_RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
 
 class DecisionTimeout(ExtProcError):
@@ -60,6 +68,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         decision_timeout_s: budget for one decision (seconds); past it the client gets a 503.
         priority_header: request header carrying the priority class (lower case).
         explain_header: add `x-llm-route-debug` to responses.
+        telemetry: metrics for the response observers, or None to leave response bodies alone.
+        observer_options: shared observer settings (markers, bounds).
     """
 
     def __init__(
@@ -70,8 +80,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         decision_timeout_s: float,
         priority_header: str = "x-llm-priority",
         explain_header: bool = False,
+        telemetry: TelemetryMetrics | None = None,
+        observer_options: ObserverOptions | None = None,
     ) -> None:
         self._pipeline = pipeline
+        self._telemetry = telemetry
+        self._observer_options = observer_options or ObserverOptions()
+        self._gen_mode = responses.GENERATION_MODE_STREAMED if telemetry is not None else responses.GENERATION_MODE
         self._metrics = metrics
         self._timeout = decision_timeout_s
         self._priority_header = priority_header
@@ -94,19 +109,22 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         reservation: Reservation | None = None
         routed: Routed | None = None
+        observer: StreamObserver | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
+        start_ns = 0
         self.active_streams += 1
         self._metrics.streams_active.inc()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
                 if phase == "request_headers":
+                    start_ns = time.monotonic_ns()
                     hdrs = self._headers(msg.request_headers)
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
-                        yield responses.continue_request_headers(mode=responses.GENERATION_MODE)
+                        yield responses.continue_request_headers(mode=self._gen_mode)
                     elif kind is not None:
                         yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
                     else:
@@ -124,9 +142,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield responses.continue_for(phase)
                         continue
                     response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs)
+                    if routed is not None and routed.endpoint is not None and self._telemetry is not None:
+                        observer = StreamObserver(
+                            endpoint=routed.endpoint.address,
+                            model=routed.request.served_model,
+                            request_start_ns=start_ns,
+                            stats=routed.endpoint.stream_stats,
+                            metrics=self._telemetry,
+                            options=self._observer_options,
+                            route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
+                            prompt_tokens=routed.request.prompt_tokens,
+                        )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(msg.response_headers, routed, reservation)
+                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer)
+                elif phase == "response_body" and observer is not None:
+                    body = msg.response_body
+                    replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
+                    if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
+                        reservation.mark_first_token()
+                    yield responses.response_body(replacement)
                 else:
                     yield responses.continue_for(phase)
         except asyncio.CancelledError:
@@ -135,6 +170,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed")
             raise
         finally:
+            if observer is not None:
+                try:
+                    observer.on_end("complete")  # judged from what it saw, never the gRPC status
+                except Exception:
+                    log.exception("stream observer failed at end of stream")
             if reservation is not None:
                 reservation.release()
             self.active_streams -= 1
@@ -191,21 +231,40 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return self._reject(err, hdrs), None, None
 
     def _on_response_headers(
-        self, msg: pb.HttpHeaders, routed: Routed | None, reservation: Reservation | None
+        self,
+        msg: pb.HttpHeaders,
+        routed: Routed | None,
+        reservation: Reservation | None,
+        observer: StreamObserver | None,
     ) -> pb.ProcessingResponse:
-        status = 0
+        found: dict[str, str] = {}
         for h in msg.headers.headers:
-            if h.key == ":status":
-                try:
-                    status = int(h.raw_value or h.value)
-                except ValueError:
-                    status = 0
-                break
-        if reservation is not None and 200 <= status < 300:
+            if h.key in _RESPONSE_HEADERS:
+                found[h.key] = (h.raw_value or h.value.encode()).decode("latin-1")
+        try:
+            status = int(found.get(":status", "0"))
+        except ValueError:
+            status = 0
+        extra: dict[str, str] = {}
+        remove: tuple[str, ...] = ()
+        if observer is not None:
+            try:
+                length: int | None = int(found["content-length"]) if "content-length" in found else None
+            except ValueError:
+                length = None
+            observer.on_response_headers(
+                status,
+                found.get("content-type", ""),
+                length,
+                time.monotonic_ns(),
+                content_encoding=found.get("content-encoding"),
+            )
+            extra.update(observer.response_headers_to_add())
+            remove = observer.response_headers_to_remove()
+        elif reservation is not None and 200 <= status < 300:
             # Without body telemetry, the response starting is our best signal that prefill is
             # over (an engine answers a stream's headers with its first chunk).
             reservation.mark_first_token()
-        extra: dict[str, str] = {}
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
-        return responses.response_headers(extra)
+        return responses.response_headers(extra, remove)

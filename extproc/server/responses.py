@@ -20,6 +20,8 @@ __all__ = [
     "OWNED_HEADERS",
     "continue_request_headers",
     "response_headers",
+    "response_body",
+    "GENERATION_MODE_STREAMED",
     "GENERATION_MODE",
     "PASSTHROUGH_MODE",
     "route_in_headers",
@@ -62,6 +64,17 @@ GENERATION_MODE = _PM(
 (first-token phase tracking, the explain header). Envoy replaces its whole mode with an
 override, so every field is set (DEFAULT would mean SEND)."""
 
+GENERATION_MODE_STREAMED = _PM(
+    request_header_mode=_PM.SEND,
+    request_body_mode=_PM.BUFFERED,
+    request_trailer_mode=_PM.SKIP,
+    response_header_mode=_PM.SEND,
+    response_body_mode=_PM.STREAMED,
+    response_trailer_mode=_PM.SKIP,
+)
+"""GENERATION_MODE with the response body streamed through the server (telemetry on): each
+body chunk is one message, answered in order, unchanged unless markers are injected."""
+
 PASSTHROUGH_MODE = _PM(
     request_header_mode=_PM.SEND,
     request_body_mode=_PM.NONE,
@@ -88,14 +101,26 @@ def continue_request_headers(
     return resp
 
 
-def response_headers(set_headers: Mapping[str, str]) -> pb.ProcessingResponse:
-    """Response-headers reply adding `set_headers` (may be empty: continue unchanged)."""
-    if not set_headers:
+def response_headers(set_headers: Mapping[str, str], remove: Iterable[str] = ()) -> pb.ProcessingResponse:
+    """Response-headers reply adding `set_headers` and removing `remove` (both may be empty:
+    continue unchanged)."""
+    if not set_headers and not remove:
         return _EMPTY["response_headers"]
     return pb.ProcessingResponse(
         response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(set_headers)))
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=_set(set_headers), remove_headers=list(remove))
+            )
         )
+    )
+
+
+def response_body(replacement: bytes | None) -> pb.ProcessingResponse:
+    """Response-body reply (STREAMED mode): the chunk unchanged, or replaced by `replacement`."""
+    if replacement is None:
+        return _EMPTY["response_body"]
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=replacement)))
     )
 
 

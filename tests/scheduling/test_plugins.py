@@ -31,8 +31,10 @@ def test_unknown_params_are_errors_not_defaults():
 def test_healthy_filter_drops_unhealthy_and_device_faults(store):
     a, b, c = store.all()
     b.healthy = False
-    c.node = SimpleNamespace(device_fault="ECC uncorrectable errors", gpu_util=0.1)
+    c.node = SimpleNamespace(device_fault="GPU 0: ECC uncorrectable errors", gpu_util=0.1, usable=False)
     assert build("healthy-filter").filter(context(), [a, b, c]) == [a]
+    c.node = SimpleNamespace(device_fault=None, gpu_util=0.1, usable=True)
+    assert build("healthy-filter").filter(context(), [a, b, c]) == [a, c]
 
 
 def test_stale_metrics_filter(store):
@@ -162,3 +164,33 @@ def test_max_score_picker_breaks_ties_randomly(store):
     assert chosen == {a.address, b.address}
     result = picker.pick(ctx, scored)
     assert result.fallbacks[-1].endpoint is c
+
+
+def _stats(pressure: int, latency: float = 1.0, cap: float = 1.0):
+    return SimpleNamespace(pressure=lambda: pressure, latency_score=lambda: latency, inflight_cap_factor=lambda: cap)
+
+
+def test_backpressure_scorer_by_level(store):
+    a, b, c = store.all()
+    a.stream_stats, b.stream_stats, c.stream_stats = _stats(0), _stats(1), _stats(2)
+    assert build("backpressure-scorer").score(context(), [a, b, c]) == [1.0, 0.5, 0.0]
+    a.stream_stats = None  # no evidence: no penalty
+    assert build("backpressure-scorer", {"light_score": 0.8}).score(context(), [a, b]) == [1.0, 0.8]
+
+
+def test_stream_latency_scorer_reads_the_bucket(store):
+    a, b, c = store.all()
+    a.stream_stats, b.stream_stats = _stats(0, latency=0.6), _stats(0, latency=0.1)
+    assert build("stream-latency-scorer").score(context(), [a, b, c]) == [0.6, 0.1, 1.0]
+
+
+def test_backpressure_cap_filter(store):
+    a, b, c = store.all()
+    for ep in (a, b):
+        for _ in range(3):
+            store.reserve(ep)
+    a.stream_stats = _stats(2, cap=0.5)  # heavy: cap 4 × 0.5 = 2 < 3 in flight → dropped
+    b.stream_stats = _stats(0, cap=1.0)  # cap 4 > 3 → kept
+    f = build("backpressure-cap-filter", {"max_inflight": 4})
+    assert f.filter(context(), [a, b, c]) == [b, c]
+    assert f.filter(context(), [a]) == [a]  # everyone capped: keep all rather than refuse
