@@ -59,7 +59,7 @@ class Histogram:
         """[(le, cumulative count)] including `+Inf`, as Prometheus exposes it."""
         out: list[tuple[str, int]] = []
         acc = 0
-        for bound, n in zip(self.bounds, self.counts):
+        for bound, n in zip(self.bounds, self.counts, strict=False):  # counts[-1] is +Inf
             acc += n
             out.append((repr(float(bound)), acc))
         out.append(("+Inf", acc + self.counts[-1]))

@@ -18,7 +18,7 @@ def test_freed_blocks_stay_findable_until_reused() -> None:
     pool = BlockPool(4, 2)
     hashes = chain_block_hashes([1, 2, 3, 4], 2)
     blocks = pool.allocate(2)
-    for bid, h in zip(blocks, hashes):
+    for bid, h in zip(blocks, hashes, strict=True):
         pool.register(bid, h)
     pool.free(blocks)
     assert pool.num_free == 4 and pool.usage == 0.0  # cached blocks count as free

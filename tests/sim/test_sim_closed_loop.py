@@ -75,14 +75,14 @@ async def test_closed_loop_load_shows_batching_kv_pressure_and_exact_counters(st
         before = await scrape(http, sim.url)
         sampling = asyncio.Event()
 
-        async def sampler() -> None:
-            while not sampling.is_set():
+        async def sampler(stop: asyncio.Event) -> None:
+            while not stop.is_set():
                 m = await scrape(http, sim.url)
                 peaks["waiting"] = max(peaks["waiting"], m["vllm:num_requests_waiting"])
                 peaks["kv"] = max(peaks["kv"], m["vllm:kv_cache_usage_perc"])
                 await asyncio.sleep(0.02)
 
-        probe: Any = asyncio.create_task(sampler()) if concurrency == 256 else None
+        probe: Any = asyncio.create_task(sampler(sampling)) if concurrency == 256 else None
         await asyncio.wait_for(closed_loop(concurrency, total), timeout=90)
         if probe is not None:
             sampling.set()

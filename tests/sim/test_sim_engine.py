@@ -198,7 +198,7 @@ def _open_loop(max_steps: int, blocks: int) -> tuple[Engine, list[SimRequest]]:
 def test_multi_step_decode_equals_single_stepping(blocks: int) -> None:
     one, reqs1 = _open_loop(1, blocks)
     many, reqs2 = _open_loop(64, blocks)
-    for a, b in zip(reqs1, reqs2):
+    for a, b in zip(reqs1, reqs2, strict=True):
         assert a.first_token_time == pytest.approx(b.first_token_time, abs=1e-9)
         assert a.finish_time == pytest.approx(b.finish_time, abs=1e-9)
     assert one.stats.steps == many.stats.steps

@@ -34,7 +34,8 @@ async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, b
 
 async def test_chat_non_streaming_body_and_usage(start_sim, http) -> None:
     sim = await start_sim()
-    status, raw, resp = await post(http, f"{sim.url}/v1/chat/completions", {"model": sim.model, "messages": CHAT, "max_tokens": 7, "ignore_eos": True})
+    body = {"model": sim.model, "messages": CHAT, "max_tokens": 7, "ignore_eos": True}
+    status, raw, resp = await post(http, f"{sim.url}/v1/chat/completions", body)
     assert status == 200 and resp.headers["x-sim-speed"] == "20.0"
     body = orjson.loads(raw)
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -66,7 +67,8 @@ async def test_chat_stream_framing_and_usage_chunk(start_sim, http, interval: in
 
 async def test_completion_stream_without_usage(start_sim, http) -> None:
     sim = await start_sim()
-    status, raw, _ = await post(http, f"{sim.url}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "min_tokens": 3, "stream": True})
+    body = {"prompt": "Once upon a time", "max_tokens": 3, "min_tokens": 3, "stream": True}
+    status, raw, _ = await post(http, f"{sim.url}/v1/completions", body)
     events = sse_json(raw)
     assert status == 200 and len(events) == 3
     assert all(e["object"] == "text_completion" and "usage" not in e for e in events)
@@ -75,7 +77,8 @@ async def test_completion_stream_without_usage(start_sim, http) -> None:
 
 async def test_completion_with_token_ids_prompt(start_sim, http) -> None:
     sim = await start_sim()
-    status, raw, _ = await post(http, f"{sim.url}/v1/completions", {"prompt": [1, 2, 3, 4, 5], "max_tokens": 2, "ignore_eos": True})
+    body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 2, "ignore_eos": True}
+    status, raw, _ = await post(http, f"{sim.url}/v1/completions", body)
     body = orjson.loads(raw)
     assert status == 200 and body["object"] == "text_completion"
     assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 2
@@ -99,15 +102,19 @@ async def test_output_length_without_eos_control_is_drawn_under_max_tokens(start
     [
         ("/v1/chat/completions", b"{not json", 400, "Invalid JSON"),
         ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
-        ("/v1/chat/completions", {"model": "no-such-model", "messages": CHAT}, 404, "The model `no-such-model` does not exist."),
+        ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "The model `nope` does not exist."),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n > 1"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 4096}, 400,
-         "This model's maximum context length is 4096 tokens. However, you requested 4097 tokens (1 in the messages, 4096 in the completion)."),
+         "This model's maximum context length is 4096 tokens. However, you requested 4097 tokens "
+         "(1 in the messages, 4096 in the completion)."),
         ("/v1/completions", {"prompt": [7] * 5000}, 400, "However, your request has 5000 input tokens"),
     ],
-    ids=["invalid-json", "not-object", "unknown-model", "no-messages", "n-2", "max-tokens-0", "context-length", "prompt-too-long"],
+    ids=[
+        "invalid-json", "not-object", "unknown-model", "no-messages", "n-2", "max-tokens-0", "context-length",
+        "prompt-too-long",
+    ],
 )
 async def test_errors_have_vllm_shape(start_sim, http, path: str, body: Any, status: int, needle: str) -> None:
     sim = await start_sim(max_model_len=4096)
@@ -184,7 +191,8 @@ def sample(families: dict[str, Any], family: str, sample_name: str, **labels: st
 async def test_metrics_names_types_and_agreement_with_engine(start_sim, http) -> None:
     sim = await start_sim(speed=50.0)
     for i in range(3):
-        await post(http, f"{sim.url}/v1/chat/completions", {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 5, "ignore_eos": True})
+        body = {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 5, "ignore_eos": True}
+        await post(http, f"{sim.url}/v1/chat/completions", body)
     async with http.get(f"{sim.url}/metrics") as resp:
         fam = parse_metrics(await resp.text())
     types = {
@@ -206,7 +214,8 @@ async def test_metrics_names_types_and_agreement_with_engine(start_sim, http) ->
     assert sample(fam, "vllm:num_requests_running", "vllm:num_requests_running", **m) == state["running"] == 0
     assert sample(fam, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", **m) == state["kv_cache_usage"]
     info = fam["vllm:cache_config_info"].samples[0]
-    assert info.value == 1 and info.labels["num_gpu_blocks"] == str(sim.config.num_gpu_blocks) and info.labels["block_size"] == "16"
+    assert info.value == 1 and info.labels["block_size"] == "16"
+    assert info.labels["num_gpu_blocks"] == str(sim.config.num_gpu_blocks)
     assert sample(fam, "vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count", **m) == 3
     assert sample(fam, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count", **m) == 3 * 4
 
