@@ -32,6 +32,23 @@ REFERENCE_PROMPT_TOKENS = 512
 """Prompt length of the reference request `/api/v1/weights` scores endpoints for (tokens)."""
 
 
+def _stream(ep) -> dict | None:
+    """Response-path statistics of an endpoint (seconds), or None without any."""
+    stats = ep.stream_stats
+    if stats is None:
+        return None
+    snap = stats.snapshot()
+    return {
+        "ttft_p95_s": snap.ttft_p95_s,
+        "itl_recent_s": snap.itl_recent_s,
+        "gap_stddev_s": snap.gap_stddev_s,
+        "pressure": snap.pressure.name.lower(),
+        "latency_score": snap.latency_score,
+        "completed": snap.completed,
+        "failed": snap.failed,
+    }
+
+
 class AdminServer:
     """aiohttp app serving the admin endpoints.
 
@@ -114,6 +131,16 @@ class AdminServer:
                         "decode_inflight": ep.decode_inflight,
                         "reserved_kv_blocks": ep.reserved_blocks,
                         "last_probe_error": ep.last_probe_error,
+                        "stream": _stream(ep),
+                        "node": None
+                        if ep.node is None
+                        else {
+                            "usable": ep.node.usable,
+                            "gpu_util": ep.node.gpu_util,
+                            "device_fault": ep.node.device_fault,
+                            "weight": ep.node.weight,
+                            "stale": ep.node.stale(),
+                        },
                         "engine": None
                         if ep.engine is None
                         else {
