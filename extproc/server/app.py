@@ -130,6 +130,7 @@ class ExtProcApp:
             explain_header=cfg.scheduling.explain_header,
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,
+            sample_rate=cfg.telemetry.sample_rate,
         )
         self.pipeline = pipeline
         await self._checker.start()

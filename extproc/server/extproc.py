@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -70,6 +71,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
+        sample_rate: fraction of generation requests whose responses are observed (0..1].
     """
 
     def __init__(
@@ -82,11 +84,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
+        sample_rate: float = 1.0,
     ) -> None:
         self._pipeline = pipeline
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
-        self._gen_mode = responses.GENERATION_MODE_STREAMED if telemetry is not None else responses.GENERATION_MODE
+        self._sample_rate = sample_rate if telemetry is not None else 0.0
+        self._rng = random.Random()
         self._metrics = metrics
         self._timeout = decision_timeout_s
         self._priority_header = priority_header
@@ -113,6 +117,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
         start_ns = 0
+        observe = False
         self.active_streams += 1
         self._metrics.streams_active.inc()
         try:
@@ -124,7 +129,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
-                        yield responses.continue_request_headers(mode=self._gen_mode)
+                        observe = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
+                        mode = responses.GENERATION_MODE_STREAMED if observe else responses.GENERATION_MODE
+                        yield responses.continue_request_headers(mode=mode)
                     elif kind is not None:
                         yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
                     else:
@@ -142,7 +149,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield responses.continue_for(phase)
                         continue
                     response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs)
-                    if routed is not None and routed.endpoint is not None and self._telemetry is not None:
+                    if routed is not None and routed.endpoint is not None and observe:
                         observer = StreamObserver(
                             endpoint=routed.endpoint.address,
                             model=routed.request.served_model,

@@ -316,3 +316,47 @@ async def test_graceful_shutdown_lets_inflight_streams_finish(make_app):
         assert await call.read() == grpc.aio.EOF
         await asyncio.wait_for(closing, 5)
     assert app.store.open_reservations == 0
+
+
+@pytest.mark.parametrize(
+    ("telemetry", "body_mode"),
+    [({}, "STREAMED"), ({"enabled": False}, "NONE")],
+    ids=["telemetry-on", "telemetry-off"],
+)
+async def test_generation_mode_streams_responses_only_with_telemetry(make_app, telemetry, body_mode):
+    app = await make_app(telemetry=telemetry)
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        (reply,) = await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions"))
+    mode = reply.mode_override
+    PM = processing_mode_pb2.ProcessingMode
+    assert mode.request_body_mode == PM.BUFFERED and mode.response_header_mode == PM.SEND
+    assert mode.response_body_mode == PM.BodySendMode.Value(body_mode)
+    assert mode.request_trailer_mode == PM.SKIP and mode.response_trailer_mode == PM.SKIP
+
+
+async def test_observed_stream_marks_first_token_on_first_content(app, stub):
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions"))
+    await call.read()
+    await call.write(body_msg(chat_body(stream=True)))
+    chosen = set_headers((await call.read()).request_body.response)["x-gateway-destination-endpoint"]
+    ep = app.store.get(chosen)
+    sse_headers = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")]
+    )
+    await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=sse_headers)))
+    await call.read()
+    assert ep.prefill_inflight == 1  # headers alone do not end prefill when the body is observed
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=role)))
+    await call.read()
+    assert ep.prefill_inflight == 1  # an empty role chunk is not a token
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=token)))
+    reply = await call.read()
+    assert not reply.response_body.response.HasField("body_mutation")  # markers off: unchanged
+    assert (ep.prefill_inflight, ep.decode_inflight) == (0, 1)
+    call.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
