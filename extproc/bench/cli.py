@@ -96,14 +96,27 @@ DEMO_RATE = 4.0
 DEMO_SPEED = 1.0
 STREAM_INTERVAL = 8
 BENCH_REQUESTS = 600
-BENCH_RATE_SCALE = "1.0"
+BENCH_LOAD = 0.7
+"""`--rate-scale auto`: offered prompt + output tokens/s as a fraction of the fleet's prefill capacity."""
+BENCH_MAX_WALL_RPS = 25.0
+"""`--speed auto`: the most requests per wall second the 2-core machine replays on schedule."""
 BENCH_POLICIES = "envoy-round-robin,envoy-least-request,llm-extproc"
+DEFAULT_FLEET_SPEC = "h100-qwen3-8b,h100-qwen3-8b,a100-qwen3-8b,a100-qwen3-8b"  # extproc.stack.fleet.DEFAULT_FLEET
 
 
 def _policy_list() -> str:
     from extproc.bench.policies import POLICIES
 
     return "; ".join(f"{name} ({p.description})" for name, p in POLICIES.items())
+
+
+def _console():  # type: ignore[no-untyped-def]
+    """stdout console; wide when not a terminal, so logs of tables stay readable."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -126,11 +139,12 @@ def _parse_scales(text: str) -> list[float]:
 
 
 def _common(
-    *, policy_names: str, speed: float, stream_interval: int, seed: int, port: int
+    *, policy_names: str, fleet: str, speed: float, stream_interval: int, seed: int, port: int
 ):  # type: ignore[no-untyped-def]
     """Policies and stack settings from shared options; bad values exit 2 with a message."""
     from extproc.bench.policies import PolicyError, parse_policies
     from extproc.bench.stacks import PortBusyError, StackSettings, check_port_free
+    from extproc.sim.profiles import PROFILES
 
     try:
         policies = parse_policies(policy_names)
@@ -139,21 +153,39 @@ def _common(
         raise _fail(str(exc)) from None
     if not speed > 0:
         raise _fail(f"--speed must be > 0, got {speed}")
-    return policies, StackSettings(speed=speed, stream_interval=stream_interval, seed=seed, port=port)
+    profiles = tuple(p.strip() for p in fleet.split(",") if p.strip())
+    unknown = [p for p in profiles if p not in PROFILES]
+    if not profiles or unknown:
+        raise _fail(f"--fleet: unknown simulator profile(s) {unknown or fleet!r}; known: {', '.join(PROFILES)}")
+    models = {PROFILES[p].model for p in profiles}
+    if len(models) > 1:
+        raise _fail(f"--fleet: every endpoint must serve the same model, got {sorted(models)}")
+    settings = StackSettings(profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port)
+    return policies, settings
 
 
 def _workload(trace: Path | None, format: TraceFormatChoice, requests: int | None, duration: float | None,
-              rate_scale: float, rate: float, seed: int):  # type: ignore[no-untyped-def]
-    from extproc.bench.runner import WorkloadOptions, load_workload
+              rate_scale: float, rate: float, seed: int, settings, console):  # type: ignore[no-untyped-def]
+    """The workload, prompts fitted to the fleet's context; bad input exits 2."""
+    from extproc.bench.runner import WorkloadOptions, fit_context, load_workload
     from extproc.bench.traces import TraceFormatError
+    from extproc.sim.profiles import PROFILES
 
     try:
-        return load_workload(WorkloadOptions(
+        workload = load_workload(WorkloadOptions(
             trace=trace, format=format.value, requests=requests, duration_s=duration, rate_scale=rate_scale,
             rate=rate, seed=seed,
         ))  # fmt: skip
     except (TraceFormatError, ValueError) as exc:
         raise _fail(str(exc)) from None
+    limit = min(PROFILES[p].max_model_len for p in settings.profiles)
+    workload, cut = fit_context(workload, limit)
+    if cut:
+        console.print(
+            f"{cut:,} of {len(workload.requests):,} requests exceed the {limit:,}-token context: replayed with "
+            "their leading tokens only", highlight=False,
+        )  # fmt: skip
+    return workload
 
 
 _TRACE_HELP = "trace to replay (formats of `analyze`); default: the synthetic workload (Poisson arrivals)"
@@ -169,6 +201,7 @@ def demo(
     speed: float = typer.Option(DEMO_SPEED, "--speed", help="simulated seconds per wall second (simulators and replay)"),
     stream_interval: int = typer.Option(STREAM_INTERVAL, "--stream-interval", min=1, help="output tokens per streamed chunk"),
     policy: str = typer.Option("llm-extproc", "--policy", help="routing policy (see `bench --help`)"),
+    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help="simulator profiles, comma-separated (one endpoint each)"),
     seed: int = typer.Option(0, "--seed", help="seed of the workload and the simulators"),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="client-facing port (0 = any free port)"),
     json_path: Path | None = typer.Option(None, "--json", help="write the JSON summary (the bench report shape) here"),
@@ -180,29 +213,29 @@ def demo(
     Qwen3-8B) and a replayed workload; prints a result table, writes a PNG (and JSON)."""
     import asyncio
 
-    from rich.console import Console
-
     from extproc.bench.commands import DemoOptions, Outputs, run_demo
     from extproc.bench.results import SLO
     from extproc.bench.runner import ReplayOptions
 
-    policies, settings = _common(policy_names=policy, speed=speed, stream_interval=stream_interval, seed=seed, port=port)
+    policies, settings = _common(policy_names=policy, fleet=fleet, speed=speed, stream_interval=stream_interval, seed=seed, port=port)
     if len(policies) != 1:
         raise _fail("--policy takes one policy name")
     if policies[0].unavailable():
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
     if trace is None and requests is None and duration is None:
         requests = DEMO_REQUESTS
-    workload = _workload(trace, format, requests, duration, rate_scale, rate, seed)
+    console = _console()
+    workload = _workload(trace, format, requests, duration, rate_scale, rate, seed, settings, console)
     options = DemoOptions(
         policy=policies[0], workload=workload, stack=settings, replay=ReplayOptions(speed=speed),
         outputs=Outputs(json_path=json_path, plot_path=plot), slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
     )  # fmt: skip
-    raise typer.Exit(asyncio.run(run_demo(options, Console())))
+    raise typer.Exit(asyncio.run(run_demo(options, console)))
 
 
 def up(
     policy: str = typer.Option("llm-extproc", "--policy", help="routing policy (see `bench --help`)"),
+    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help="simulator profiles, comma-separated (one endpoint each)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="client-facing port (0 = any free port)"),
     speed: float = typer.Option(1.0, "--speed", help="simulated seconds per wall second"),
     stream_interval: int = typer.Option(1, "--stream-interval", min=1, help="output tokens per streamed chunk"),
@@ -211,16 +244,14 @@ def up(
     """The demo's stack, kept running for your own OpenAI clients; prints every URL. Ctrl-C stops it."""
     import asyncio
 
-    from rich.console import Console
-
     from extproc.bench.commands import run_up
 
-    policies, settings = _common(policy_names=policy, speed=speed, stream_interval=stream_interval, seed=seed, port=port)
+    policies, settings = _common(policy_names=policy, fleet=fleet, speed=speed, stream_interval=stream_interval, seed=seed, port=port)
     if len(policies) != 1:
         raise _fail("--policy takes one policy name")
     if policies[0].unavailable():
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
-    raise typer.Exit(asyncio.run(run_up(policies[0], settings, Console())))
+    raise typer.Exit(asyncio.run(run_up(policies[0], settings, _console())))
 
 
 def bench(
@@ -231,12 +262,19 @@ def bench(
     requests: int | None = typer.Option(BENCH_REQUESTS, "--requests", min=1, help="replay this many requests per run"),
     duration: float | None = typer.Option(None, "--duration", help="replay only the first this-many seconds of arrivals"),
     rate_scale: str = typer.Option(
-        BENCH_RATE_SCALE, "--rate-scale", help="multiply the arrival rate; several (0.5,1.0,1.2) give goodput against load"
+        "auto", "--rate-scale", help="multiply the arrival rate; several (0.5,1.0,1.2) give goodput against load; "
+        f"auto: offer {BENCH_LOAD:g} × the fleet's prefill capacity in tokens/s (saturates envoy-least-request "
+        "on the default fleet)",
     ),
+    auto_load: float = typer.Option(BENCH_LOAD, "--auto-load", help="the load --rate-scale auto aims at (see there)"),
     rate: float = typer.Option(DEMO_RATE, "--rate", help="arrival rate of the synthetic workload (requests/s)"),
     format: TraceFormatChoice = typer.Option(TraceFormatChoice.auto, "--format", help="trace format"),
+    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help="simulator profiles, comma-separated (one endpoint each)"),
     seed: int = typer.Option(0, "--seed", help="seed of the workload and the simulators"),
-    speed: float = typer.Option(1.0, "--speed", help="simulated seconds per wall second (≤ 2 keeps Python overheads small)"),
+    speed: str = typer.Option(
+        "auto", "--speed", help="simulated seconds per wall second; auto: 1, or slower when the offered load exceeds "
+        f"{BENCH_MAX_WALL_RPS:g} requests per wall second (keeps the load generator on schedule on 2 cores)",
+    ),
     stream_interval: int = typer.Option(STREAM_INTERVAL, "--stream-interval", min=1, help="output tokens per streamed chunk"),
     json_path: Path | None = typer.Option(None, "--json", help="write the report (JSON) here"),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: TTFT CDF per policy (+ <name>-goodput.png for several loads)"),
@@ -246,24 +284,54 @@ def bench(
 ) -> None:
     """Replay the same requests through each policy in turn (fresh simulators for each) and compare."""
     import asyncio
-
-    from rich.console import Console
+    import dataclasses
 
     from extproc.bench.commands import BenchOptions, Outputs, run_bench
     from extproc.bench.results import SLO
     from extproc.bench.runner import ReplayOptions
 
-    chosen, settings = _common(policy_names=policies, speed=speed, stream_interval=stream_interval, seed=seed, port=0)
-    scales = _parse_scales(rate_scale)
+    from extproc.bench.runner import auto_rate_scale, auto_speed
+
+    console = _console()
+    speed_value = 1.0 if speed == "auto" else _parse_speed(speed)
+    chosen, settings = _common(
+        policy_names=policies, fleet=fleet, speed=speed_value, stream_interval=stream_interval, seed=seed, port=0
+    )
     if request_timeout <= 0:
         raise _fail(f"--request-timeout must be > 0, got {request_timeout}")
-    workload = _workload(trace, format, requests, None, 1.0, rate, seed)
+    if not auto_load > 0:
+        raise _fail(f"--auto-load must be > 0, got {auto_load}")
+    workload = _workload(trace, format, requests, None, 1.0, rate, seed, settings, console)
+    if rate_scale == "auto":
+        try:
+            scales = [round(auto_rate_scale(workload, settings.profiles, auto_load), 2)]
+        except ValueError as exc:
+            raise _fail(f"--rate-scale auto: {exc}") from None
+        console.print(f"--rate-scale auto: ×{scales[0]:g} (offers {auto_load:g} × the fleet's prefill capacity)")
+    else:
+        scales = _parse_scales(rate_scale)
+    if speed == "auto":
+        speed_value = round(auto_speed((workload.offered_rps or 0) * max(scales), BENCH_MAX_WALL_RPS), 3)
+        settings = dataclasses.replace(settings, speed=speed_value)
+        console.print(f"--speed auto: {speed_value:g}")
     options = BenchOptions(
         policies=chosen, workload=workload, rate_scales=scales, duration_s=duration, stack=settings,
-        replay=ReplayOptions(speed=speed, request_timeout_s=request_timeout),
+        replay=ReplayOptions(speed=speed_value, request_timeout_s=request_timeout),
         outputs=Outputs(json_path=json_path, plot_path=plot), slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
     )  # fmt: skip
-    raise typer.Exit(asyncio.run(run_bench(options, Console())))
+    raise typer.Exit(asyncio.run(run_bench(options, console)))
+
+
+def _parse_speed(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise _fail(f"--speed must be a number or auto, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise _fail(f"--speed must be > 0, got {text!r}")
+    return value
 
 
 bench.__doc__ = (

@@ -169,11 +169,6 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
             await _start(stack, console)
             _print_services(stack, console)
             prompts = await prompts_task
-            console.print(
-                f"replaying {len(options.workload.requests):,} requests of {options.workload.name} "
-                f"(offered {options.workload.offered_rps or 0:.2f} req/s)",
-                highlight=False,
-            )
             runs.append(await replay(stack, options.workload, prompts, options.replay, console=console, interrupts=interrupts))
         finally:
             prompts_task.cancel()
@@ -196,6 +191,12 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     return 130 if outcome == "interrupted" else 0
 
 
+def _model(settings: StackSettings) -> str:
+    from extproc.sim.profiles import PROFILES
+
+    return PROFILES[settings.profiles[0]].model
+
+
 def _profiles(stack: PolicyStack) -> dict[str, str]:
     return {s.address: s.profile for s in stack.fleet.sims if s.port is not None}
 
@@ -213,7 +214,7 @@ async def run_up(policy: Policy, settings: StackSettings, console: Console) -> i
             console.print(f"  logs: {logs.path}", highlight=False, soft_wrap=True)
             console.print(
                 f"try: curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' "
-                f"-d '{{\"model\": \"qwen3-8b\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+                f"-d '{{\"model\": \"{_model(settings)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
                 highlight=False, soft_wrap=True,
             )
             console.print("Ctrl-C stops everything.", highlight=False)
@@ -239,25 +240,31 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
     skipped: list[str] = []
 
     async def work(interrupts: Interrupts) -> None:
-        prompts = await asyncio.to_thread(_load_prompts)
-        for scale in options.rate_scales:
-            workload = _scaled(options, scale)
-            for policy in options.policies:
-                reason = policy.unavailable()
-                if reason is not None:
-                    note = f"{policy.name}: skipped, {reason}"
-                    if note not in skipped:
-                        skipped.append(note)
-                        console.print(f"[yellow]{note}[/yellow]", highlight=False)
-                    continue
-                if interrupts.fired:
-                    return
-                stack = PolicyStack(policy, options.stack, workdir=logs.path / f"{policy.name}-x{scale:g}")
-                try:
-                    await _start(stack, console)
-                    runs.append(await replay(stack, workload, prompts, options.replay, console=console, interrupts=interrupts))
-                finally:
-                    await stack.aclose()
+        prompts_task = asyncio.ensure_future(asyncio.to_thread(_load_prompts))  # while the first stack starts
+        try:
+            for scale in options.rate_scales:
+                workload = _scaled(options, scale)
+                for policy in options.policies:
+                    reason = policy.unavailable()
+                    if reason is not None:
+                        note = f"{policy.name}: skipped, {reason}"
+                        if note not in skipped:
+                            skipped.append(note)
+                            console.print(f"[yellow]{note}[/yellow]", highlight=False)
+                        continue
+                    if interrupts.fired:
+                        return
+                    stack = PolicyStack(policy, options.stack, workdir=logs.path / f"{policy.name}-x{scale:g}")
+                    try:
+                        await _start(stack, console)
+                        prompts = await prompts_task
+                        runs.append(
+                            await replay(stack, workload, prompts, options.replay, console=console, interrupts=interrupts)
+                        )
+                    finally:
+                        await stack.aclose()
+        finally:
+            prompts_task.cancel()
 
     outcome = await _guarded(work, logs, console)
     if outcome == "interrupted":

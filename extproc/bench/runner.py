@@ -29,11 +29,15 @@ from extproc.bench.loadgen import LoadGenConfig, LoadGenerator, Progress as Load
 from extproc.bench.prompts import PromptSynthesizer
 from extproc.bench.results import LabeledRun, prefix_cache_counters, prefix_cache_hit_rate
 from extproc.bench.stacks import PolicyStack
-from extproc.bench.traces import TraceRequest, load_trace
+from extproc.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace
 from extproc.bench.workload import WorkloadSpec, synthetic_workload
 
 __all__ = [
     "Interrupts",
+    "auto_rate_scale",
+    "auto_speed",
+    "fit_context",
+    "fleet_prefill_capacity",
     "ReplayOptions",
     "Workload",
     "WorkloadOptions",
@@ -92,6 +96,67 @@ class Workload:
 
 
 _SYNTHETIC_DEFAULT_REQUESTS = 1000
+
+
+def fit_context(workload: Workload, max_model_len: int) -> tuple[Workload, int]:
+    """Cut prompts that would not fit the engines' context to `max_model_len − output` tokens.
+
+    A request over the limit would only measure the engine's 400 (the same for every policy),
+    so it is replayed with its leading tokens kept (its leading prefix blocks, so prefix sharing
+    survives) and its output length unchanged; outputs longer than half the context are halved
+    first so that some prompt remains.
+
+    Returns:
+        the workload and how many requests were cut.
+    """
+    out, cut = [], 0
+    for r in workload.requests:
+        if r.input_tokens + r.output_tokens <= max_model_len:
+            out.append(r)
+            continue
+        output = min(r.output_tokens, max_model_len // 2)
+        tokens = max_model_len - output
+        blocks = r.prefix_blocks[: -(-tokens // MOONCAKE_BLOCK_TOKENS)] if r.prefix_blocks else r.prefix_blocks
+        out.append(dataclasses.replace(r, input_tokens=tokens, output_tokens=output, prefix_blocks=blocks))
+        cut += 1
+    return Workload(workload.name, out), cut
+
+
+def fleet_prefill_capacity(profiles: Sequence[str]) -> float:
+    """The fleet's prefill throughput if every step were full of prompt tokens (tokens/s).
+
+    Σ over endpoints of 1 / b, b being the profile's per-batched-token step cost (calibration
+    §10): the rate a compute-bound engine processes prompt tokens at, attention aside.
+    """
+    from extproc.sim.profiles import PROFILES
+
+    return sum(1.0 / PROFILES[p].coefficients.b for p in profiles)
+
+
+def auto_rate_scale(workload: Workload, profiles: Sequence[str], load: float) -> float:
+    """The rate scale at which `workload` offers `load` × the fleet's prefill capacity.
+
+    Offered work = (prompt + output tokens) / arrival span, tokens/s.
+
+    Raises:
+        ValueError: fewer than two distinct arrival times (no rate to scale).
+    """
+    rps = workload.offered_rps
+    if rps is None:
+        raise ValueError("the workload has no arrival rate to scale (fewer than two distinct arrival times)")
+    tokens = sum(r.input_tokens + r.output_tokens for r in workload.requests) / len(workload.requests)
+    return load * fleet_prefill_capacity(profiles) / (rps * tokens)
+
+
+def auto_speed(offered_rps: float | None, max_wall_rps: float) -> float:
+    """Simulator speed (≤ 1) that keeps the wall-clock request rate at most `max_wall_rps`.
+
+    Below 1 the simulators run slower than real time: the same simulated load costs less CPU
+    per wall second, and real overheads (HTTP, Python) weigh less in simulated latencies.
+    """
+    if not offered_rps or offered_rps <= max_wall_rps:
+        return 1.0
+    return max_wall_rps / offered_rps
 
 
 def load_workload(options: WorkloadOptions) -> Workload:
@@ -258,17 +323,24 @@ async def replay(
         lag_threshold_s=options.lag_threshold_s,
     )
     label = label or stack.policy.name
-    before = await scrape_prefix_counters(stack.fleet.urls)
-    with (_progress_bar(console, label) if options.progress else contextlib.nullcontext()) as bar:
-        task = bar.add_task(label, total=len(workload.requests), stats="") if bar is not None else None
+    bar = _progress_bar(console, label) if options.progress else None
+    task = bar.add_task(label, total=len(workload.requests), stats="") if bar is not None else None
 
-        def on_progress(p: LoadProgress) -> None:
-            if bar is not None and task is not None:
-                stats = f"sent {p.sent}  in flight {p.in_flight}  failed {p.failed}  behind {p.behind}"
-                bar.update(task, completed=p.completed + p.failed, stats=stats)
+    def on_progress(p: LoadProgress) -> None:
+        if bar is not None and task is not None:
+            stats = f"sent {p.sent}  in flight {p.in_flight}  failed {p.failed}  behind {p.behind}"
+            bar.update(task, completed=p.completed + p.failed, stats=stats)
 
-        loadgen = LoadGenerator(config, prompts, on_progress=on_progress)
-        with interrupts.replaying(loadgen) if interrupts is not None else contextlib.nullcontext():
+    loadgen = LoadGenerator(config, prompts, on_progress=on_progress)
+    # From here a signal stops this replay (keeping what it measured) instead of the command.
+    with interrupts.replaying(loadgen) if interrupts is not None else contextlib.nullcontext():
+        console.print(
+            f"replaying {len(workload.requests):,} requests of {workload.name} through {label} "
+            f"(offered {workload.offered_rps or 0:.2f} req/s, speed {options.speed:g})",
+            highlight=False,
+        )
+        before = await scrape_prefix_counters(stack.fleet.urls)
+        with bar if bar is not None else contextlib.nullcontext():
             record = await loadgen.run(workload.requests)
     after = await scrape_prefix_counters(stack.fleet.urls)
     if record.time_unit == "wall":

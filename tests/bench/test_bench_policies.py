@@ -1,0 +1,72 @@
+"""The policy catalogue: names, parsing, peer availability, and its copy of the server's profiles."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from extproc.bench.cli import DEFAULT_FLEET_SPEC
+from extproc.bench.policies import DEFAULT_PROFILE, EXTPROC_PROFILES, POLICIES, PolicyError, parse_policies
+from extproc.cli import app
+from extproc.config.schema import BUILTIN_PROFILES, SchedulingConfig
+from extproc.stack.fleet import DEFAULT_FLEET
+
+
+def test_profiles_match_the_server_schema() -> None:
+    """The catalogue spells the built-in profiles out (to keep --help fast): it must not drift."""
+    assert set(EXTPROC_PROFILES) == set(BUILTIN_PROFILES)
+    assert DEFAULT_PROFILE == SchedulingConfig().profile
+    assert DEFAULT_FLEET_SPEC == ",".join(DEFAULT_FLEET)
+
+
+def test_every_required_policy_exists_with_its_front() -> None:
+    kinds = {name: (p.kind, p.envoy_lb_policy or p.profile or p.peer_policy) for name, p in POLICIES.items()}
+    assert kinds == {
+        "envoy-round-robin": ("envoy", "ROUND_ROBIN"),
+        "envoy-least-request": ("envoy", "LEAST_REQUEST"),
+        "llm-extproc": ("extproc", "load-aware"),
+        **{f"llm-extproc-{p}": ("extproc", p) for p in EXTPROC_PROFILES},
+        "sglang-cache-aware": ("peer", "cache_aware"),
+        "sglang-power-of-two": ("peer", "power_of_two"),
+        "vllm-router-cache-aware": ("peer", "cache_aware"),
+        "vllm-router-kv-aware": ("peer", "kv_aware"),
+    }
+    assert {p.peer_package for p in POLICIES.values() if p.kind == "peer"} == {"sglang-router", "vllm-router"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("llm-extproc", ["llm-extproc"]),
+        (" envoy-least-request , llm-extproc-random ", ["envoy-least-request", "llm-extproc-random"]),
+        ("llm-extproc,llm-extproc", ["llm-extproc"]),
+        (["envoy-round-robin", "all"], list(POLICIES)),
+    ],
+    ids=["one", "spaces", "duplicate", "all-after-one-keeps-order"],
+)
+def test_parse_policies(spec: str | list[str], expected: list[str]) -> None:
+    assert [p.name for p in parse_policies(spec)] == expected
+
+
+@pytest.mark.parametrize("spec", ["", " , ", "envoy-maglev"], ids=["empty", "only-commas", "unknown"])
+def test_parse_policies_rejects_with_the_known_names(spec: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policies(spec)
+    assert "envoy-least-request" in str(info.value) and "vllm-router-kv-aware" in str(info.value)
+
+
+def test_only_peers_can_be_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    assert "sglang-router is not installed" in (POLICIES["sglang-cache-aware"].unavailable() or "")
+    assert POLICIES["envoy-least-request"].unavailable() is None and POLICIES["llm-extproc"].unavailable() is None
+
+
+def test_bench_help_lists_every_policy() -> None:
+    result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    assert result.exit_code == 0
+    flat = " ".join(result.output.split())
+    for name in POLICIES:
+        assert name in flat

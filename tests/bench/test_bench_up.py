@@ -1,0 +1,46 @@
+"""`llm-extproc up`: the stack starts, prints its URLs, serves a request through Envoy, and Ctrl-C
+stops every child (checked by PID)."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.bench.stack_helpers import FLEET_1, Command, survivors
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_up_serves_through_envoy_and_stops_cleanly(tmp_path: Path) -> None:
+    cmd = Command(["up", "--port", "0", "--fleet", FLEET_1, "--speed", "10"], tmp_path)
+    try:
+        cmd.wait_for("Ctrl-C stops everything", timeout_s=90)
+        out = cmd.stdout
+        api = re.search(r"llm-extproc \(OpenAI API\): (http://127\.0\.0\.1:\d+)/v1", out)
+        sims = re.findall(r"sim-\d (?:h100|a100)-qwen3-8b: http://(127\.0\.0\.1:\d+)/metrics", out)
+        assert api and len(sims) == 1, out
+        for label in ("Envoy admin: http://", "llm-extproc admin: http://", "llm-extproc metrics: http://"):
+            assert label in out
+        response = httpx.post(
+            f"{api.group(1)}/v1/chat/completions",
+            json={"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5},
+            timeout=30,
+            trust_env=False,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 5
+        assert response.headers["x-llm-endpoint"] in sims  # Envoy names the simulator that served
+        cmd.track()
+        cmd.proc.send_signal(signal.SIGINT)
+        rc = cmd.wait(timeout_s=60)
+    finally:
+        if cmd.proc.poll() is None:
+            cmd.kill()
+    assert rc == 0, cmd.stdout + cmd.stderr
+    assert "Traceback" not in cmd.stderr
+    # the simulator, llm-extproc and Envoy, all gone
+    assert len(cmd.seen) >= 3 and survivors(cmd.seen) == []
