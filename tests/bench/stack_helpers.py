@@ -98,6 +98,20 @@ class Command:
             raise AssertionError(f"still running after {timeout_s} s:\n{self.stdout}\n{self.stderr}")
         return self.proc.returncode
 
+    def __enter__(self) -> Command:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:  # the test failed while it ran: leave nothing behind
+            self.kill()
+
+    def assert_clean_exit(self, rc: int, expected: int, *, children_at_least: int) -> None:
+        """Exit status `expected`, no traceback, at least that many children seen, none alive."""
+        assert rc == expected, self.stdout + self.stderr
+        assert "Traceback" not in self.stderr, self.stderr
+        assert len(self.seen) >= children_at_least, self.seen
+        assert survivors(self.seen) == []
+
     def kill(self) -> None:
         """Last resort for a failed test: SIGKILL the command and every child it was seen with."""
         for pid in [self.proc.pid, *survivors(self.seen)]:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from extproc.bench.results import Report
-from tests.bench.stack_helpers import FLEET_1, Command, survivors
+from tests.bench.stack_helpers import FLEET_1, Command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -16,20 +16,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_bench_two_policies_table_json_and_plot(tmp_path: Path) -> None:
     """Six synthetic requests through Envoy alone and through Envoy + llm-extproc: two runs, each
     on a fresh one-simulator fleet, every request served, on the same requests."""
-    cmd = Command(
-        [
-            "bench", "--policies", "envoy-least-request,llm-extproc", "--requests", "6", "--rate-scale", "1",
-            "--speed", "10", "--fleet", FLEET_1, "--json", "bench.json", "--plot", "bench.png",
-        ],
-        tmp_path,
-    )  # fmt: skip
-    try:
+    args = [
+        "bench", "--policies", "envoy-least-request,llm-extproc", "--requests", "6", "--rate-scale", "1",
+        "--speed", "10", "--fleet", FLEET_1, "--json", "bench.json", "--plot", "bench.png",
+    ]  # fmt: skip
+    with Command(args, tmp_path) as cmd:
         rc = cmd.wait(timeout_s=150)
-    finally:
-        if cmd.proc.poll() is None:
-            cmd.kill()
-    assert rc == 0, cmd.stdout + cmd.stderr
-    assert "Traceback" not in cmd.stderr
+    # a simulator + Envoy, then a simulator + llm-extproc + Envoy: none left
+    cmd.assert_clean_exit(rc, 0, children_at_least=5)
     report = Report.model_validate(orjson.loads((tmp_path / "bench.json").read_bytes()))
     assert report.time_unit == "simulated"
     assert [(r.policy, r.trace) for r in report.runs] == [("envoy-least-request", "synthetic"), ("llm-extproc", "synthetic")]
@@ -43,5 +37,3 @@ def test_bench_two_policies_table_json_and_plot(tmp_path: Path) -> None:
     assert "envoy-least-request" in out and "llm-extproc" in out and "goodput" in out
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "bench-goodput.png").exists()  # one load: no goodput-vs-load figure
-    # a simulator + Envoy, then a simulator + llm-extproc + Envoy: none left
-    assert len(cmd.seen) >= 5 and survivors(cmd.seen) == []

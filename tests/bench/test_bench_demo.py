@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from extproc.bench.results import Report
 from extproc.cli import app
 from extproc.stack.fleet import DEFAULT_FLEET
-from tests.bench.stack_helpers import FLEET_1, Command, survivors
+from tests.bench.stack_helpers import FLEET_1, Command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,16 +26,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_demo_smoke_writes_the_json_summary_and_leaves_no_process(tmp_path: Path) -> None:
     """Eight synthetic requests at 20× speed through the default fleet: all served, each
     by one of the four simulators, and the report says so in the shared shape."""
-    cmd = Command(
-        ["demo", "--requests", "8", "--speed", "20", "--json", "out/demo.json", "--plot", "out/demo.png"], tmp_path
-    )
-    try:
+    args = ["demo", "--requests", "8", "--speed", "20", "--json", "out/demo.json", "--plot", "out/demo.png"]
+    with Command(args, tmp_path) as cmd:
         rc = cmd.wait(timeout_s=150)
-    finally:
-        if cmd.proc.poll() is None:
-            cmd.kill()
-    assert rc == 0, cmd.stdout + cmd.stderr
-    assert "Traceback" not in cmd.stderr
+    # four simulators, llm-extproc and Envoy were started, and none is left
+    cmd.assert_clean_exit(rc, 0, children_at_least=6)
     report = Report.model_validate(orjson.loads((tmp_path / "out/demo.json").read_bytes()))
     assert report.time_unit == "simulated"
     (run,) = report.runs
@@ -48,8 +43,6 @@ def test_demo_smoke_writes_the_json_summary_and_leaves_no_process(tmp_path: Path
     for address in run.endpoints:  # the table labels each endpoint's share with its profile
         assert re.search(rf"share {re.escape(address)} \((h100|a100)-qwen3-8b\)", cmd.stdout), address
     assert (tmp_path / "out/demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # four simulators, llm-extproc and Envoy were started, and none is left
-    assert len(cmd.seen) >= 6 and survivors(cmd.seen) == []
 
 
 @pytest.mark.parametrize(
@@ -60,22 +53,15 @@ def test_demo_smoke_writes_the_json_summary_and_leaves_no_process(tmp_path: Path
 def test_signal_stops_every_child(tmp_path: Path, wait_for: str, sig: signal.Signals) -> None:
     """A signal mid-replay keeps what was measured (exit 130, partial JSON); one during start-up
     stops the children already running. Either way no child survives."""
-    cmd = Command(
-        ["demo", "--fleet", FLEET_1, "--requests", "2000", "--rate", "20", "--speed", "2", "--json", "demo.json"],
-        tmp_path,
-    )
-    try:
-        # while starting: once the simulator exists; while replaying: once all three children do
-        cmd.wait_for(wait_for, timeout_s=90, children_at_least=1 if wait_for == "starting" else 3)
+    args = ["demo", "--fleet", FLEET_1, "--requests", "2000", "--rate", "20", "--speed", "2", "--json", "demo.json"]
+    # while starting: once the simulator exists; while replaying: once all three children do
+    started = 1 if wait_for == "starting" else 3
+    with Command(args, tmp_path) as cmd:
+        cmd.wait_for(wait_for, timeout_s=90, children_at_least=started)
         cmd.proc.send_signal(sig)
         rc = cmd.wait(timeout_s=60)
-    finally:
-        if cmd.proc.poll() is None:
-            cmd.kill()
-    assert rc == 130, cmd.stdout + cmd.stderr
-    assert "Traceback" not in cmd.stderr
+    cmd.assert_clean_exit(rc, 130, children_at_least=started)
     assert "every process started was stopped" in cmd.stdout
-    assert cmd.seen and survivors(cmd.seen) == []
     if wait_for == "replaying":
         (run,) = Report.model_validate(orjson.loads((tmp_path / "demo.json").read_bytes())).runs
         assert 0 < run.requests < 2000
