@@ -12,6 +12,9 @@ The backend is a second Envoy answering a fixed chat completion after buffering 
 body (C++, effectively instant), so what is measured is the gateway, not the backend. Load
 comes from `wrk` (Debian package `wrk`), a C load generator that stays off the Python path.
 
+The token cache's effect shows in a fourth case: an 8k-token shared context (a long document or
+chat history every request resends) with a unique 20-token question.
+
 Reports per prompt size: p50/p99 latency and requests/s of both, the added p50/p99, the
 throughput ratio, the server's decision cost split (parse / tokenize / pick, mean from its
 Prometheus histogram), and the server's resident memory before and after 10,000 requests.
@@ -139,10 +142,15 @@ def prompt_words(tokens: int) -> str:
     return text
 
 
-def wrk_script(content: str) -> str:
+def wrk_script(content: str, shared_context: str | None = None) -> str:
     """A wrk Lua script posting a chat body whose prompt starts with a per-request counter,
-    so every prompt is unique (no token-cache hits)."""
-    head = json.dumps({"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "@@"}]})
+    so every prompt is unique (no token-cache hits). With `shared_context`, that text goes
+    first as a system message every request shares (a multi-turn history, a long document),
+    and only the short user message is new."""
+    messages = [{"role": "user", "content": "@@"}]
+    if shared_context is not None:
+        messages.insert(0, {"role": "system", "content": shared_context})
+    head = json.dumps({"model": MODEL, "max_tokens": 16, "messages": messages})
     before, after = head.split("@@")
     return f"""
 wrk.method = "POST"
@@ -221,6 +229,7 @@ async def main() -> None:
     ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--sizes", default="100,1000,8000", help="prompt sizes (tokens)")
+    ap.add_argument("--shared", default="8000", help="sizes (tokens) also measured as a shared context + a unique 20-token question")
     ap.add_argument("--rss-requests", type=int, default=10_000)
     args = ap.parse_args()
     if shutil.which("wrk") is None:
@@ -252,23 +261,28 @@ async def main() -> None:
     await alone.start()
     rows = []
     try:
-        for size in [int(s) for s in args.sizes.split(",")]:
-            content = prompt_words(size)
-            n = counter.count_chat([{"role": "user", "content": "req 1 " + content}]).count
-            script = work / f"chat_{size}.lua"
-            script.write_text(wrk_script(content))
+        cases = [(int(s), False) for s in args.sizes.split(",") if s] + [(int(s), True) for s in args.shared.split(",") if s]
+        for size, shared in cases:
+            if shared:
+                context, content = prompt_words(size), prompt_words(20)
+                msgs = [{"role": "system", "content": context}, {"role": "user", "content": "req 1 " + content}]
+            else:
+                context, content = None, prompt_words(size)
+                msgs = [{"role": "user", "content": "req 1 " + content}]
+            n = counter.count_chat(msgs).count
+            script = work / f"chat_{size}_{shared}.lua"
+            script.write_text(wrk_script(content, context))
             before = await decision_totals(server.admin_url)
             r_alone = run_wrk(alone.url, script, args.duration, args.concurrency)
             r_ext = run_wrk(gw.url, script, args.duration, args.concurrency)
             after = await decision_totals(server.admin_url)
-            rows.append({"size": size, "prompt_tokens": n, "alone": r_alone, "extproc": r_ext, "decision_ms": mean_ms(before, after)})
+            rows.append({"size": size, "shared": shared, "prompt_tokens": n, "alone": r_alone, "extproc": r_ext, "decision_ms": mean_ms(before, after)})
             print(json.dumps(rows[-1]), flush=True)
         # Memory: RSS before and after many more requests (1k-token prompts).
         pid = server.process.pid
         rss0 = rss_bytes(pid)
         script = work / "chat_1000.lua"
-        if not script.exists():
-            script.write_text(wrk_script(prompt_words(1000)))
+        script.write_text(wrk_script(prompt_words(1000)))
         served = 0
         while served < args.rss_requests:
             r = run_wrk(gw.url, script, 5, args.concurrency)
@@ -283,16 +297,17 @@ async def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"concurrency {args.concurrency}, {args.duration} s per cell, unique prompts (no token-cache hits)")
-    print("| prompt tokens | Envoy alone p50 / p99 (ms) | + llm-extproc p50 / p99 (ms) | added p50 / p99 (ms) | req/s alone | req/s with | ratio | decision parse / tokenize / pick (ms, mean) |")
+    print(f"concurrency {args.concurrency}, {args.duration} s per cell; unique prompts, or a shared context + a unique question")
+    print("| prompt tokens | Envoy alone p50 / p99 (ms) | + llm-extproc p50 / p99 (ms) | added p50 / p99 (ms) | req/s alone | req/s with | ratio | decision parse / tokenize / schedule (ms, mean) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         a, e = row["alone"], row["extproc"]
         d = row["decision_ms"]
+        label = f"{row['prompt_tokens']} (shared context)" if row["shared"] else str(row["prompt_tokens"])
         print(
-            f"| {row['prompt_tokens']} | {a['p50_ms']:.2f} / {a['p99_ms']:.2f} | {e['p50_ms']:.2f} / {e['p99_ms']:.2f} | "
+            f"| {label} | {a['p50_ms']:.2f} / {a['p99_ms']:.2f} | {e['p50_ms']:.2f} / {e['p99_ms']:.2f} | "
             f"{e['p50_ms'] - a['p50_ms']:.2f} / {e['p99_ms'] - a['p99_ms']:.2f} | {a['rps']:.0f} | {e['rps']:.0f} | {e['rps'] / a['rps']:.2f} | "
-            f"{d.get('parse', 0):.3f} / {d.get('tokenize', 0):.3f} / {d.get('pick', 0):.3f} |"
+            f"{d.get('parse', 0):.3f} / {d.get('tokenize', 0):.3f} / {d.get('schedule', 0):.3f} |"
         )
 
 

@@ -34,9 +34,9 @@ from extproc.types import LLMRequest, RequestKind, TokenCount
 __all__ = ["ModelRuntime", "RequestPipeline", "Routed", "INLINE_TOKENIZE_CHARS", "build_profile", "tier_for"]
 
 INLINE_TOKENIZE_CHARS = 6000
-"""Prompts up to this many characters (~1.5k tokens) are tokenized on the event loop: a
-thread hop costs more than the work. Longer ones go to the executor, where the Rust
-tokenizer's `encode_batch` releases the GIL."""
+"""Up to this many uncached characters (~1.5k tokens) are tokenized on the event loop: a
+thread hop costs more than the work. More go to the executor, where the Rust tokenizer's
+`encode_batch` releases the GIL."""
 
 
 @dataclass(slots=True)
@@ -266,34 +266,30 @@ class RequestPipeline:
 
     async def _count(self, parsed: ParsedRequest, runtime: ModelRuntime) -> tuple[list[int], list[int] | None]:
         """Prompt tokens per prompt (a list: completions may batch several prompts) and the ids of
-        the first prompt (kept for prefix hashing)."""
+        the first prompt (kept for prefix hashing).
+
+        The chat template is rendered and the text cut and looked up in the segment cache on the
+        event loop (sub-millisecond); only when more than INLINE_TOKENIZE_CHARS characters miss
+        the cache does the tokenization itself go to the executor."""
         counter = runtime.counter
         if parsed.kind is RequestKind.CHAT:
-            size = sum(len(m.get("content") or "") for m in parsed.messages)
-
-            def work() -> list[list[int]]:
-                return [
-                    counter.count_chat(
-                        parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
-                    ).token_ids
-                ]
+            text = counter.render_chat(parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs)
+            plans = [counter.plan(text)]
         elif parsed.prompts:
-            size = sum(len(p) for p in parsed.prompts)
-
-            def work() -> list[list[int]]:
-                return [counter.count_text(p).token_ids for p in parsed.prompts]
+            plans = [counter.plan(p, add_special_tokens=True) for p in parsed.prompts]
         else:
             ids = parsed.prompt_token_ids
             return [len(p) for p in ids], ids[0]
         before_h, before_m = counter.hits, counter.misses
-        if size > INLINE_TOKENIZE_CHARS and self._executor is not None:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, work)
+        if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS and self._executor is not None:
+            loop = asyncio.get_running_loop()
+            results = [await loop.run_in_executor(self._executor, counter.complete, p) for p in plans]
         else:
-            result = work()
+            results = [counter.complete(p) for p in plans]
         name = runtime.config.name
         self._metrics.tokenizer_cache_hits.labels(name).inc(max(0, counter.hits - before_h))
         self._metrics.tokenizer_cache_misses.labels(name).inc(max(0, counter.misses - before_m))
-        return [len(r) for r in result], result[0]
+        return [r.count for r in results], results[0].token_ids
 
     @staticmethod
     def _check_context(parsed: ParsedRequest, model: ModelConfig, prompt_tokens: list[int]) -> None:

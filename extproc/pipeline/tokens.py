@@ -29,7 +29,7 @@ from typing import Any
 from extproc.errors import BadRequestError
 from extproc.models import builtin_tokenizer_dir
 
-__all__ = ["TokenCounter", "TokenizedPrompt", "TokenizerLoadError"]
+__all__ = ["EncodePlan", "TokenCounter", "TokenizedPrompt", "TokenizerLoadError"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -38,6 +38,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 class TokenizerLoadError(ValueError):
     """A tokenizer source could not be loaded (names the source and the reason)."""
+
+
+@dataclass(slots=True)
+class EncodePlan:
+    """A prompt cut into segments, with the cached ones already resolved.
+
+    Attributes:
+        segments: the text pieces (cut before each added token).
+        ids: token ids per segment, None where not cached yet.
+        missing: indexes of the uncached segments.
+        missing_chars: characters still to tokenize (a cost estimate).
+        add_special_tokens: prepend the tokenizer's BOS-like special tokens.
+        text_chars: length of the whole text (characters).
+    """
+
+    segments: list[str]
+    ids: list[list[int] | None]
+    missing: list[int]
+    missing_chars: int
+    add_special_tokens: bool
+    text_chars: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +106,9 @@ class TokenCounter:
             if not (added.lstrip or added.rstrip or added.normalized or added.single_word):
                 cut_tokens.append(added.content)
         cut_tokens.sort(key=len, reverse=True)
-        self._cut_re = re.compile("(?=" + "|".join(map(re.escape, cut_tokens)) + ")") if cut_tokens else None
+        # A plain alternation scanned with finditer: ~20× faster than splitting on a lookahead
+        # (the regex engine can skip ahead to each candidate first character).
+        self._cut_re = re.compile("|".join(map(re.escape, cut_tokens))) if cut_tokens else None
         self._bos_ids: list[int] = list(backend.encode("", add_special_tokens=True).ids)
 
     @classmethod
@@ -153,38 +176,69 @@ class TokenCounter:
         except Exception as exc:  # jinja2 TemplateError, TypeError from odd content
             raise BadRequestError(f"chat template rejected the messages: {exc}", param="messages") from None
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`, using and filling the segment cache."""
-        segments = self._cut_re.split(text) if self._cut_re is not None else [text]
+    def _segments(self, text: str) -> list[str]:
+        """`text` cut just before every added token (non-empty pieces, in order)."""
+        if self._cut_re is None:
+            return [text]
+        out = []
+        last = 0
+        for m in self._cut_re.finditer(text):
+            start = m.start()
+            if start > last:
+                out.append(text[last:start])
+                last = start
+        if last < len(text) or not out:
+            out.append(text[last:])
+        return out
+
+    def plan(self, text: str, *, add_special_tokens: bool = False) -> EncodePlan:
+        """Cut `text` into segments and look them up in the cache (cheap: no tokenization).
+
+        `complete()` then tokenizes only the misses; `missing_chars` tells a caller whether
+        that is worth a thread hop."""
+        segments = self._segments(text)
         ids: list[list[int] | None] = []
         missing: list[int] = []
+        missing_chars = 0
         with self._lock:
             for i, seg in enumerate(segments):
                 hit = self._cache.get(seg)
                 if hit is None:
                     ids.append(None)
                     missing.append(i)
+                    missing_chars += len(seg)
                 else:
                     self._cache.move_to_end(seg)
                     ids.append(hit)
             self.hits += len(segments) - len(missing)
             self.misses += len(missing)
-        if missing:
-            encoded = self._backend.encode_batch([segments[i] for i in missing], add_special_tokens=False)
+        return EncodePlan(segments, ids, missing, missing_chars, add_special_tokens, len(text))
+
+    def complete(self, plan: EncodePlan) -> TokenizedPrompt:
+        """Tokenize a plan's missing segments (one `encode_batch`, GIL released), fill the
+        cache, and return the whole prompt's ids."""
+        ids = plan.ids
+        if plan.missing:
+            encoded = self._backend.encode_batch([plan.segments[i] for i in plan.missing], add_special_tokens=False)
             with self._lock:
-                for i, enc in zip(missing, encoded):
+                for i, enc in zip(plan.missing, encoded):
+                    seg = plan.segments[i]
                     seg_ids = enc.ids
                     ids[i] = seg_ids
-                    if segments[i] not in self._cache and len(seg_ids) <= self._cache_limit // 4:
-                        self._cache[segments[i]] = seg_ids
+                    if seg not in self._cache and len(seg_ids) <= self._cache_limit // 4:
+                        self._cache[seg] = seg_ids
                         self._cache_tokens += len(seg_ids)
                 while self._cache_tokens > self._cache_limit and self._cache:
                     _, old = self._cache.popitem(last=False)
                     self._cache_tokens -= len(old)
-        out: list[int] = list(self._bos_ids) if add_special_tokens else []
+        out: list[int] = list(self._bos_ids) if plan.add_special_tokens else []
         for part in ids:
             out.extend(part)  # type: ignore[arg-type]
-        return out
+        return TokenizedPrompt(out, plan.text_chars)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`, using and filling the segment cache."""
+        return self.complete(self.plan(text, add_special_tokens=add_special_tokens)).token_ids
 
     def count_chat(
         self,
@@ -199,11 +253,11 @@ class TokenCounter:
             BadRequestError: the chat template rejects the messages.
         """
         text = self.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        return TokenizedPrompt(self.encode(text, add_special_tokens=False), len(text))
+        return self.complete(self.plan(text))
 
     def count_text(self, prompt: str) -> TokenizedPrompt:
         """Tokenize a completions prompt (the tokenizer's own special tokens added, as vLLM does)."""
-        return TokenizedPrompt(self.encode(prompt, add_special_tokens=True), len(prompt))
+        return self.complete(self.plan(prompt, add_special_tokens=True))
 
     def cache_stats(self) -> dict[str, int]:
         """Segment cache figures: entries, tokens held, hits and misses (segments)."""
