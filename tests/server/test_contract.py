@@ -360,3 +360,20 @@ async def test_observed_stream_marks_first_token_on_first_content(app, stub):
     assert (ep.prefill_inflight, ep.decode_inflight) == (0, 1)
     call.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_credentials_never_reach_logs_or_metrics(app, stub, caplog):
+    import logging
+
+    from prometheus_client import generate_latest
+
+    caplog.set_level(logging.DEBUG)
+    secret = "sk-live-0123456789abcdef"
+    for body in (chat_body(user=secret), b"{broken " + secret.encode()):
+        await exchange(
+            stub,
+            headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {secret}".encode(), "x-api-key": secret.encode()}),
+            body_msg(body),
+        )
+    exposed = generate_latest(app.metrics.registry).decode()
+    assert secret not in caplog.text and secret not in exposed
