@@ -14,8 +14,9 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# The figure and JSON summary go to out/ (ignored by git), not the working tree.
 demo: $(BIN)/.installed
-	$(BIN)/llm-extproc demo
+	$(BIN)/llm-extproc demo --plot out/demo.png --json out/demo.json
 
 test: $(BIN)/.installed
 	$(BIN)/pytest -q

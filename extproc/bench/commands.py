@@ -86,12 +86,19 @@ class _Logs:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _load_prompts():  # type: ignore[no-untyped-def]
-    """The prompt synthesizer over the default tokenizer (1-2 s; run in a thread)."""
+def _prepare(workload: Workload):  # type: ignore[no-untyped-def]
+    """The prompt synthesizer over the default tokenizer, and `workload` with every request's
+    messages built ahead (seconds of CPU: run it in a thread while a stack starts).
+
+    Built ahead, a burst of simultaneous arrivals (Mooncake's timestamps have coarse steps) is
+    sent on time instead of waiting on prompt synthesis one request after another.
+    """
     from extproc.bench.prompts import PromptSynthesizer
+    from extproc.bench.runner import with_messages
     from extproc.pipeline.tokens import TokenCounter
 
-    return PromptSynthesizer(TokenCounter.from_source("builtin:qwen3"))
+    prompts = PromptSynthesizer(TokenCounter.from_source("builtin:qwen3"))
+    return prompts, with_messages(workload, prompts)
 
 
 def _describe(stack: PolicyStack) -> str:
@@ -164,14 +171,14 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     runs: list[LabeledRun] = []
 
     async def work(interrupts: Interrupts) -> None:
-        prompts_task = asyncio.ensure_future(asyncio.to_thread(_load_prompts))
+        prepared = asyncio.ensure_future(asyncio.to_thread(_prepare, options.workload))
         try:
             await _start(stack, console)
             _print_services(stack, console)
-            prompts = await prompts_task
-            runs.append(await replay(stack, options.workload, prompts, options.replay, console=console, interrupts=interrupts))
+            prompts, workload = await prepared
+            runs.append(await replay(stack, workload, prompts, options.replay, console=console, interrupts=interrupts))
         finally:
-            prompts_task.cancel()
+            prepared.cancel()
             await stack.aclose()
 
     outcome = await _guarded(work, logs, console)
@@ -240,10 +247,9 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
     skipped: list[str] = []
 
     async def work(interrupts: Interrupts) -> None:
-        prompts_task = asyncio.ensure_future(asyncio.to_thread(_load_prompts))  # while the first stack starts
+        prepared = asyncio.ensure_future(asyncio.to_thread(_prepare, options.workload))  # while the first stack starts
         try:
             for scale in options.rate_scales:
-                workload = _scaled(options, scale)
                 for policy in options.policies:
                     reason = policy.unavailable()
                     if reason is not None:
@@ -257,14 +263,15 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
                     stack = PolicyStack(policy, options.stack, workdir=logs.path / f"{policy.name}-x{scale:g}")
                     try:
                         await _start(stack, console)
-                        prompts = await prompts_task
+                        prompts, base = await prepared
+                        workload = _scaled(base, options, scale)
                         runs.append(
                             await replay(stack, workload, prompts, options.replay, console=console, interrupts=interrupts)
                         )
                     finally:
                         await stack.aclose()
         finally:
-            prompts_task.cancel()
+            prepared.cancel()
 
     outcome = await _guarded(work, logs, console)
     if outcome == "interrupted":
@@ -288,8 +295,8 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
     return status
 
 
-def _scaled(options: BenchOptions, scale: float) -> Workload:
-    workload = options.workload.scaled(scale)
+def _scaled(base: Workload, options: BenchOptions, scale: float) -> Workload:
+    workload = base.scaled(scale)
     if len(options.rate_scales) > 1:
         workload = replace(workload, name=f"{workload.name} ×{scale:g}")
     if options.duration_s is not None and workload.requests:

@@ -44,6 +44,7 @@ __all__ = [
     "load_workload",
     "replay",
     "scrape_prefix_counters",
+    "with_messages",
 ]
 
 
@@ -120,6 +121,18 @@ def fit_context(workload: Workload, max_model_len: int) -> tuple[Workload, int]:
         out.append(dataclasses.replace(r, input_tokens=tokens, output_tokens=output, prefix_blocks=blocks))
         cut += 1
     return Workload(workload.name, out), cut
+
+
+def with_messages(workload: Workload, prompts: PromptSynthesizer) -> Workload:
+    """`workload` with each request's chat messages built (what the load generator would send).
+
+    Request i gets the text the load generator gives index i (`PromptSynthesizer.messages_for`
+    with key `str(i)`), so the replay is the same, minus the synthesis on the send path.
+    """
+    return Workload(
+        workload.name,
+        [dataclasses.replace(r, messages=prompts.messages_for(r, key=str(i))) for i, r in enumerate(workload.requests)],
+    )
 
 
 def fleet_prefill_capacity(profiles: Sequence[str]) -> float:
@@ -241,8 +254,8 @@ class Interrupts:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # Keep ignoring signals until the process exits: the caller's cleanup is still running
-        # and the default SIGTERM action would kill us with children left behind.
+        # Keep ignoring signals until the loop closes: the caller may still be cleaning up, and
+        # the default SIGTERM action would kill us with children left behind.
         loop = asyncio.get_running_loop()
         for sig in self._installed:
             loop.add_signal_handler(sig, lambda: None)
@@ -263,8 +276,6 @@ class Interrupts:
         """While inside, a signal stops `loadgen` instead of cancelling the main task."""
         self._loadgen = loadgen
         try:
-            if self.fired:
-                loadgen.stop()
             yield
         finally:
             self._loadgen = None
@@ -274,12 +285,12 @@ async def scrape_prefix_counters(urls: Sequence[str], timeout_s: float = 2.0) ->
     """`(hits, queries)` prefix-cache tokens of each engine (`<url>/metrics`); None if any fails."""
     try:
         async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-            texts = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls))
-        return [prefix_cache_counters(r.text) for r in texts if r.status_code == 200] if all(
-            r.status_code == 200 for r in texts
-        ) else None
+            responses = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls))
     except httpx.HTTPError:
         return None
+    if any(r.status_code != 200 for r in responses):
+        return None
+    return [prefix_cache_counters(r.text) for r in responses]
 
 
 def _progress_bar(console: Console, label: str) -> Progress:

@@ -17,6 +17,7 @@ from extproc.bench.runner import (
     fit_context,
     fleet_prefill_capacity,
     load_workload,
+    with_messages,
 )
 from extproc.bench.traces import TraceRequest
 from extproc.bench.views import plot_goodput, render_goodput, render_run_details
@@ -140,3 +141,15 @@ def test_goodput_views_one_column_per_load_and_a_line_per_policy(tmp_path: Path)
     assert "8.00 rps" in ours and "behind" not in ours
     png = plot_goodput(report, tmp_path / "goodput.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_with_messages_builds_what_the_load_generator_would_send(synth, qwen_counter) -> None:  # type: ignore[no-untyped-def]
+    from extproc.bench.loadgen import LoadGenConfig, LoadGenerator
+
+    w = Workload("w", [TraceRequest(0.0, 700, 5, prefix_blocks=(3, 4)), TraceRequest(0.5, 40, 5, session="s1")])
+    built = with_messages(w, synth)
+    loadgen = LoadGenerator(LoadGenConfig(base_url="http://127.0.0.1:9"), synth)
+    for i, (raw, ready) in enumerate(zip(w.requests, built.requests)):
+        assert raw.messages is None and ready.messages is not None
+        assert loadgen.body(ready, i) == loadgen.body(raw, i)  # same bytes on the wire
+        assert qwen_counter.count_chat(ready.messages).count == raw.input_tokens  # exact length kept
