@@ -250,11 +250,13 @@ def _p(type_: str, weight: float = 1.0, **params: Any) -> PluginSpec:
 
 
 BUILTIN_PROFILES: dict[str, ProfileConfig] = {
-    # The default: KV admission, then prefer short queues, free KV, light FLOPs load and fast
-    # endpoints (design notes' weight). Weights tuned in docs/benchmarks.md.
+    # The default: KV admission, then the soonest predicted first token, short queues, free KV,
+    # light FLOPs load, the design notes' compute-aware weight and steady token rhythm.
+    # Weights tuned on real traces (docs/benchmarks.md).
     "load-aware": ProfileConfig(
         filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter"), _p("backpressure-cap-filter")],
         scorers=[
+            _p("ttft-estimate-scorer", 3.0),
             _p("queue-depth-scorer", 1.0),
             _p("kv-utilization-scorer", 1.0),
             _p("flops-load-scorer", 1.0),

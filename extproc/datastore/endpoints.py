@@ -30,12 +30,14 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT", "PREFILL_EWMA_ALPHA"]
 
 PREFILL_WEIGHT = 3
 """A request before its first token counts 3× in the FLOPs-weighted load (design notes)."""
 DECODE_WEIGHT = 1
 """A request after its first token counts 1×."""
+PREFILL_EWMA_ALPHA = 0.2
+"""Weight of the newest sample in `Endpoint.prefill_s_per_token` (an EWMA over ~5 first tokens)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +52,9 @@ class Endpoint:
         inflight: requests routed here and not yet ended (count).
         prefill_inflight / decode_inflight: of those, before / after their first token (count).
         prefill_tokens: prompt tokens of the requests in prefill (tokens).
+        prefill_s_per_token: learned time to first token per token of prefill backlog
+            (seconds per token, EWMA over observed first tokens; queueing, chunked-prefill
+            interference and the GPU's speed all show in it), None until observed.
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
         probed: whether any probe has completed.
@@ -75,6 +80,7 @@ class Endpoint:
     consecutive_successes: int = 0
     last_probe_error: str | None = None
     probed: bool = False
+    prefill_s_per_token: float | None = None
     engine: Any = None
     scrape_errors: int = 0
     routed_total: int = 0
@@ -113,12 +119,14 @@ class Reservation:
             many seconds after the reservation (seconds).
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
 
     def __init__(self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float) -> None:
         self.endpoint = endpoint
         self.blocks = blocks
         self.prompt_tokens = prompt_tokens
+        self.backlog_tokens = endpoint.prefill_tokens + prompt_tokens
+        """Prefill tokens ahead of and including this request when it was routed (tokens)."""
         self.created_at = time.monotonic()
         self.first_token_at: float | None = None
         self.settle_at = self.created_at + settle_after_s
@@ -138,6 +146,10 @@ class Reservation:
         self.in_prefill = False
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
+        if self.backlog_tokens > 0:
+            sample = (self.first_token_at - self.created_at) / self.backlog_tokens
+            prev = ep.prefill_s_per_token
+            ep.prefill_s_per_token = sample if prev is None else prev + PREFILL_EWMA_ALPHA * (sample - prev)
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1

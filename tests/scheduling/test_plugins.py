@@ -194,3 +194,27 @@ def test_backpressure_cap_filter(store):
     f = build("backpressure-cap-filter", {"max_inflight": 4})
     assert f.filter(context(), [a, b, c]) == [b, c]
     assert f.filter(context(), [a]) == [a]  # everyone capped: keep all rather than refuse
+
+
+def test_ttft_estimate_learns_each_endpoints_prefill_speed(store):
+    a, b, c = store.all()
+    # a took 0.1 s for a 1,000-token backlog (1e-4 s/token), b 0.03 s (3e-5 s/token); c unseen.
+    for ep, ttft in ((a, 0.1), (b, 0.03)):
+        r = store.reserve(ep, prompt_tokens=1000)
+        r.mark_first_token(r.created_at + ttft)
+        r.release()
+    assert a.prefill_s_per_token == pytest.approx(1e-4) and b.prefill_s_per_token == pytest.approx(3e-5)
+    store.reserve(b, prompt_tokens=3000)  # b is busy: 3,000 tokens of backlog
+    # 1,000-token prompt: a 1,000 × 1e-4 = 0.1 s; b 4,000 × 3e-5 = 0.12 s; c (median 6.5e-5) 0.065 s
+    scores = build("ttft-estimate-scorer").score(context(prompt=1000), [a, b, c])
+    assert scores == pytest.approx([0.065 / 0.1, 0.065 / 0.12, 1.0])
+
+
+def test_ttft_estimate_ewma_and_prior(store):
+    a, b, _ = store.all()
+    assert build("ttft-estimate-scorer").score(context(prompt=100), [a, b]) == [1.0, 1.0]  # nothing known: equal
+    r = store.reserve(a, prompt_tokens=100)
+    r.mark_first_token(r.created_at + 0.01)  # 1e-4
+    r = store.reserve(a, prompt_tokens=100)
+    r.mark_first_token(r.created_at + 0.02)  # 2e-4 → EWMA 1e-4 + 0.2 × 1e-4
+    assert a.prefill_s_per_token == pytest.approx(1.2e-4)
