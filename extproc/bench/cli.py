@@ -91,12 +91,12 @@ def analyze(
 # Defaults measured on the 2-core development machine (docs/benchmarks.md): the demo finishes in
 # about two minutes including start-up, and no run falls behind its schedule for more than 1 %
 # of its sends.
-DEMO_REQUESTS = 400
-DEMO_RATE = 4.0
+DEMO_REQUESTS = 700
+DEMO_RATE = 8.0
 DEMO_SPEED = 1.0
 STREAM_INTERVAL = 8
 BENCH_REQUESTS = 600
-BENCH_LOAD = 0.7
+BENCH_LOAD = 0.8
 """`--rate-scale auto`: offered prompt + output tokens/s as a fraction of the fleet's prefill capacity."""
 BENCH_MAX_WALL_RPS = 25.0
 """`--speed auto`: the most requests per wall second the 2-core machine replays on schedule."""
