@@ -191,7 +191,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     _warn_behind(console, report)
     if options.outputs.plot_path is not None:
         options.outputs.plot_path.parent.mkdir(parents=True, exist_ok=True)
-        plot_runs(runs, options.outputs.plot_path, by="endpoint", slo=options.slo)
+        plot_runs([_label_endpoints(runs[0], _profiles(stack))], options.outputs.plot_path, by="endpoint", slo=options.slo)
         console.print(f"wrote {options.outputs.plot_path}", highlight=False)
     if options.outputs.json_path is not None:
         _write_json(report, options.outputs.json_path, console)
@@ -206,6 +206,15 @@ def _model(settings: StackSettings) -> str:
 
 def _profiles(stack: PolicyStack) -> dict[str, str]:
     return {s.address: s.profile for s in stack.fleet.sims if s.port is not None}
+
+
+def _label_endpoints(run: LabeledRun, profiles: dict[str, str]) -> LabeledRun:
+    """A copy of `run` whose endpoints read `ip:port (profile)`, for figure legends."""
+    results = [
+        replace(r, endpoint=f"{r.endpoint} ({profiles[r.endpoint]})") if r.endpoint in profiles else r
+        for r in run.record.results
+    ]
+    return replace(run, record=replace(run.record, results=results))
 
 
 async def run_up(policy: Policy, settings: StackSettings, console: Console) -> int:
