@@ -37,3 +37,18 @@ def test_bench_two_policies_table_json_and_plot(tmp_path: Path) -> None:
     assert "envoy-least-request" in out and "llm-extproc" in out and "goodput" in out
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "bench-goodput.png").exists()  # one load: no goodput-vs-load figure
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a missing peer asked for: nothing runs, the note says which wheel is missing, exit 1."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from extproc.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm_router" else real(name, *a))
+    result = CliRunner().invoke(app, ["bench", "--policies", "vllm-router-kv-aware", "--requests", "3", "--rate-scale", "1"])
+    assert result.exit_code == 1, result.output
+    assert "vllm-router-kv-aware: skipped, vllm-router is not installed" in " ".join(result.output.split())
