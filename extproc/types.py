@@ -27,7 +27,7 @@ EndpointAddress = NewType("EndpointAddress", str)
 """`host:port` of an inference endpoint, exactly as written into `x-gateway-destination-endpoint`."""
 
 
-class RequestKind(str, enum.Enum):
+class RequestKind(enum.StrEnum):
     """Which OpenAI API a request targets."""
 
     CHAT = "chat"

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import copy
 import json
-import os
 import re
 import shutil
 import sys

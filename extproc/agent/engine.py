@@ -120,7 +120,7 @@ class EngineProbe:
     async def _health(self) -> str | None:
         try:
             status, _ = await self._get("/health")
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             return f"/health: {self._describe(exc)}"
         return None if 200 <= status < 300 else f"/health: status {status}"
 
@@ -130,7 +130,7 @@ class EngineProbe:
             if status != 200:
                 return None, f"/metrics: status {status}"
             return parse_vllm_metrics(text), None
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
             return None, f"/metrics: {self._describe(exc)}"
 
     def _ttft_p95_ms(self, now: float, buckets: dict[float, float]) -> float | None:

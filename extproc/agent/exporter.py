@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from extproc.agent.report import NodeSample
+from extproc.aio import start_site
 
 __all__ = ["AgentMetrics", "MetricsServer", "SAMPLE_ERROR_SOURCES"]
 
@@ -146,17 +147,7 @@ class MetricsServer:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError:
-            await self.aclose()
-            raise
-        server = site._server  # noqa: SLF001 - aiohttp has no public accessor for the bound port
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_site(app, self._host, self.port)
 
     async def aclose(self) -> None:
         if self._runner is not None:

@@ -151,7 +151,7 @@ class NvmlSource:
         self._busy.set()
         try:
             return await asyncio.wait_for(asyncio.to_thread(self._sample_and_clear), self._timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._all_faulty(f"NVML calls did not return within {self._timeout:g} s")
 
     def _sample_and_clear(self) -> list[DeviceSample]:

@@ -7,7 +7,6 @@ as an NVML error would be on real hardware: the agent cannot vouch for the devic
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -59,7 +58,7 @@ class SimGpuSource:
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
                 used, total, util = _parse(await resp.json(content_type=None))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return [DeviceSample(0, "sim-0", "simulated", fault=f"{self.url}: timeout", read_errors=1)]
         except (aiohttp.ClientError, ValueError) as exc:
             return [DeviceSample(0, "sim-0", "simulated", fault=f"{self.url}: {exc or type(exc).__name__}", read_errors=1)]

@@ -33,6 +33,7 @@ import grpc
 
 from extproc._proto.llm_extproc.v1 import node_load_pb2 as pb
 from extproc._proto.llm_extproc.v1 import node_load_pb2_grpc as pb_grpc
+from extproc.aio import cancel_and_wait
 from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore, Endpoint
 
@@ -178,13 +179,7 @@ class AgentWatcher:
 
     async def aclose(self) -> None:
         """Cancel every watch task and wait for them; `endpoint.node` keeps its last report."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks = []
 
     def _request(self) -> pb.WatchLoadRequest:
@@ -216,7 +211,7 @@ class AgentWatcher:
                             report, received_at=time.monotonic(), stale_after_s=self._stale_after
                         )
                         attempt = 0
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("agent %s sent nothing for %.3g s; reconnecting", addr, self._idle_timeout)
             except grpc.aio.AioRpcError as exc:
                 log.debug("agent %s: %s %s", addr, exc.code().name, exc.details())

@@ -11,6 +11,7 @@ import logging
 
 import aiohttp
 
+from extproc.aio import cancel_and_wait
 from extproc.config.schema import HealthCheckConfig
 from extproc.datastore.endpoints import Datastore, Endpoint
 
@@ -45,13 +46,8 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name="health-checker")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -76,7 +72,7 @@ class HealthChecker:
                 await resp.read()
                 if not 200 <= resp.status < 300:
                     error = f"status {resp.status}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             error = "timeout"
         except aiohttp.ClientError as exc:
             error = type(exc).__name__

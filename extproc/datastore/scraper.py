@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.aio import cancel_and_wait
 from extproc.datastore.endpoints import Datastore, Endpoint
 
 __all__ = ["EngineMetrics", "MetricsScraper", "parse_vllm_metrics", "histogram_quantile"]
@@ -206,13 +207,7 @@ class MetricsScraper:
         self._tasks = [asyncio.create_task(self._loop(ep), name=f"scrape-{ep.address}") for ep in self._store.all()]
 
     async def aclose(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if self._session is not None:
             await self._session.close()
@@ -238,7 +233,7 @@ class MetricsScraper:
                     ep.engine.scraped_at = time.monotonic()
                     ep.routed_at_scrape = mark
                     ok = True
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
             log.debug("scrape of %s failed: %s", ep.address, exc)
         except Exception:  # a parser bug must not kill the loop
             log.exception("scrape of %s failed", ep.address)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from extproc.aio import start_site
 from extproc.datastore.endpoints import Datastore
 from extproc.metrics import Metrics
 from extproc.scheduling.framework import SchedulingContext
@@ -86,13 +87,12 @@ class AdminServer:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self._app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port, reuse_address=True)
-        await site.start()
-        server = site._server  # noqa: SLF001 - aiohttp exposes no public bound-port accessor
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        """Listen.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._runner, self.port = await start_site(self._app(), self._host, self._port)
 
     async def aclose(self) -> None:
         if self._runner is not None:

@@ -213,7 +213,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             routed = await asyncio.wait_for(
                 self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header)), self._timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             err: ExtProcError = DecisionTimeout(f"routing decision took longer than {self._timeout:.3f} s")
         except ExtProcError as exc:
             err = exc

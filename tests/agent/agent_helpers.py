@@ -70,7 +70,7 @@ class FakeEngine:
             le = "+Inf" if b == float("inf") else repr(b)
             lines.append(f'vllm:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {cumulative}')
         lines.append(f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {cumulative}')
-        lines.append(f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} 0.0')
+        lines.append('vllm:time_to_first_token_seconds_sum{model_name="m"} 0.0')
         return "\n".join(lines) + "\n"
 
     async def start(self) -> None:

@@ -15,10 +15,10 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.e2e.e2e_helpers import ALIAS, DEAD_MODEL, MODEL, Engines, start_envoy
 from extproc.stack.envoy import EnvoyProcess
 from extproc.stack.ports import free_port
 from extproc.stack.server import ExtProcServerProcess
+from tests.e2e.e2e_helpers import ALIAS, DEAD_MODEL, MODEL, Engines, start_envoy
 from tests.e2e.fake_engines import Backend
 
 

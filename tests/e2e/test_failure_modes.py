@@ -16,9 +16,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.e2e.e2e_helpers import Engines, assert_openai_error, chat, start_envoy
 from extproc.stack.envoy import EnvoyProcess
 from extproc.stack.server import ExtProcServerProcess
+from tests.e2e.e2e_helpers import Engines, assert_openai_error, chat, start_envoy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 

@@ -13,12 +13,12 @@ import pytest
 from httpx_sse import EventSource
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.e2e_helpers import DEAD_MODEL, Engines, assert_openai_error, chat
 from extproc.config.schema import LimitsConfig
 from extproc.errors import InvalidJSONError, NotFoundError, PayloadTooLargeError
 from extproc.pipeline.tokens import TokenCounter
 from extproc.stack.envoy import EnvoyProcess
 from extproc.stack.server import ExtProcServerProcess
+from tests.e2e.e2e_helpers import DEAD_MODEL, Engines, assert_openai_error, chat
 from tests.e2e.fake_engines import JSON_BODY, SSE_BODY, Backend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 from extproc.protocol.sse import Event, SSELimitError, SSEParser
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from extproc.scheduling.framework import PickResult, ScoredEndpoint, SchedulingContext
+from extproc.scheduling.framework import PickResult, SchedulingContext, ScoredEndpoint
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 

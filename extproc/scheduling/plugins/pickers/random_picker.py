@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.scheduling.framework import PickResult, ScoredEndpoint, SchedulingContext
+from extproc.scheduling.framework import PickResult, SchedulingContext, ScoredEndpoint
 from extproc.scheduling.plugins.base import Plugin
 from extproc.scheduling.registry import register
 

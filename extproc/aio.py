@@ -1,0 +1,42 @@
+"""Small asyncio/aiohttp helpers shared by the servers and background loops."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from aiohttp import web
+
+__all__ = ["cancel_and_wait", "start_site"]
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
+    """Cancel background tasks and wait until each has finished (their CancelledError is absorbed)."""
+    pending = [t for t in tasks if t is not None]
+    for t in pending:
+        t.cancel()
+    for t in pending:
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (port 0: any free port); returns the runner and the bound port.
+
+    Raises:
+        OSError: the address cannot be bound (the runner is cleaned up first).
+    """
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    server = site._server  # noqa: SLF001 - aiohttp has no public accessor for the bound port
+    if server is not None and server.sockets:
+        port = server.sockets[0].getsockname()[1]
+    return runner, port
