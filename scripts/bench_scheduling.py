@@ -34,13 +34,21 @@ BASELINE = "envoy-least-request"
 
 
 def bench(args: argparse.Namespace, policies: list[str], scales: list[float], out: Path) -> list[dict]:
-    """Run `llm-extproc bench` and return its runs (offered rate ascending per policy)."""
+    """Run `llm-extproc bench` once per load (so each gets its own automatic simulator speed:
+    real time at light load, slower only where the load generator needs it) and return all runs."""
+    runs: list[dict] = []
+    for scale in scales:
+        runs += _bench_one(args, policies, scale, out.with_name(f"{out.stem}-{scale:g}.json"))
+    return runs
+
+
+def _bench_one(args: argparse.Namespace, policies: list[str], scale: float, out: Path) -> list[dict]:
     cmd = [
         sys.executable, "-m", "extproc", "bench",
         "--trace", args.trace,
         "--policies", ",".join(policies),
         "--requests", str(args.requests),
-        "--rate-scale", ",".join(f"{s:g}" for s in scales),
+        "--rate-scale", f"{scale:g}",
         "--seed", str(args.seed),
         "--json", str(out),
     ]  # fmt: skip
@@ -71,8 +79,8 @@ def capacity(runs: list[dict], bound: float) -> tuple[float | None, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True)
-    ap.add_argument("--requests", type=int, default=800)
-    ap.add_argument("--grid", default="3,9,13,17,21,25", help="trace-rate scales; the first is the light load")
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--grid", default="3,10,15,20,25", help="trace-rate scales; the first is the light load")
     ap.add_argument("--bound", type=float, default=3.0, help="capacity: p99 TTFT within this × light-load p99")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speed", default="", help="simulator speed (default: bench's auto)")
