@@ -17,7 +17,6 @@ __all__ = [
     "EndpointAddress",
     "RequestKind",
     "LLMRequest",
-    "Decision",
 ]
 
 TokenCount = NewType("TokenCount", int)
@@ -63,18 +62,3 @@ class LLMRequest:
     user: str | None = None
     body_bytes: ByteCount = ByteCount(0)
     token_ids: list[int] | None = field(default=None, repr=False)
-
-
-@dataclass(slots=True, frozen=True)
-class Decision:
-    """Where a request goes and why.
-
-    Attributes:
-        endpoint: the chosen endpoint address.
-        candidates: how many endpoints survived filtering.
-        reason: short machine-readable reason (e.g. `least-inflight`).
-    """
-
-    endpoint: EndpointAddress
-    candidates: int
-    reason: str
