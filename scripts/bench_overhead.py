@@ -230,6 +230,7 @@ async def main() -> None:
     ap.add_argument("--sizes", default="100,1000,8000", help="prompt sizes (tokens)")
     ap.add_argument("--shared", default="8000", help="sizes (tokens) also measured as a shared context + a unique 20-token question")
     ap.add_argument("--rss-requests", type=int, default=10_000)
+    ap.add_argument("--telemetry", choices=("on", "off"), default="on", help="server response telemetry (off: no response body messages)")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk")
@@ -247,6 +248,7 @@ async def main() -> None:
             {
                 "models": [{"name": MODEL, "max_model_len": 40960}],
                 "endpoints": [{"address": f"127.0.0.1:{backend_port}", "models": [MODEL]}],
+                "telemetry": {"enabled": args.telemetry == "on"},
             }
         )
     )
@@ -296,7 +298,7 @@ async def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"concurrency {args.concurrency}, {args.duration} s per cell; unique prompts, or a shared context + a unique question")
+    print(f"concurrency {args.concurrency}, {args.duration} s per cell, telemetry {args.telemetry}; unique prompts, or a shared context + a unique question")
     print("| prompt tokens | Envoy alone p50 / p99 (ms) | + llm-extproc p50 / p99 (ms) | added p50 / p99 (ms) | req/s alone | req/s with | ratio | decision parse / tokenize / schedule (ms, mean) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
