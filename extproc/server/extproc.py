@@ -100,7 +100,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
         """The few request headers we read, decoded as Latin-1 (any byte sequence is valid, so a
-        value with byte 0xFF cannot crash us; we never echo these values back)."""
+        value with byte 0xFF cannot crash us). Only x-request-id is ever echoed back (on error
+        replies), re-encoded as Latin-1 so it returns byte for byte."""
         out: dict[str, str] = {}
         wanted = self._wanted
         for h in msg.headers.headers:

@@ -43,9 +43,18 @@ overwrites them on every request."""
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
+def _raw(value: str) -> bytes:
+    """Header bytes: Latin-1 first, so a value we read as Latin-1 (a client's x-request-id)
+    goes back byte for byte; UTF-8 for anything outside it."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode()
+
+
 def _set(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOption]:
     return [
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=_raw(v)), append_action=_OVERWRITE)
         for k, v in headers.items()
     ]
 
