@@ -98,7 +98,7 @@ STREAM_INTERVAL = 8
 BENCH_REQUESTS = 600
 BENCH_LOAD = 0.8
 """`--rate-scale auto`: offered prompt + output tokens/s as a fraction of the fleet's prefill capacity."""
-BENCH_MAX_WALL_RPS = 25.0
+BENCH_MAX_WALL_RPS = 15.0
 """`--speed auto`: the most requests per wall second the 2-core machine replays on schedule."""
 BENCH_POLICIES = "envoy-round-robin,envoy-least-request,llm-extproc"
 DEFAULT_FLEET_SPEC = "h100-qwen3-8b,h100-qwen3-8b,a100-qwen3-8b,a100-qwen3-8b"  # extproc.stack.fleet.DEFAULT_FLEET
@@ -280,7 +280,7 @@ def bench(
     plot: Path | None = typer.Option(None, "--plot", help="PNG: TTFT CDF per policy (+ <name>-goodput.png for several loads)"),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput SLO: TTFT limit (ms)"),
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="goodput SLO: mean inter-token latency limit (ms)"),
-    request_timeout: float = typer.Option(120.0, "--request-timeout", help="per-request limit (wall seconds)"),
+    request_timeout: float = typer.Option(120.0, "--request-timeout", help="per-request limit (simulated seconds)"),
 ) -> None:
     """Replay the same requests through each policy in turn (fresh simulators for each) and compare."""
     import asyncio

@@ -218,7 +218,7 @@ class ReplayOptions:
 
     Attributes:
         speed: time compression; must equal the simulators' speed (latencies are simulated time).
-        request_timeout_s: per-request limit (wall seconds).
+        request_timeout_s: per-request limit (simulated seconds; wall = this / speed).
         lag_threshold_s: a send this late counts as behind schedule (wall seconds).
         progress: show a progress bar.
     """
@@ -329,7 +329,7 @@ async def replay(
         base_url=stack.url,
         model=_model_of(stack),
         speed=options.speed,
-        request_timeout_s=options.request_timeout_s,
+        request_timeout_s=options.request_timeout_s / options.speed,
         endpoint_headers=stack.endpoint_headers or ("x-llm-endpoint",),
         lag_threshold_s=options.lag_threshold_s,
     )
