@@ -95,9 +95,18 @@ class LimitsConfig(_Strict):
         decision_timeout_ms: our own budget for a decision (milliseconds); keep it below
             Envoy's ext_proc `message_timeout`.
         shutdown_grace_s: how long SIGTERM waits for in-flight streams (seconds).
+        max_messages: most chat messages in one request (count); more is a 400.
+        max_prompts: most prompts in one batched completions request (count); more is a 400.
+        max_chars_per_token: a prompt longer than `max_chars_per_token × max_model_len`
+            characters cannot fit the model and is refused with a 400 before it is tokenized
+            (tokenizing megabytes only to refuse them would tie up the tokenizer threads;
+            natural text averages ~4 characters per token).
     """
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_messages: int = Field(default=2048, ge=1)
+    max_prompts: int = Field(default=1024, ge=1)
+    max_chars_per_token: int = Field(default=16, ge=1)
     grpc_max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     decision_timeout_ms: int = Field(default=1500, ge=10)
     shutdown_grace_s: float = Field(default=30.0, ge=0)

@@ -22,9 +22,16 @@ from dataclasses import dataclass
 from extproc.admission.priority import check_shedding, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
-from extproc.errors import ContextLengthError, NoEndpointError, NotFoundError, PayloadTooLargeError, RateLimitedError
+from extproc.errors import (
+    ContextLengthError,
+    NoEndpointError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitedError,
+    ValidationError,
+)
 from extproc.metrics import Metrics
-from extproc.pipeline.tokens import TokenCounter
+from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
@@ -32,6 +39,9 @@ from extproc.scheduling.registry import build
 from extproc.types import LLMRequest, RequestKind, TokenCount
 
 __all__ = ["ModelRuntime", "RequestPipeline", "Routed", "INLINE_TOKENIZE_CHARS", "build_profile", "tier_for"]
+
+INLINE_MESSAGES = 256
+"""Conversations with more messages (or batches with more prompts) are rendered off the event loop."""
 
 INLINE_TOKENIZE_CHARS = 6000
 """Up to this many uncached characters (~1.5k tokens) are tokenized on the event loop: a
@@ -215,6 +225,14 @@ class RequestPipeline:
         by = result.rejected_by or "?"
         r = ctx.request
         if by.startswith("kv-fit"):
+            sized = [ep for ep in pool if ep.engine is not None and ep.engine.num_gpu_blocks]
+            if sized and all(blocks_needed(ctx, ep) > ep.engine.num_gpu_blocks for ep in sized):
+                return ValidationError(
+                    f"this request can never fit: {r.prompt_tokens} prompt + {ctx.expected_output_tokens} output tokens "
+                    f"with n={r.n} need more KV cache than any endpoint has in total; reduce n, max_tokens or the prompt",
+                    param="n" if r.n > 1 else "max_tokens",
+                    code="kv_cache_too_small",
+                )
             kv = self._config.admission.kv
             msg = (
                 f"no endpoint has enough free KV cache for this request ({r.prompt_tokens} prompt + "
@@ -272,17 +290,45 @@ class RequestPipeline:
         event loop (sub-millisecond); only when more than INLINE_TOKENIZE_CHARS characters miss
         the cache does the tokenization itself go to the executor."""
         counter = runtime.counter
+        limits = self._config.limits
+        model = runtime.config
+        max_chars = limits.max_chars_per_token * model.max_model_len
         if parsed.kind is RequestKind.CHAT:
-            text = counter.render_chat(parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs)
-            plans = [counter.plan(text)]
+            if len(parsed.messages) > limits.max_messages:
+                raise ValidationError(
+                    f"{len(parsed.messages)} messages; at most {limits.max_messages} are accepted", param="messages"
+                )
+            chars = sum(len(m.get("content") or "") for m in parsed.messages)
         elif parsed.prompts:
-            plans = [counter.plan(p, add_special_tokens=True) for p in parsed.prompts]
+            if len(parsed.prompts) > limits.max_prompts:
+                raise ValidationError(f"{len(parsed.prompts)} prompts; at most {limits.max_prompts} are accepted", param="prompt")
+            chars = max(len(p) for p in parsed.prompts)
         else:
             ids = parsed.prompt_token_ids
+            if len(ids) > limits.max_prompts:
+                raise ValidationError(f"{len(ids)} prompts; at most {limits.max_prompts} are accepted", param="prompt")
             return [len(p) for p in ids], ids[0]
+        if chars > max_chars:
+            raise ContextLengthError(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt has "
+                f"{chars} characters, more than {limits.max_chars_per_token} per token of context can hold. "
+                "Please reduce the length of the input.",
+                param="messages" if parsed.kind is RequestKind.CHAT else "prompt",
+            )
+
+        def plan() -> list[EncodePlan]:
+            if parsed.kind is RequestKind.CHAT:
+                text = counter.render_chat(parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs)
+                return [counter.plan(text)]
+            return [counter.plan(p, add_special_tokens=True) for p in parsed.prompts]
+
+        loop = asyncio.get_running_loop()
+        big = len(parsed.messages) > INLINE_MESSAGES or len(parsed.prompts) > INLINE_MESSAGES or chars > 32 * INLINE_TOKENIZE_CHARS
         before_h, before_m = counter.hits, counter.misses
+        # Rendering a template is pure Python: a huge conversation renders in a thread so the
+        # event loop keeps serving other streams in between (the GIL switches every 5 ms).
+        plans = await loop.run_in_executor(self._executor, plan) if big and self._executor is not None else plan()
         if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS and self._executor is not None:
-            loop = asyncio.get_running_loop()
             results = [await loop.run_in_executor(self._executor, counter.complete, p) for p in plans]
         else:
             results = [counter.complete(p) for p in plans]

@@ -79,6 +79,26 @@ class TokenizedPrompt:
         return len(self.token_ids)
 
 
+_SERVER_SET = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+     "tokenize", "return_dict", "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token"}
+)  # fmt: skip
+
+
+def _template_variables(template: str | None) -> frozenset[str]:
+    """Top-level variables a Jinja chat template reads that a request may set."""
+    if not template:
+        return frozenset()
+    from jinja2 import TemplateSyntaxError, meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        names = meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template))
+    except TemplateSyntaxError:
+        return frozenset()
+    return frozenset(names) - _SERVER_SET
+
+
 class TokenCounter:
     """Counts prompt tokens for one model, with a segment cache.
 
@@ -110,6 +130,9 @@ class TokenCounter:
         # (the regex engine can skip ahead to each candidate first character).
         self._cut_re = re.compile("|".join(map(re.escape, cut_tokens))) if cut_tokens else None
         self._bos_ids: list[int] = list(backend.encode("", add_special_tokens=True).ids)
+        self.template_kwargs = _template_variables(getattr(tokenizer, "chat_template", None))
+        """Names a request's `chat_template_kwargs` may set: the variables the model's own chat
+        template reads, minus those the server sets itself (messages, tools, ...)."""
 
     @classmethod
     def from_source(cls, source: str) -> TokenCounter:
@@ -162,9 +185,15 @@ class TokenCounter:
             BadRequestError: the template rejects the conversation (e.g. a role it does not know).
         """
         kwargs = dict(chat_template_kwargs or {})
-        kwargs.pop("tokenize", None)
-        kwargs.pop("return_dict", None)
-        kwargs.pop("add_generation_prompt", None)
+        unknown = sorted(set(kwargs) - self.template_kwargs)
+        if unknown:
+            # Never let a client pass `chat_template` (its own Jinja program, run on our CPU) or
+            # override what we set: only variables the model's template actually reads.
+            raise BadRequestError(
+                f"chat_template_kwargs may only set {sorted(self.template_kwargs) or 'nothing'} for this model; "
+                f"got {unknown}",
+                param="chat_template_kwargs",
+            )
         try:
             return self._tok.apply_chat_template(
                 list(messages),

@@ -8,8 +8,10 @@ a boolean. Errors name the offending parameter in OpenAI's `param` form (`messag
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import unquote
 
 import orjson
 import pydantic
@@ -36,11 +38,20 @@ _KINDS = {CHAT_PATH: RequestKind.CHAT, COMPLETIONS_PATH: RequestKind.COMPLETION}
 def route_kind(method: str, path: str) -> RequestKind | None:
     """The generation API a request targets, or None for any other method/path.
 
-    The query string is ignored; a trailing slash is tolerated.
+    The path is compared the way the engine's HTTP stack will see it: query string and fragment
+    dropped, percent-escapes decoded, `.`/`..` segments and repeated slashes resolved, a trailing
+    slash tolerated — so `/v1/chat/%63ompletions` cannot slip past admission as "another path"
+    (the Envoy configs normalise paths too).
     """
-    if method != "POST":
+    if method.upper() != "POST":
         return None
-    p = path.split("?", 1)[0]
+    p = path.split("?", 1)[0].split("#", 1)[0]
+    if "%" in p:
+        p = unquote(p)
+    if "//" in p or "/." in p:
+        p = posixpath.normpath(p)
+        if p.startswith("//"):
+            p = "/" + p.lstrip("/")
     if len(p) > 1 and p.endswith("/"):
         p = p[:-1]
     return _KINDS.get(p)

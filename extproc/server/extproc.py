@@ -124,6 +124,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
+                if phase is None or (phase == "request_headers" and start_ns):
+                    # Envoy sends one request_headers per stream and never an empty message:
+                    # anything else is a broken or hostile client. End the stream (the finally
+                    # below releases what it held) rather than guess.
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected ext_proc message: {phase or 'empty'}")
                 if phase == "request_headers":
                     start_ns = time.monotonic_ns()
                     hdrs = self._headers(msg.request_headers)

@@ -123,6 +123,26 @@ async def test_bad_requests_get_json_errors_through_envoy(
     assert not any(e.received for e in (engines.a, engines.b, engines.intruder))
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/v1//chat/completions", "/v1/models/../chat/completions"])
+async def test_disguised_paths_do_not_skip_admission(client: httpx.AsyncClient, engines: Engines, path: str) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}
+    error = assert_openai_error(await client.post(path, json=body), 404)
+    assert error["code"] == NotFoundError.code
+    assert not any(e.received for e in (engines.a, engines.b, engines.intruder))
+
+
+async def test_envoys_own_protocol_errors_are_json(gateway: EnvoyProcess) -> None:
+    host, port = gateway.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}")
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(65536), 10)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"426" and b"application/json" in head.lower()
+    assert set(orjson.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
 async def test_the_servers_own_503_passes_unchanged(client: httpx.AsyncClient) -> None:
     """Envoy's local-reply rewriting touches only Envoy's own replies, not llm-extproc's."""
     deadline = time.monotonic() + 10

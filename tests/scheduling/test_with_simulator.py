@@ -154,11 +154,17 @@ async def test_long_prompt_goes_where_it_fits(stack):
         call.cancel()
 
 
-async def test_no_endpoint_fits_is_429_with_retry_after(stack):
-    app, (a,), stub = await stack({"speed": 20, "num_gpu_blocks": 64})
-    await until(lambda: app.store.all()[0].engine is not None)
-    status, code = await decide(stub, words=2000, max_tokens=16)
-    assert (status, code) == (429, "kv_cache_full")
+async def test_no_room_now_is_429_and_never_fits_is_400(stack):
+    app, (a,), stub = await stack({"speed": 0.5, "num_gpu_blocks": 64})
+    ep = app.store.get(f"127.0.0.1:{a.port}")
+    await until(lambda: ep.engine is not None)
+    # ~2,000 tokens can never fit a 64-block (1,024-token) pool: retrying is pointless → 400.
+    assert await decide(stub, words=2000, max_tokens=16) == (400, "kv_cache_too_small")
+    # Fill the pool, then ask for ~12 blocks that would fit an empty pool: 429, retry later.
+    hog = await direct(a, 800, 200)
+    await until(lambda: ep.engine.free_blocks is not None and ep.engine.free_blocks < 11)
+    assert await decide(stub, words=100, max_tokens=64) == (429, "kv_cache_full")
+    hog.cancel()
 
 
 async def test_sheddable_refused_before_standard_before_critical(stack):

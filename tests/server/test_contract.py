@@ -377,3 +377,64 @@ async def test_credentials_never_reach_logs_or_metrics(app, stub, caplog):
         )
     exposed = generate_latest(app.metrics.registry).decode()
     assert secret not in caplog.text and secret not in exposed
+
+
+async def test_client_template_is_refused(stub):
+    body = chat_body(chat_template_kwargs={"chat_template": "{% for i in range(100000000) %}x{% endfor %}"})
+    _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(body))
+    status, payload, _ = error_of(reply)
+    assert status == 400 and payload["error"]["param"] == "chat_template_kwargs"
+    assert "enable_thinking" in payload["error"]["message"]  # what the model's template does read
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 2049}), "messages"),
+        ("/v1/completions", orjson.dumps({"model": MODEL, "prompt": ["a"] * 1025}), "prompt"),
+    ],
+    ids=["too-many-messages", "too-many-prompts"],
+)
+async def test_size_limits_refuse_before_tokenizing(stub, path, body, param):
+    _, reply = await exchange(stub, headers_msg("POST", path), body_msg(body))
+    status, payload, _ = error_of(reply)
+    assert status == 400 and payload["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/%76%31/chat/completions", "/v1//chat/completions", "/v1/x/../chat/completions"])
+async def test_encoded_or_dotted_paths_are_still_generation_requests(stub, path):
+    (reply,) = await exchange(stub, headers_msg("POST", path))
+    assert reply.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [pb.ProcessingRequest()],
+        [headers_msg("GET", "/v1/models", end=True), headers_msg("GET", "/v1/models", end=True)],
+    ],
+    ids=["empty-message", "second-headers"],
+)
+async def test_protocol_violations_end_the_stream_and_release(app, stub, messages):
+    call = stub.Process()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        for m in messages:
+            await call.write(m)
+            await call.read()
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await wait_until(lambda: app.store.open_reservations == 0 and app.servicer.active_streams == 0)
+
+
+async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_untokenized(make_app):
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    app = await make_app(models=[{"name": MODEL, "max_model_len": 1024}])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        misses = app.pipeline.resolve_model(MODEL).counter.misses
+        # 16 characters per token of context (limits.max_chars_per_token) × 1,024 tokens, plus one.
+        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body("x" * (16 * 1024 + 1))))
+        status, payload, _ = error_of(reply)
+        assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
+        assert app.pipeline.resolve_model(MODEL).counter.misses == misses  # nothing was tokenized
