@@ -16,7 +16,7 @@ import yaml
 from httpx_sse import aconnect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.sim.server import SimServer
+from extproc.stack.fleet import SimProcess
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.server import ExtProcServerProcess
 
@@ -26,17 +26,19 @@ MODEL = "Qwen/Qwen3-8B"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory, qwen_counter) -> AsyncIterator[tuple[EnvoyProcess, ExtProcServerProcess, list[SimServer]]]:
+async def stack(tmp_path_factory) -> AsyncIterator[tuple[EnvoyProcess, ExtProcServerProcess, list[SimProcess]]]:
     workdir = tmp_path_factory.mktemp("telemetry")
-    sims = [SimServer(speed=1, stream_interval=1, tokenizer=qwen_counter, seed=i) for i in range(2)]
-    for s in sims:
-        await s.start()
+    # Simulators in their own processes (see test_aborts.py).
+    sims = [SimProcess("h100-qwen3-8b", name=f"sim-{i}", workdir=workdir, speed=1, stream_interval=1, seed=i) for i in range(2)]
+    await asyncio.gather(*(s.start() for s in sims))
     path = workdir / "llm-extproc.yaml"
     path.write_text(
         yaml.safe_dump(
             {
                 "models": [{"name": MODEL}],
                 "endpoints": [{"address": f"127.0.0.1:{s.port}", "models": [MODEL]} for s in sims],
+                # A loaded CI machine answers slowly: do not call an engine dead over one slow probe.
+                "scheduling": {"health_check": {"timeout_s": 2.0, "unhealthy_threshold": 3}},
                 "telemetry": {"observer": {"markers": True}, "stats": {"min_gap_samples": 8}},
             }
         )
