@@ -189,12 +189,17 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     report = build_report(runs, options.slo)
     console.print(render_run_details(report.runs[0], time_unit=report.time_unit, profiles=_profiles(stack)))
     _warn_behind(console, report)
-    if options.outputs.plot_path is not None:
-        options.outputs.plot_path.parent.mkdir(parents=True, exist_ok=True)
-        plot_runs([_label_endpoints(runs[0], _profiles(stack))], options.outputs.plot_path, by="endpoint", slo=options.slo)
-        console.print(f"wrote {options.outputs.plot_path}", highlight=False)
-    if options.outputs.json_path is not None:
-        _write_json(report, options.outputs.json_path, console)
+    try:
+        if options.outputs.plot_path is not None:
+            options.outputs.plot_path.parent.mkdir(parents=True, exist_ok=True)
+            labeled = _label_endpoints(runs[0], _profiles(stack))
+            plot_runs([labeled], options.outputs.plot_path, by="endpoint", slo=options.slo)
+            console.print(f"wrote {options.outputs.plot_path}", highlight=False)
+        if options.outputs.json_path is not None:
+            _write_json(report, options.outputs.json_path, console)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
+        return 2
     return 130 if outcome == "interrupted" else 0
 
 
@@ -297,10 +302,14 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
     _warn_behind(console, report)
     for note in skipped:
         console.print(note, highlight=False)
-    if options.outputs.plot_path is not None:
-        _plot_bench(options, runs, report, console)
-    if options.outputs.json_path is not None:
-        _write_json(report, options.outputs.json_path, console)
+    try:
+        if options.outputs.plot_path is not None:
+            _plot_bench(options, runs, report, console)
+        if options.outputs.json_path is not None:
+            _write_json(report, options.outputs.json_path, console)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
+        return status or 2
     return status
 
 
