@@ -37,7 +37,7 @@ def parse_priority(value: str | None, cfg: PriorityConfig) -> str:
     """
     if value is None or value == "":
         return cfg.default
-    v = value.strip().lower()
+    v = value.strip(" \t").lower()  # ASCII blanks only: "critical\xa0" is not a class
     if v not in PRIORITIES:
         shown = value if len(value) <= 40 else value[:37] + "..."
         raise ValidationError(
