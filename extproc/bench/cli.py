@@ -51,7 +51,7 @@ def analyze(
     from extproc.bench.traces import Trace, TraceFormatError, load_trace
 
     console = Console()
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # an error line never breaks mid-sentence in a log
     try:
         if str(path) == "synthetic" and not path.exists():
             from extproc.bench.workload import WorkloadSpec, synthetic_workload
@@ -122,7 +122,7 @@ def _console():  # type: ignore[no-untyped-def]
 def _fail(message: str) -> typer.Exit:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
     return typer.Exit(2)
 
 
