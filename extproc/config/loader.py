@@ -31,18 +31,21 @@ class ConfigError(ValueError):
 
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
-    for err in exc.errors():
+    for err in exc.errors(include_url=False):
         loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]).replace(".[", "[")
         value = err.get("input")
-        shown = repr(value)
-        if len(shown) > 80:
+        shown = repr(value) if not isinstance(value, (dict, list)) else None
+        if shown is not None and len(shown) > 80:
             shown = shown[:77] + "..."
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             lines.append(f"  {loc or '<root>'}: required key is missing")
         elif err["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key (value {shown})")
+            lines.append(f"  {loc}: unknown key (value {shown if shown is not None else type(value).__name__})")
+        elif shown is None or shown in msg:
+            lines.append(f"  {loc or '<root>'}: {msg}")
         else:
-            lines.append(f"  {loc or '<root>'}: {err['msg']} (got {shown})")
+            lines.append(f"  {loc or '<root>'}: {msg} (got {shown})")
     return "\n".join(lines)
 
 
@@ -55,13 +58,17 @@ def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", en
     if not isinstance(raw, Mapping):
         raise ConfigError(f"invalid configuration in {source}: top level must be a mapping, got {type(raw).__name__}")
     data: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    applied = []
     for var, (section, key) in ENV_OVERRIDES.items():
         value = (env if env is not None else os.environ).get(var)
         if value:
+            applied.append(f"{var} → {section}.{key}")
             data.setdefault(section, {})
             if not isinstance(data[section], dict):
                 raise ConfigError(f"invalid configuration in {source}: {section} must be a mapping")
             data[section][key] = value
+    if applied:
+        source = f"{source} (with environment overrides {', '.join(applied)})"
     try:
         return Config.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -84,7 +91,12 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"configuration {p} is not valid YAML: {exc}") from None
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"configuration {p} is not valid YAML{where}: {problem}") from None
     return config_from_mapping(raw or {}, source=str(p), env=env)
 
 

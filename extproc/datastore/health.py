@@ -80,6 +80,8 @@ class HealthChecker:
             # The first probe decides outright: no reason to route to an endpoint that never answered.
             ep.probed = True
             ep.healthy = error is None
+            if error is not None:
+                log.warning("endpoint %s unhealthy at start: %s", ep.address, error)
         if error is None:
             ep.consecutive_failures = 0
             ep.consecutive_successes += 1
