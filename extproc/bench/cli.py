@@ -288,9 +288,7 @@ def bench(
 
     from extproc.bench.commands import BenchOptions, Outputs, run_bench
     from extproc.bench.results import SLO
-    from extproc.bench.runner import ReplayOptions
-
-    from extproc.bench.runner import auto_rate_scale, auto_speed
+    from extproc.bench.runner import ReplayOptions, auto_rate_scale, auto_speed
 
     console = _console()
     speed_value = 1.0 if speed == "auto" else _parse_speed(speed)

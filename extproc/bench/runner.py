@@ -25,7 +25,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from extproc.bench.loadgen import LoadGenConfig, LoadGenerator, Progress as LoadProgress
+from extproc.bench.loadgen import LoadGenConfig, LoadGenerator
+from extproc.bench.loadgen import Progress as LoadProgress
 from extproc.bench.prompts import PromptSynthesizer
 from extproc.bench.results import LabeledRun, prefix_cache_counters, prefix_cache_hit_rate
 from extproc.bench.stacks import PolicyStack
