@@ -85,12 +85,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speed", default="", help="simulator speed (default: bench's auto)")
     ap.add_argument("--out", default="bench-scheduling", help="directory for the JSON reports")
+    ap.add_argument("--baseline-grid-json", default="", help="reuse least_request's grid runs from these bench JSON files (comma-separated)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     grid = [float(x) for x in args.grid.split(",")]
-    base_runs = bench(args, [BASELINE], grid, out / "baseline.json")
+    if args.baseline_grid_json:
+        base_runs = [r for f in args.baseline_grid_json.split(",") for r in json.loads(Path(f).read_text())["runs"]]
+        base_runs.sort(key=lambda r: r["offered_rps"])
+    else:
+        base_runs = bench(args, [BASELINE], grid, out / "baseline.json")
     rate_per_scale = base_runs[0]["offered_rps"] / grid[0]
     base_cap, _ = capacity(base_runs, args.bound)
     if base_cap is None:

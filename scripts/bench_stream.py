@@ -98,7 +98,7 @@ async def main() -> None:
             cfg.write_text(yaml.safe_dump({
                 "models": [{"name": MODEL}],
                 "endpoints": [{"address": sim.address, "models": [MODEL]}],
-                "telemetry": {"enabled": telemetry},
+                "telemetry": {"enabled": telemetry, "sample_rate": 1.0},
             }))
             servers[name] = ExtProcServerProcess(cfg, workdir=work, name=name, log_level="warning")
             await servers[name].start()

@@ -392,15 +392,17 @@ class TelemetryConfig(_Strict):
             headers are seen (first token ≈ response start) and bodies never cross the server.
         sample_rate: fraction of generation requests whose responses are observed (0..1]. Each
             observed body chunk costs the server one ext_proc message (~0.3 ms of CPU here,
-            docs/benchmarks.md); per-endpoint statistics need only a sample, so a busy fleet can
-            observe e.g. 0.1 of its requests. Telemetry metrics then count the sample only.
+            docs/benchmarks.md), and every chunk of an observed stream waits for the server's
+            reply; per-endpoint statistics need only a sample. Default 0.1: one request in ten.
+            Unobserved requests still end prefill at their response headers (engines send them
+            with the first token). Telemetry metrics count the sample only.
         observer: markers (`: x-chunk-id=N x-sent-at-us=T` SSE comments, opt-in) and body bounds.
         stats: per-endpoint windows and backpressure thresholds (σ of inter-token gaps ≥ 15 ms
             light, ≥ 25 ms heavy; latency buckets 50 / 200 ms).
     """
 
     enabled: bool = True
-    sample_rate: float = Field(default=1.0, gt=0, le=1)
+    sample_rate: float = Field(default=0.1, gt=0, le=1)
     observer: ObserverOptions = Field(default_factory=ObserverOptions)
     stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
 

@@ -500,7 +500,6 @@ class SimServer:
         include_usage: bool,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
-        await resp.prepare(request)
         chunks = 0
 
         async def send(data: bytes) -> bool:
@@ -514,16 +513,23 @@ class SimServer:
             chunks += 1
             return True
 
-        if kind == "chat" and not await send(stream_chunk(kind, rid, created, self.model, "", role=True)):
-            return self._die(request)
         sent = 0
         interval = self.stream_interval
+        started = False
         while True:
             await event.wait()
             event.clear()
             if req.uid in self._dropped:
                 return self._die(request)
             n, done = req.num_output, req.finished
+            if not started and (n > 0 or done):
+                # vLLM answers a stream's headers and its role chunk only once the engine has
+                # produced the first token (its generator yields nothing before that), so a
+                # balancer that sees response headers sees the end of prefill.
+                started = True
+                await resp.prepare(request)
+                if kind == "chat" and not await send(stream_chunk(kind, rid, created, self.model, "", role=True)):
+                    return self._die(request)
             while sent < n:
                 upto = min(n, sent + interval)
                 fin = (req.finish_reason or "stop") if done and upto == n else None

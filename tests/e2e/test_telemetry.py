@@ -39,7 +39,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[tuple[EnvoyProcess, ExtProcSe
                 "endpoints": [{"address": f"127.0.0.1:{s.port}", "models": [MODEL]} for s in sims],
                 # A loaded CI machine answers slowly: do not call an engine dead over one slow probe.
                 "scheduling": {"health_check": {"timeout_s": 2.0, "unhealthy_threshold": 3}},
-                "telemetry": {"observer": {"markers": True}, "stats": {"min_gap_samples": 8}},
+                "telemetry": {"sample_rate": 1.0, "observer": {"markers": True}, "stats": {"min_gap_samples": 8}},
             }
         )
     )

@@ -22,6 +22,7 @@ def make_config(**overrides):
         "models": [{"name": MODEL, "aliases": ["qwen3-8b"], "max_model_len": 4096}],
         "endpoints": [{"address": a, "models": [MODEL]} for a in ENDPOINTS],
         "scheduling": {"health_check": {"enabled": False}},
+        "telemetry": {"sample_rate": 1.0},  # every stream observed: deterministic tests
     }
     for key, value in overrides.items():
         raw[key] = value

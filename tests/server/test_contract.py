@@ -320,7 +320,7 @@ async def test_graceful_shutdown_lets_inflight_streams_finish(make_app):
 
 @pytest.mark.parametrize(
     ("telemetry", "body_mode"),
-    [({}, "STREAMED"), ({"enabled": False}, "NONE")],
+    [({"sample_rate": 1.0}, "STREAMED"), ({"enabled": False}, "NONE")],
     ids=["telemetry-on", "telemetry-off"],
 )
 async def test_generation_mode_streams_responses_only_with_telemetry(make_app, telemetry, body_mode):
