@@ -109,6 +109,13 @@ class Metrics:
             "ext_proc gRPC streams currently open.",
             registry=registry,
         )
+        self.token_estimates = Counter(
+            "llm_extproc_tokenizer_estimates_total",
+            "Requests routed on a character estimate of their prompt tokens because exact counting "
+            "exceeded its share of the decision budget (the context check is then left to the engine).",
+            ["model"],
+            registry=registry,
+        )
         self.tokenizer_cache_hits = Counter(
             "llm_extproc_tokenizer_cache_hits_total",
             "Prompt segments found in the token cache.",

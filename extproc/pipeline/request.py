@@ -40,6 +40,13 @@ from extproc.types import LLMRequest, RequestKind, TokenCount
 
 __all__ = ["ModelRuntime", "RequestPipeline", "Routed", "INLINE_TOKENIZE_CHARS", "build_profile", "tier_for"]
 
+COUNT_BUDGET_FRACTION = 0.5
+"""Share of `limits.decision_timeout_ms` token counting may take before the estimate is used."""
+
+ESTIMATE_CHARS_PER_TOKEN = 3.5
+"""Characters per token for the fallback estimate (English prose with BPE tokenizers: 3.5–4.5;
+the low end makes KV reservations err on the safe side)."""
+
 INLINE_MESSAGES = 256
 """Conversations with more messages (or batches with more prompts) are rendered off the event loop."""
 
@@ -76,6 +83,20 @@ class Routed:
     blocks: int
     result: ProfileResult | None
     timings_s: dict[str, float]
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Retrieve an abandoned counting task's outcome so its exception is not reported as unhandled."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
+    """Prompt tokens from characters (ESTIMATE_CHARS_PER_TOKEN), when exact counting ran out of time."""
+    if parsed.kind is RequestKind.CHAT:
+        chars = sum(len(m.get("content") or "") for m in parsed.messages) + 16 * len(parsed.messages)
+        return [max(1, int(chars / ESTIMATE_CHARS_PER_TOKEN))]
+    return [max(1, int(len(p) / ESTIMATE_CHARS_PER_TOKEN)) for p in parsed.prompts]
 
 
 def build_profile(name: str, cfg: ProfileConfig) -> Profile:
@@ -127,6 +148,9 @@ class RequestPipeline:
         self._executor = executor
         self._rng = rng or random.Random()
         self._max_body = config.limits.max_body_bytes
+        # Past this, a burst of long new prompts waiting for a tokenizer thread is routed on a
+        # character estimate instead of refused: the rest of the decision needs the remainder.
+        self._count_budget_s = config.limits.decision_timeout_ms / 1000 * COUNT_BUDGET_FRACTION
         sched = config.scheduling
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
@@ -174,10 +198,22 @@ class RequestPipeline:
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
         t1 = time.perf_counter()
-        prompt_tokens, token_ids = await self._count(parsed, runtime)
-        t2 = time.perf_counter()
         model = runtime.config
-        self._check_context(parsed, model, prompt_tokens)
+        counting = asyncio.ensure_future(self._count(parsed, runtime))
+        try:
+            # shield: on timeout the tokenization goes on in its thread and fills the cache.
+            prompt_tokens, token_ids = await asyncio.wait_for(asyncio.shield(counting), self._count_budget_s)
+            exact = True
+        except TimeoutError:
+            counting.add_done_callback(_consume)
+            prompt_tokens, token_ids, exact = _estimate_tokens(parsed), None, False
+            self._metrics.token_estimates.labels(model.name).inc()
+        except BaseException:
+            counting.cancel()
+            raise
+        t2 = time.perf_counter()
+        if exact:
+            self._check_context(parsed, model, prompt_tokens)
         total_prompt = sum(prompt_tokens)
         req = LLMRequest(
             kind=kind,

@@ -438,3 +438,20 @@ async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_
         status, payload, _ = error_of(reply)
         assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
         assert app.pipeline.resolve_model(MODEL).counter.misses == misses  # nothing was tokenized
+
+
+async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app):
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    # A 200 ms decision budget leaves 100 ms for counting: ~40k new words take several times that.
+    app = await make_app(
+        limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000, "decision_timeout_ms": 200},
+        models=[{"name": MODEL, "aliases": ["qwen3-8b"], "max_model_len": 131072}],
+    )
+    text = " ".join(f"w{i}" for i in range(40_000))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        _, reply = await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body(text)))
+    hdrs = set_headers(reply.request_body.response)
+    assert hdrs["x-gateway-destination-endpoint"] in ENDPOINTS
+    assert int(hdrs["x-llm-prompt-tokens"]) == int((len(text) + 16) / 3.5)  # the character estimate
+    assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
