@@ -50,7 +50,9 @@ async def extproc_server(workdir: Path, engines: Engines) -> AsyncIterator[ExtPr
             *({"address": e.address, "models": [MODEL]} for e in engines.serving),
             {"address": f"127.0.0.1:{free_port()}", "models": [DEAD_MODEL]},
         ],
-        "scheduling": {"health_check": {"interval_s": 0.25}},
+        # Fast probes, but a slow answer from an engine that shares the test client's event
+        # loop (200 parallel requests) must not count as a dead engine.
+        "scheduling": {"health_check": {"interval_s": 0.25, "timeout_s": 2.0, "unhealthy_threshold": 3}},
     }
     path = workdir / "llm-extproc.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
