@@ -250,12 +250,16 @@ class LoadGenerator:
         self.prompts = prompts
         self.on_progress = on_progress
         self._stop: asyncio.Event | None = None
+        self._stop_requested = False
         self._counts = {"sent": 0, "completed": 0, "failed": 0, "behind": 0}
         self._planned = 0
         self._header_scales: set[float] = set()
 
     def stop(self) -> None:
-        """Stop sending and cancel in-flight requests (call from the event loop's thread)."""
+        """Stop sending and cancel in-flight requests (call from the event loop's thread). A stop
+        that comes before `run()` (a signal while the replay is being set up) makes it return at
+        once."""
+        self._stop_requested = True
         if self._stop is not None:
             self._stop.set()
 
@@ -305,6 +309,8 @@ class LoadGenerator:
         if self.prompts is None and any(r.messages is None for r in planned):
             raise ValueError("requests without messages need a PromptSynthesizer (prompts=...)")
         self._stop = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
         self._planned = len(planned)
         self._counts = dict.fromkeys(self._counts, 0)
         self._header_scales = set()

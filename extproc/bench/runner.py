@@ -346,12 +346,14 @@ async def replay(
     loadgen = LoadGenerator(config, prompts, on_progress=on_progress)
     # From here a signal stops this replay (keeping what it measured) instead of the command.
     with interrupts.replaying(loadgen) if interrupts is not None else contextlib.nullcontext():
+        before = await scrape_prefix_counters(stack.fleet.urls)
+        # Printed right before the first send (nothing awaits in between): a signal after it
+        # finds requests measured.
         console.print(
             f"replaying {len(workload.requests):,} requests of {workload.name} through {label} "
             f"(offered {workload.offered_rps or 0:.2f} req/s, speed {options.speed:g})",
             highlight=False,
         )
-        before = await scrape_prefix_counters(stack.fleet.urls)
         with bar if bar is not None else contextlib.nullcontext():
             record = await loadgen.run(workload.requests)
     after = await scrape_prefix_counters(stack.fleet.urls)

@@ -250,6 +250,17 @@ async def test_stop_cancels_in_flight_and_stops_sending(server: tuple[web.Applic
     assert [r.error for r in run.results] == ["cancelled", "cancelled"]  # the third was never sent
 
 
+async def test_stop_before_run_sends_nothing(server: tuple[web.Application, str]) -> None:
+    """A signal while a replay is being set up (before `run()`) must still stop it."""
+    _, url = server
+    gen = LoadGenerator(LoadGenConfig(url))
+    gen.stop()
+    started = time.monotonic()
+    run = await gen.run([_req(0.0, 5), _req(1.0, 5)])
+    assert time.monotonic() - started < 1
+    assert run.interrupted and run.planned == 2 and run.results == []
+
+
 async def test_session_header_and_extra_headers(server: tuple[web.Application, str]) -> None:
     app, url = server
     config = LoadGenConfig(url, session_header="x-session-id", headers={"x-tenant": "team-a"})
