@@ -7,6 +7,8 @@ content, user id, API key or authorization header ever becomes a label.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Metrics", "DECISION_PHASES"]
@@ -29,6 +31,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "llm_extproc_requests_total",
             "Requests seen by the ext_proc server, by outcome (routed, rejected, passthrough) and reason.",
@@ -128,3 +131,13 @@ class Metrics:
             ["model"],
             registry=registry,
         )
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, memoised. prometheus_client validates and locks on every
+        `labels()` call (a few microseconds; a decision touches ~15 children), and every label
+        value here comes from a bounded set (phases, plugins, endpoints, models, reasons)."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found

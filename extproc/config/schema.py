@@ -93,7 +93,9 @@ class LimitsConfig(_Strict):
             `per_connection_buffer_limit_bytes` so both layers answer the same 413.
         grpc_max_message_bytes: gRPC receive limit; must exceed max_body_bytes plus headers.
         decision_timeout_ms: our own budget for a decision (milliseconds); keep it below
-            Envoy's ext_proc `message_timeout`.
+            Envoy's ext_proc `message_timeout`. Token counting off the event loop may take half
+            of it; past that the request is routed on a character estimate (the rest of a
+            decision never waits).
         shutdown_grace_s: how long SIGTERM waits for in-flight streams (seconds).
         max_messages: most chat messages in one request (count); more is a 400.
         max_prompts: most prompts in one batched completions request (count); more is a 400.

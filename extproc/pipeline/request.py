@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -199,18 +199,11 @@ class RequestPipeline:
         priority = parse_priority(priority_header, cfg.admission.priority)
         t1 = time.perf_counter()
         model = runtime.config
-        counting = asyncio.ensure_future(self._count(parsed, runtime))
-        try:
-            # shield: on timeout the tokenization goes on in its thread and fills the cache.
-            prompt_tokens, token_ids = await asyncio.wait_for(asyncio.shield(counting), self._count_budget_s)
-            exact = True
-        except TimeoutError:
-            counting.add_done_callback(_consume)
-            prompt_tokens, token_ids, exact = _estimate_tokens(parsed), None, False
-            self._metrics.token_estimates.labels(model.name).inc()
-        except BaseException:
-            counting.cancel()
-            raise
+        counted = self._count(parsed, runtime)
+        if isinstance(counted, tuple):  # counted on the event loop: nothing to wait for
+            (prompt_tokens, token_ids), exact = counted, True
+        else:
+            prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name)
         t2 = time.perf_counter()
         if exact:
             self._check_context(parsed, model, prompt_tokens)
@@ -248,7 +241,7 @@ class RequestPipeline:
         )
         result = self.profile.run(ctx, pool)
         for plugin, seconds in result.timings_s.items():
-            self._metrics.plugin_seconds.labels(plugin).observe(seconds)
+            self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
         if result.pick is None:
             raise self._rejection(result, ctx, pool)
         endpoint = result.pick.primary.endpoint
@@ -318,13 +311,23 @@ class RequestPipeline:
             raise NoEndpointError(f"no healthy endpoint for this request ({len(pool)} configured, 0 healthy)")
         return result.pick.primary.endpoint
 
-    async def _count(self, parsed: ParsedRequest, runtime: ModelRuntime) -> tuple[list[int], list[int] | None]:
+    def _count(
+        self, parsed: ParsedRequest, runtime: ModelRuntime
+    ) -> tuple[list[int], list[int] | None] | Awaitable[tuple[list[int], list[int] | None]]:
         """Prompt tokens per prompt (a list: completions may batch several prompts) and the ids of
-        the first prompt (kept for prefix hashing).
+        the first prompt (kept for prefix hashing) — directly, or an awaitable when the work goes
+        to the executor.
 
         The chat template is rendered and the text cut and looked up in the segment cache on the
         event loop (sub-millisecond); only when more than INLINE_TOKENIZE_CHARS characters miss
-        the cache does the tokenization itself go to the executor."""
+        the cache does the tokenization itself go to the executor, and a huge conversation
+        renders there too. The common case creates no task and no timer.
+
+        Raises:
+            ValidationError: too many messages or prompts.
+            ContextLengthError: more characters than the context can hold at
+                `limits.max_chars_per_token`.
+        """
         counter = runtime.counter
         limits = self._config.limits
         model = runtime.config
@@ -358,20 +361,63 @@ class RequestPipeline:
                 return [counter.plan(text)]
             return [counter.plan(p, add_special_tokens=True) for p in parsed.prompts]
 
-        loop = asyncio.get_running_loop()
         big = len(parsed.messages) > INLINE_MESSAGES or len(parsed.prompts) > INLINE_MESSAGES or chars > 32 * INLINE_TOKENIZE_CHARS
+        if self._executor is not None and big:
+            # Rendering a template is pure Python: a huge conversation renders in a thread so
+            # the event loop keeps serving other streams in between (the GIL switches every 5 ms).
+            return self._count_off_loop(plan, None, runtime)
         before_h, before_m = counter.hits, counter.misses
-        # Rendering a template is pure Python: a huge conversation renders in a thread so the
-        # event loop keeps serving other streams in between (the GIL switches every 5 ms).
-        plans = await loop.run_in_executor(self._executor, plan) if big and self._executor is not None else plan()
+        plans = plan()
         if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS and self._executor is not None:
+            return self._count_off_loop(None, plans, runtime)
+        results = [counter.complete(p) for p in plans]
+        self._count_cache_use(runtime, counter.hits - before_h, counter.misses - before_m)
+        return [r.count for r in results], results[0].token_ids
+
+    async def _count_off_loop(
+        self, plan: Callable[[], list[EncodePlan]] | None, plans: list[EncodePlan] | None, runtime: ModelRuntime
+    ) -> tuple[list[int], list[int] | None]:
+        """`_count`'s slow path: render (when `plans` is None) and tokenize in the executor."""
+        loop = asyncio.get_running_loop()
+        counter = runtime.counter
+        before_h, before_m = counter.hits, counter.misses
+        if plans is None:
+            plans = await loop.run_in_executor(self._executor, plan)
+        if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS:
             results = [await loop.run_in_executor(self._executor, counter.complete, p) for p in plans]
         else:
             results = [counter.complete(p) for p in plans]
-        name = runtime.config.name
-        self._metrics.tokenizer_cache_hits.labels(name).inc(max(0, counter.hits - before_h))
-        self._metrics.tokenizer_cache_misses.labels(name).inc(max(0, counter.misses - before_m))
+        self._count_cache_use(runtime, counter.hits - before_h, counter.misses - before_m)
         return [r.count for r in results], results[0].token_ids
+
+    async def _await_count(
+        self, counting: Awaitable[tuple[list[int], list[int] | None]], parsed: ParsedRequest, model_name: str
+    ) -> tuple[list[int], list[int] | None, bool]:
+        """Wait for an off-loop count at most the count budget; past it, fall back to the
+        character estimate (the count goes on in its thread and fills the token cache).
+
+        Returns:
+            (prompt tokens per prompt, token ids of the first prompt or None, exact?)
+        """
+        task = asyncio.ensure_future(counting)
+        try:
+            # shield: on timeout the tokenization goes on in its thread and fills the cache.
+            prompt_tokens, token_ids = await asyncio.wait_for(asyncio.shield(task), self._count_budget_s)
+        except TimeoutError:
+            task.add_done_callback(_consume)
+            self._metrics.token_estimates.labels(model_name).inc()
+            return _estimate_tokens(parsed), None, False
+        except BaseException:
+            task.cancel()
+            raise
+        return prompt_tokens, token_ids, True
+
+    def _count_cache_use(self, runtime: ModelRuntime, hits: int, misses: int) -> None:
+        name = runtime.config.name
+        if hits > 0:
+            self._metrics.child(self._metrics.tokenizer_cache_hits, name).inc(hits)
+        if misses > 0:
+            self._metrics.child(self._metrics.tokenizer_cache_misses, name).inc(misses)
 
     @staticmethod
     def _check_context(parsed: ParsedRequest, model: ModelConfig, prompt_tokens: list[int]) -> None:

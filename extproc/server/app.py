@@ -72,7 +72,11 @@ class ExtProcApp:
         self.telemetry = TelemetryMetrics(self.metrics.registry)
         # Response bodies are observed per endpoint; tier mode leaves the endpoint to Envoy.
         self._telemetry_on = config.telemetry.enabled and config.scheduling.mode == "endpoint"
-        self.store = Datastore(config.endpoints, on_change=self._on_inflight_change)
+        self.store = Datastore(config.endpoints)
+        for ep in self.store.all():
+            # Read at scrape time: nothing to update on the request path.
+            self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
+            self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -91,10 +95,6 @@ class ExtProcApp:
         self.servicer: ExtProcServicer | None = None
         self.grpc_port = 0
         self.admin_port = 0
-
-    def _on_inflight_change(self, endpoint) -> None:
-        self.metrics.endpoint_inflight.labels(endpoint.address).set(endpoint.inflight)
-        self.metrics.endpoint_reserved_blocks.labels(endpoint.address).set(endpoint.reserved_blocks)
 
     def _on_scrape(self, endpoint, ok: bool, seconds: float) -> None:
         m = self.metrics
@@ -118,14 +118,12 @@ class ExtProcApp:
         if self._models is None:
             self._models = await loop.run_in_executor(None, load_models, cfg)
         for ep in self.store.all():
-            self.metrics.endpoint_inflight.labels(ep.address).set(0)
             ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
         self.servicer = ExtProcServicer(
             pipeline,
             self.metrics,
-            decision_timeout_s=cfg.limits.decision_timeout_ms / 1000,
             priority_header=cfg.admission.priority.header,
             explain_header=cfg.scheduling.explain_header,
             telemetry=self.telemetry if self._telemetry_on else None,

@@ -47,17 +47,11 @@ from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
 
-__all__ = ["ExtProcServicer", "DecisionTimeout"]
+__all__ = ["ExtProcServicer"]
 
 log = logging.getLogger(__name__)
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
-
-
-class DecisionTimeout(ExtProcError):
-    status = 503
-    type = "service_unavailable"
-    code = "decision_timeout"
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -66,7 +60,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     Args:
         pipeline: decides generation requests.
         metrics: metrics sink.
-        decision_timeout_s: budget for one decision (seconds); past it the client gets a 503.
         priority_header: request header carrying the priority class (lower case).
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
@@ -79,7 +72,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         pipeline: RequestPipeline,
         metrics: Metrics,
         *,
-        decision_timeout_s: float,
         priority_header: str = "x-llm-priority",
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
@@ -92,7 +84,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._sample_rate = sample_rate if telemetry is not None else 0.0
         self._rng = random.Random()
         self._metrics = metrics
-        self._timeout = decision_timeout_s
         self._priority_header = priority_header
         self._explain = explain_header
         self._wanted = frozenset((":method", ":path", "x-request-id", priority_header))
@@ -147,7 +138,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             yield self._reject(err, hdrs)
                             continue
                         reservation = self._pipeline.reserve_endpoint(endpoint)
-                        self._metrics.requests.labels("passthrough", "ok").inc()
+                        self._metrics.child(self._metrics.requests, "passthrough", "ok").inc()
                         headers = self._routing_headers(endpoint.address, None, None, hdrs.get("x-request-id"))
                         yield responses.route_in_headers(headers, skip_body=not end)
                 elif phase == "request_body":
@@ -194,7 +185,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._metrics.streams_active.dec()
 
     def _reject(self, err: ExtProcError, hdrs: dict[str, str]) -> pb.ProcessingResponse:
-        self._metrics.requests.labels("rejected", err.code or "error").inc()
+        self._metrics.child(self._metrics.requests, "rejected", err.code or "error").inc()
         return responses.immediate_error(err, request_id=hdrs.get("x-request-id"))
 
     @staticmethod
@@ -213,16 +204,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def _decide(
         self, body: bytes, kind: RequestKind, hdrs: dict[str, str]
     ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None]:
-        """Run the pipeline on a body; reserve the decision (no await in between)."""
+        """Run the pipeline on a body; reserve the decision (no await in between).
+
+        No timer guards the whole decision: its only wait is token counting off the event loop,
+        which the pipeline bounds (half of `limits.decision_timeout_ms`, then a character
+        estimate); the rest runs without yielding."""
         start = time.perf_counter()
         try:
-            routed = await asyncio.wait_for(
-                self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header)), self._timeout
-            )
-        except TimeoutError:
-            err: ExtProcError = DecisionTimeout(f"routing decision took longer than {self._timeout:.3f} s")
+            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header))
         except ExtProcError as exc:
-            err = exc
+            err: ExtProcError = exc
         except Exception:
             log.exception("decision failed")
             err = ExtProcError("internal error while routing the request")
@@ -230,17 +221,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             reservation = self._pipeline.reserve(routed)
             m = self._metrics
             for phase, seconds in routed.timings_s.items():
-                m.decision_seconds.labels(phase).observe(seconds)
+                m.child(m.decision_seconds, phase).observe(seconds)
             m.prompt_tokens.observe(routed.request.prompt_tokens)
-            m.requests.labels("routed", "ok").inc()
+            m.child(m.requests, "routed", "ok").inc()
             address = routed.endpoint.address if routed.endpoint is not None else None
             if address is not None:
-                m.endpoint_routed.labels(address).inc()
+                m.child(m.endpoint_routed, address).inc()
             if routed.result is not None and log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.result.explain())
             headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
             return responses.route_in_body(headers), routed, reservation
-        self._metrics.decision_seconds.labels("total").observe(time.perf_counter() - start)
+        self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         return self._reject(err, hdrs), None, None
 
     def _on_response_headers(
