@@ -116,3 +116,43 @@ async def test_random_client_aborts_leave_no_reservation(sim_stack):
             assert time.monotonic() < deadline, f"leaked: { {k: v for k, v in state.items() if v} }"
             await asyncio.sleep(0.2)
         assert len(state) == 5  # 2 endpoints × (in-flight, reserved blocks) + open streams
+
+
+async def test_a_streaming_request_counts_in_flight_until_it_ends(sim_stack):
+    """An unobserved request (no response-body messages after its response headers) still
+    counts in flight while it streams and stops when it ends: Envoy keeps a request's ext_proc
+    stream open for the request's whole life and resets it at the end, which is the server's
+    end-of-request signal whether or not the body passes through it."""
+    envoy, server = sim_stack
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count slowly"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def inflight(client: httpx.AsyncClient) -> tuple[int, int]:
+        eps = (await client.get(f"{server.admin_url}/api/v1/endpoints")).json()["endpoints"]
+        return sum(e["inflight"] for e in eps), sum(e["decode_inflight"] for e in eps)
+
+    async with httpx.AsyncClient(base_url=envoy.url, trust_env=False, timeout=60) as client:
+        # Several, so that some are unobserved whatever the telemetry sample picks.
+        streams = [client.stream("POST", "/v1/chat/completions", json=body) for _ in range(6)]
+        responses = [await s.__aenter__() for s in streams]
+        try:
+            readers = [r.aiter_bytes() for r in responses]
+            for reader in readers:
+                await reader.__anext__()  # the first token: every request is past prefill
+            await asyncio.sleep(0.3)  # well past any ext_proc stream end
+            assert await inflight(client) == (6, 6)
+            for reader in readers:
+                async for _ in reader:
+                    pass
+        finally:
+            for s in streams:
+                await s.__aexit__(None, None, None)
+        deadline = time.monotonic() + 5
+        while await inflight(client) != (0, 0):
+            assert time.monotonic() < deadline, "requests that ended still count in flight"
+            await asyncio.sleep(0.05)
