@@ -281,6 +281,10 @@ def bench(
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput SLO: TTFT limit (ms)"),
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="goodput SLO: mean inter-token latency limit (ms)"),
     request_timeout: float = typer.Option(120.0, "--request-timeout", help="per-request limit (simulated seconds)"),
+    extproc_config: Path | None = typer.Option(
+        None, "--extproc-config", help="YAML merged into llm-extproc's config for the llm-extproc policies "
+        "(e.g. scheduling.profiles.load-aware with other scorer weights)",
+    ),
 ) -> None:
     """Replay the same requests through each policy in turn (fresh simulators for each) and compare."""
     import asyncio
@@ -297,6 +301,8 @@ def bench(
     )
     if request_timeout <= 0:
         raise _fail(f"--request-timeout must be > 0, got {request_timeout}")
+    if extproc_config is not None:
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
     if not auto_load > 0:
         raise _fail(f"--auto-load must be > 0, got {auto_load}")
     workload = _workload(trace, format, requests, None, 1.0, rate, seed, settings, console)
@@ -318,6 +324,28 @@ def bench(
         outputs=Outputs(json_path=json_path, plot_path=plot), slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
     )  # fmt: skip
     raise typer.Exit(asyncio.run(run_bench(options, console)))
+
+
+def _server_overrides(path: Path, profiles) -> dict:  # type: ignore[no-untyped-def]
+    """`--extproc-config`: a YAML mapping that makes a valid llm-extproc config once merged into
+    the generated one; anything else exits 2 with the reason."""
+    import yaml
+
+    from extproc.bench.stacks import merge_config, server_config
+    from extproc.config.loader import ConfigError, config_from_mapping
+
+    try:
+        overrides = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise _fail(f"--extproc-config: cannot read {path}: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise _fail(f"--extproc-config: {path} must hold a YAML mapping")
+    sample = server_config({f"127.0.0.1:{8000 + i}": p for i, p in enumerate(profiles)}, profile="load-aware")
+    try:
+        config_from_mapping(merge_config(sample, overrides))
+    except ConfigError as exc:
+        raise _fail(f"--extproc-config: {exc}") from None
+    return overrides
 
 
 def _parse_speed(text: str) -> float:

@@ -39,7 +39,9 @@ from extproc.stack.ports import free_ports
 from extproc.stack.procs import ManagedProcess, wait_until
 from extproc.stack.server import ExtProcServerProcess
 
-__all__ = ["PortBusyError", "PolicyStack", "StackSettings", "check_port_free", "envoy_only_config", "server_config"]
+__all__ = [
+    "PortBusyError", "PolicyStack", "StackSettings", "check_port_free", "envoy_only_config", "merge_config", "server_config",
+]
 
 _HCM = "envoy.filters.network.http_connection_manager"
 _EXT_PROC = "envoy.filters.http.ext_proc"
@@ -79,6 +81,9 @@ class StackSettings:
         seed: simulator seeds start here (endpoint i: seed + i).
         port: the client-facing port (Envoy's listener or the peer router); 0 = any free one.
         envoy_concurrency: Envoy worker threads.
+        server_overrides: merged into llm-extproc's generated config (`merge_config`) for
+            llm-extproc policies, e.g. `{"scheduling": {"profiles": {"load-aware": {...}}}}` to
+            try other scorer weights on the same requests.
     """
 
     profiles: Sequence[str] = DEFAULT_FLEET
@@ -87,6 +92,7 @@ class StackSettings:
     seed: int = 0
     port: int = 0
     envoy_concurrency: int = 2
+    server_overrides: Mapping[str, Any] | None = None
 
 
 def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
@@ -149,6 +155,18 @@ def server_config(addresses: Mapping[str, str], *, profile: str) -> dict[str, An
         "endpoints": endpoints,
         "scheduling": {"profile": profile},
     }
+
+
+def merge_config(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` laid over it: mappings merge key by key (recursively), anything
+    else (lists included) replaces. Neither argument is changed."""
+    out = copy.deepcopy(dict(base))
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 class PolicyStack:
@@ -241,7 +259,7 @@ class PolicyStack:
     async def _start_server(self) -> None:
         assert self.policy.profile is not None
         path = self.workdir / "llm-extproc.yaml"
-        cfg = server_config(self.fleet.profiles, profile=self.policy.profile)
+        cfg = merge_config(server_config(self.fleet.profiles, profile=self.policy.profile), self.settings.server_overrides or {})
         path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
         self.server = ExtProcServerProcess(path, workdir=self.workdir, log_level="warning")
         await self.server.start()

@@ -52,3 +52,42 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest
     result = CliRunner().invoke(app, ["bench", "--policies", "vllm-router-kv-aware", "--requests", "3", "--rate-scale", "1"])
     assert result.exit_code == 1, result.output
     assert "vllm-router-kv-aware: skipped, vllm-router is not installed" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("scheduling: [unclosed", "--extproc-config: cannot read"),
+        ("- a list", "must hold a YAML mapping"),
+        ("scheduling:\n  profiles:\n    load-aware:\n      scorers: [{type: no-such-scorer}]\n", "no-such-scorer"),
+        ("scheduling:\n  profile: missing\n", "missing"),
+    ],
+    ids=["bad-yaml", "not-a-mapping", "unknown-scorer", "unknown-profile"],
+)
+def test_bad_extproc_config_exits_2_before_starting_anything(tmp_path: Path, text: str, message: str) -> None:
+    from typer.testing import CliRunner
+
+    from extproc.cli import app
+
+    path = tmp_path / "override.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(
+        app, ["bench", "--policies", "llm-extproc", "--requests", "3", "--rate-scale", "1", "--extproc-config", str(path)]
+    )
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+
+
+def test_extproc_config_reaches_the_server(tmp_path: Path) -> None:
+    """The override is what the llm-extproc policies run with: a 1 KiB body limit makes the
+    server itself refuse the synthetic requests longer than that (most are) with its 413."""
+    (tmp_path / "override.yaml").write_text("limits:\n  max_body_bytes: 1024\n")
+    args = [
+        "bench", "--policies", "llm-extproc", "--requests", "3", "--rate-scale", "1", "--speed", "10",
+        "--fleet", FLEET_1, "--json", "bench.json", "--extproc-config", "override.yaml",
+    ]  # fmt: skip
+    with Command(args, tmp_path) as cmd:
+        rc = cmd.wait(timeout_s=120)
+    cmd.assert_clean_exit(rc, 0, children_at_least=3)
+    (run,) = Report.model_validate(orjson.loads((tmp_path / "bench.json").read_bytes())).runs
+    assert set(run.errors) == {"413 request_too_large"} and run.errors["413 request_too_large"] >= 2, run.errors

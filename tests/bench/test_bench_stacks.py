@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.bench.stacks import PortBusyError, check_port_free, envoy_only_config, server_config
+from extproc.bench.stacks import PortBusyError, check_port_free, envoy_only_config, merge_config, server_config
 from extproc.config.loader import config_from_mapping
 from extproc.stack.envoy import EnvoyError, RunSettings, load_envoy_config, rewrite_config, validate_config_file
 
@@ -67,6 +67,13 @@ def test_server_config_is_valid_and_labels_each_endpoint() -> None:
         ("127.0.0.1:9002", "a100", "a100-qwen3-8b"),
     ]
     assert cfg.scheduling.profile == "least-inflight"
+
+
+def test_merge_config_lays_mappings_over_and_replaces_the_rest() -> None:
+    base = {"scheduling": {"profile": "load-aware", "metrics": {"interval_s": 0.1}}, "endpoints": [1, 2]}
+    out = merge_config(base, {"scheduling": {"metrics": {"timeout_s": 0.2}}, "endpoints": [3]})
+    assert out == {"scheduling": {"profile": "load-aware", "metrics": {"interval_s": 0.1, "timeout_s": 0.2}}, "endpoints": [3]}
+    assert base["scheduling"]["metrics"] == {"interval_s": 0.1}  # untouched
 
 
 def test_check_port_free() -> None:
