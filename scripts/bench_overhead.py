@@ -6,6 +6,10 @@ cannot help: the worst case), at a fixed concurrency, through:
 
   envoy-alone      the same Envoy config with the ext_proc filter removed (least-request
                    fallback cluster over the same backend)
+  passthrough      the shipped envoy/fail-open.yaml with a bare Python `grpc.aio` ext_proc
+                   server that decides nothing: it continues the request headers and answers
+                   the body with a fixed destination header (two messages per request, the
+                   floor any Python ext_proc server starts from)
   envoy+extproc    the shipped envoy/fail-open.yaml with `llm-extproc serve` deciding
 
 The backend is a second Envoy answering a fixed chat completion after buffering the request
@@ -15,9 +19,10 @@ comes from `wrk` (Debian package `wrk`), a C load generator that stays off the P
 The token cache's effect shows in a fourth case: an 8k-token shared context (a long document or
 chat history every request resends) with a unique 20-token question.
 
-Reports per prompt size: p50/p99 latency and requests/s of both, the added p50/p99, the
-throughput ratio, the server's decision cost split (parse / tokenize / pick, mean from its
-Prometheus histogram), and the server's resident memory before and after 10,000 requests.
+Reports per prompt size: p50/p99 latency and requests/s of each, the added p50/p99, the
+throughput ratios to Envoy alone, each ext_proc server's CPU time per request (from /proc, over
+the measurement), the server's decision cost split (parse / tokenize / pick, mean from its
+Prometheus histogram), and the server's resident memory before and after each of two rounds of 10,000 requests.
 
     .venv/bin/python scripts/bench_overhead.py [--duration 10] [--concurrency 8] [--markdown]
 """
@@ -28,8 +33,10 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -189,6 +196,64 @@ def run_wrk(url: str, script: Path, duration_s: int, concurrency: int) -> dict:
     return {"rps": rps, "p50_ms": latency_ms("50"), "p99_ms": latency_ms("99"), "non2xx": int(bad.group(1)) if bad else 0}
 
 
+async def passthrough_server(port: int, destination: str) -> None:
+    """The floor: a bare grpc.aio ext_proc server (runs in a child process, see main)."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    headers = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    routed = pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(
+                    set_headers=[
+                        base_pb2.HeaderValueOption(
+                            header=base_pb2.HeaderValue(key="x-gateway-destination-endpoint", raw_value=destination.encode()),
+                            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                        )
+                    ]
+                ),
+                clear_route_cache=True,
+            )
+        )
+    )
+    other = {
+        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+        "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    }
+
+    class Passthrough(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):  # noqa: N802
+            async for msg in request_iterator:
+                phase = msg.WhichOneof("request")
+                yield headers if phase == "request_headers" else routed if phase == "request_body" else other[phase]
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(Passthrough(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_wrk_cpu(url: str, script: Path, duration_s: int, concurrency: int, pid: int | None) -> dict:
+    """`run_wrk`, plus the CPU milliseconds process `pid` spent per request during it."""
+    before = cpu_seconds(pid) if pid else 0.0
+    result = run_wrk(url, script, duration_s, concurrency)
+    if pid:
+        served = result["rps"] * duration_s
+        result["server_cpu_ms"] = (cpu_seconds(pid) - before) * 1000 / served if served else float("nan")
+    return result
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -229,9 +294,14 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--sizes", default="100,1000,8000", help="prompt sizes (tokens)")
     ap.add_argument("--shared", default="8000", help="sizes (tokens) also measured as a shared context + a unique 20-token question")
-    ap.add_argument("--rss-requests", type=int, default=10_000)
+    ap.add_argument("--rss-requests", type=int, default=10_000, help="requests per memory round")
+    ap.add_argument("--rss-rounds", type=int, default=2, help="rounds of --rss-requests, RSS read after each")
     ap.add_argument("--telemetry", choices=("on", "off"), default="on", help="server response telemetry (off: no response body messages)")
+    ap.add_argument("--passthrough-server", nargs=2, metavar=("PORT", "DESTINATION"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.passthrough_server:
+        await passthrough_server(int(args.passthrough_server[0]), args.passthrough_server[1])
+        return
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk")
 
@@ -253,15 +323,34 @@ async def main() -> None:
         )
     )
     server = ExtProcServerProcess(server_cfg, workdir=work, log_level="warning")
-    await server.start()
     base = without_access_log(load_envoy_config("fail-open"))
-    settings = RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", backend_port)])
-    gw = EnvoyProcess(rewrite_config(base, settings), workdir=work, name="gateway", concurrency=1)
-    alone = EnvoyProcess(rewrite_config(without_ext_proc(base), RunSettings(endpoints=[("127.0.0.1", backend_port)])), workdir=work, name="alone", concurrency=1)
-    await gw.start()
-    await alone.start()
+    floor_port = free_port()
+    floor: subprocess.Popen | None = None
+    gw = floor_gw = alone = None
     rows = []
     try:
+        await server.start()
+        gw = EnvoyProcess(
+            rewrite_config(base, RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
+            workdir=work, name="gateway", concurrency=1,
+        )  # fmt: skip
+        floor = subprocess.Popen(
+            [sys.executable, __file__, "--passthrough-server", str(floor_port), f"127.0.0.1:{backend_port}"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if floor.stdout.readline().strip() != "ready":
+            raise RuntimeError("the pass-through ext_proc server did not start")
+        floor_gw = EnvoyProcess(
+            rewrite_config(base, RunSettings(extproc=("127.0.0.1", floor_port), endpoints=[("127.0.0.1", backend_port)])),
+            workdir=work, name="passthrough", concurrency=1,
+        )  # fmt: skip
+        alone = EnvoyProcess(
+            rewrite_config(without_ext_proc(base), RunSettings(endpoints=[("127.0.0.1", backend_port)])),
+            workdir=work, name="alone", concurrency=1,
+        )  # fmt: skip
+        for envoy in (gw, floor_gw, alone):
+            await envoy.start()
         cases = [(int(s), False) for s in args.sizes.split(",") if s] + [(int(s), True) for s in args.shared.split(",") if s]
         for size, shared in cases:
             if shared:
@@ -275,39 +364,56 @@ async def main() -> None:
             script.write_text(wrk_script(content, context))
             before = await decision_totals(server.admin_url)
             r_alone = run_wrk(alone.url, script, args.duration, args.concurrency)
-            r_ext = run_wrk(gw.url, script, args.duration, args.concurrency)
+            r_floor = run_wrk_cpu(floor_gw.url, script, args.duration, args.concurrency, floor.pid)
+            r_ext = run_wrk_cpu(gw.url, script, args.duration, args.concurrency, server.process.pid)
             after = await decision_totals(server.admin_url)
-            rows.append({"size": size, "shared": shared, "prompt_tokens": n, "alone": r_alone, "extproc": r_ext, "decision_ms": mean_ms(before, after)})
+            rows.append({
+                "size": size, "shared": shared, "prompt_tokens": n, "alone": r_alone, "passthrough": r_floor, "extproc": r_ext,
+                "decision_ms": mean_ms(before, after),
+            })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-        # Memory: RSS before and after many more requests (1k-token prompts).
+        # Memory: RSS before and after each of `--rss-rounds` rounds of many more requests
+        # (unique 1k-token prompts: the token cache churns at its bound the whole time).
         pid = server.process.pid
-        rss0 = rss_bytes(pid)
+        rss = [rss_bytes(pid) / 2**20]
         script = work / "chat_1000.lua"
         script.write_text(wrk_script(prompt_words(1000)))
         served = 0
-        while served < args.rss_requests:
-            r = run_wrk(gw.url, script, 5, args.concurrency)
-            served += int(r["rps"] * 5)
-        rss1 = rss_bytes(pid)
-        print(json.dumps({"rss_before_mib": rss0 / 2**20, "rss_after_mib": rss1 / 2**20, "requests": served}), flush=True)
+        for _ in range(args.rss_rounds):
+            target = served + args.rss_requests
+            while served < target:
+                r = run_wrk(gw.url, script, 5, args.concurrency)
+                served += int(r["rps"] * 5)
+            rss.append(rss_bytes(pid) / 2**20)
+            print(json.dumps({"rss_mib": rss, "requests": served}), flush=True)
     finally:
-        await gw.aclose()
-        await alone.aclose()
+        for envoy in (gw, floor_gw, alone):
+            if envoy is not None:
+                await envoy.aclose()
+        if floor is not None:
+            floor.terminate()
+            floor.wait(timeout=10)
         await server.aclose()
         await backend.aclose()
         shutil.rmtree(work, ignore_errors=True)
 
     print()
     print(f"concurrency {args.concurrency}, {args.duration} s per cell, telemetry {args.telemetry}; unique prompts, or a shared context + a unique question")
-    print("| prompt tokens | Envoy alone p50 / p99 (ms) | + llm-extproc p50 / p99 (ms) | added p50 / p99 (ms) | req/s alone | req/s with | ratio | decision parse / tokenize / schedule (ms, mean) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| prompt tokens | Envoy alone p50 / p99 (ms) | + llm-extproc p50 / p99 (ms) | added p50 / p99 (ms) | req/s alone "
+        "| req/s pass-through (ratio) | req/s llm-extproc (ratio) | server CPU per request, pass-through / llm-extproc (ms) "
+        "| decision parse / tokenize / schedule (ms, mean) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        a, e = row["alone"], row["extproc"]
+        a, f, e = row["alone"], row["passthrough"], row["extproc"]
         d = row["decision_ms"]
         label = f"{row['prompt_tokens']} (shared context)" if row["shared"] else str(row["prompt_tokens"])
         print(
             f"| {label} | {a['p50_ms']:.2f} / {a['p99_ms']:.2f} | {e['p50_ms']:.2f} / {e['p99_ms']:.2f} | "
-            f"{e['p50_ms'] - a['p50_ms']:.2f} / {e['p99_ms'] - a['p99_ms']:.2f} | {a['rps']:.0f} | {e['rps']:.0f} | {e['rps'] / a['rps']:.2f} | "
+            f"{e['p50_ms'] - a['p50_ms']:.2f} / {e['p99_ms'] - a['p99_ms']:.2f} | {a['rps']:.0f} | "
+            f"{f['rps']:.0f} ({f['rps'] / a['rps']:.2f}) | {e['rps']:.0f} ({e['rps'] / a['rps']:.2f}) | "
+            f"{f['server_cpu_ms']:.2f} / {e['server_cpu_ms']:.2f} | "
             f"{d.get('parse', 0):.3f} / {d.get('tokenize', 0):.3f} / {d.get('schedule', 0):.3f} |"
         )
 
