@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import yaml
 
-from extproc.stack.procs import ManagedProcess, wait_until
+from extproc.stack.procs import ChildHandle, ManagedProcess, wait_until
 
 __all__ = [
     "CONFIG_NAMES",
@@ -290,7 +290,7 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
 # ── the process ─────────────────────────────────────────────────────────────────────────────
 
 
-class EnvoyProcess:
+class EnvoyProcess(ChildHandle):
     """A real Envoy running one config.
 
     Args:
@@ -302,6 +302,8 @@ class EnvoyProcess:
 
     Nothing happens until `start()`.
     """
+
+    not_started_error = EnvoyError
 
     def __init__(
         self,
@@ -321,16 +323,6 @@ class EnvoyProcess:
         self._proc: ManagedProcess | None = None
         self.admin_port: int | None = None
         self.listener_port: int | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def process(self) -> ManagedProcess:
-        if self._proc is None:
-            raise EnvoyError(f"{self.name} is not started")
-        return self._proc
 
     @property
     def admin_url(self) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from extproc.sim.profiles import PROFILES
-from extproc.stack.procs import ManagedProcess, ProcessError, wait_until
+from extproc.stack.procs import ChildHandle, ManagedProcess, ProcessError, wait_until
 
 __all__ = ["DEFAULT_FLEET", "Fleet", "SimProcess"]
 
@@ -34,7 +34,7 @@ DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-
 _READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) ", re.MULTILINE)
 
 
-class SimProcess:
+class SimProcess(ChildHandle):
     """One `llm-extproc sim` child on 127.0.0.1, port picked by the simulator itself.
 
     Args:
@@ -90,16 +90,6 @@ class SimProcess:
     def address(self) -> str:
         """`ip:port`, as Envoy's `x-llm-endpoint` and llm-extproc's config spell it."""
         return self.url.removeprefix("http://")
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def process(self) -> ManagedProcess:
-        if self._proc is None:
-            raise RuntimeError(f"{self.name} is not started")
-        return self._proc
 
     def argv(self) -> list[str]:
         """The child's command line."""

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ManagedProcess", "ProcessError", "wait_until"]
+__all__ = ["ManagedProcess", "ProcessError", "ChildHandle", "wait_until"]
 
 _KILL_WAIT_S = 5.0
 
@@ -189,3 +189,29 @@ async def wait_until(
         if time.monotonic() >= deadline:
             raise proc.failure(f"not {what} after {timeout_s:g} s")
         await asyncio.sleep(interval_s)
+
+
+class ChildHandle:
+    """What every stack component wrapping one `ManagedProcess` shares: `name`, `pid` and
+    `process`. Subclasses set `self._proc` when started; `not_started_error` is the exception
+    type `process` raises before that (EnvoyProcess raises its EnvoyError)."""
+
+    not_started_error: type[Exception] = RuntimeError
+    name: str
+    _proc: ManagedProcess | None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's PID once started, else None."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def process(self) -> ManagedProcess:
+        """The running child.
+
+        Raises:
+            `not_started_error`: not started yet.
+        """
+        if self._proc is None:
+            raise self.not_started_error(f"{self.name} is not started")
+        return self._proc

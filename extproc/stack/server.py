@@ -19,12 +19,12 @@ from pathlib import Path
 import httpx
 
 from extproc.stack.ports import free_ports
-from extproc.stack.procs import ManagedProcess, wait_until
+from extproc.stack.procs import ChildHandle, ManagedProcess, wait_until
 
 __all__ = ["ExtProcServerProcess"]
 
 
-class ExtProcServerProcess:
+class ExtProcServerProcess(ChildHandle):
     """`llm-extproc serve --config PATH` on 127.0.0.1 ports picked at start.
 
     Args:
@@ -65,11 +65,6 @@ class ExtProcServerProcess:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    @property
-    def process(self) -> ManagedProcess:
-        if self._proc is None:
-            raise RuntimeError(f"{self.name} is not started")
-        return self._proc
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Start the server; return once its admin `/healthz` answers 200.
