@@ -35,12 +35,12 @@ def agent(
     """Run the node agent: NVML + the local engine's metrics → health, load reports, Prometheus."""
     import asyncio
     import logging
-    import signal
     import sys
 
     from extproc.agent.app import AgentSettings, NodeAgent
     from extproc.agent.devices import GpuSourceError, gpu_source_from_spec
     from extproc.agent.weight import WeightParams
+    from extproc.clitools import fail, stop_on_signals
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -60,23 +60,17 @@ def agent(
         )
         source = gpu_source_from_spec(gpu_source, timeout_s=engine_timeout)
     except (ValueError, GpuSourceError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(exc)) from None
 
     async def run() -> None:
         app = NodeAgent(settings, source)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         try:
             await app.start()
         except GpuSourceError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            raise fail(str(exc)) from None
         except OSError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from None
+            raise fail(str(exc), 1) from None
         print(
             f"agent listening grpc={host}:{app.grpc_port} metrics={host}:{app.metrics_port} "
             f"node={settings.node} gpu-source={gpu_source}",

@@ -19,9 +19,9 @@ def serve(
     """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
     import asyncio
     import logging
-    import signal
     import sys
 
+    from extproc.clitools import fail, stop_on_signals
     from extproc.config import ConfigError, default_config, load_config
     from extproc.pipeline.tokens import TokenizerLoadError
     from extproc.server.app import ExtProcApp
@@ -35,20 +35,15 @@ def serve(
         else:
             cfg = default_config(endpoint or None)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(exc)) from None
 
     async def run() -> None:
         app = ExtProcApp(cfg)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         try:
             await app.start()
         except (TokenizerLoadError, RuntimeError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from None
+            raise fail(str(exc), 1) from None
         print(
             f"llm-extproc serving ext_proc on {cfg.listen.grpc} (port {app.grpc_port}), admin on port {app.admin_port}",
             flush=True,

@@ -41,10 +41,10 @@ def sim(
 ) -> None:
     """Run an OpenAI-compatible vLLM simulator with a calibrated engine model."""
     import asyncio
-    import signal
 
     from pydantic import ValidationError
 
+    from extproc.clitools import fail, stop_on_signals
     from extproc.sim.faults import Faults
     from extproc.sim.server import SimServer
 
@@ -65,20 +65,14 @@ def sim(
             load_shape=load_shape, faults=faults, seed=seed,
         )
     except (KeyError, ValueError, ValidationError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        typer.echo(f"error: {msg}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         try:
             await server.start()
         except OSError as exc:
-            typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
-            raise typer.Exit(1) from None
+            raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}", 1) from None
         typer.echo(f"sim listening on {server.url} profile={server.profile.name} model={server.model}")
         try:
             await stop.wait()

@@ -1,0 +1,27 @@
+"""Small pieces every long-running subcommand shares (serve, sim, agent)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import typer
+
+__all__ = ["fail", "stop_on_signals"]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print `error: <message>` to stderr and return the `typer.Exit` to raise: 2 for bad
+    options or configuration (nothing was started), 1 for a failure at start-up."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT (handlers installed on the running loop, so
+    call this before starting anything: a signal during start-up then stops cleanly after it)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
