@@ -91,10 +91,15 @@ def _consume(task: asyncio.Future) -> None:
         task.exception()
 
 
+def _message_chars(parsed: ParsedRequest) -> int:
+    """Characters of a chat request's message contents (the template's own text not included)."""
+    return sum(len(m.get("content") or "") for m in parsed.messages)
+
+
 def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
     """Prompt tokens from characters (ESTIMATE_CHARS_PER_TOKEN), when exact counting ran out of time."""
     if parsed.kind is RequestKind.CHAT:
-        chars = sum(len(m.get("content") or "") for m in parsed.messages) + 16 * len(parsed.messages)
+        chars = _message_chars(parsed) + 16 * len(parsed.messages)
         return [max(1, int(chars / ESTIMATE_CHARS_PER_TOKEN))]
     return [max(1, int(len(p) / ESTIMATE_CHARS_PER_TOKEN)) for p in parsed.prompts]
 
@@ -337,7 +342,7 @@ class RequestPipeline:
                 raise ValidationError(
                     f"{len(parsed.messages)} messages; at most {limits.max_messages} are accepted", param="messages"
                 )
-            chars = sum(len(m.get("content") or "") for m in parsed.messages)
+            chars = _message_chars(parsed)
         elif parsed.prompts:
             if len(parsed.prompts) > limits.max_prompts:
                 raise ValidationError(f"{len(parsed.prompts)} prompts; at most {limits.max_prompts} are accepted", param="prompt")
