@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
-from extproc.bench.sse import SSEDecoder
 from extproc.models import DEFAULT_MODEL
+from extproc.protocol.sse import SSEError, SSEParser
 
 if TYPE_CHECKING:
     from extproc.bench.prompts import PromptSynthesizer
@@ -456,14 +456,14 @@ class LoadGenerator:
                     result.error = "bad_stream"
                     result.error_detail = f"content-type {response.content_type!r}, expected text/event-stream"
                     return
-                decoder = SSEDecoder()
+                parser = SSEParser()
                 async for chunk in response.content.iter_any():
                     now = loop.time()
-                    for data in decoder.feed(chunk):
-                        if data.strip() == "[DONE]":
+                    for event in parser.feed(chunk):
+                        if event.data.strip() == "[DONE]":
                             done = True
                             continue
-                        if not self._event(data, now, event_times, cumulative, result):
+                        if not self._event(event.data, now, event_times, cumulative, result):
                             return
                 if not done:
                     result.error = "stream_truncated"
@@ -474,6 +474,9 @@ class LoadGenerator:
         except TimeoutError:
             result.error = "timeout"
             result.error_detail = f"no complete answer within {self.config.request_timeout_s} s"
+        except SSEError as exc:  # a line or event beyond the parser's bounds: not an engine's stream
+            result.error = "bad_stream"
+            result.error_detail = str(exc)[:200]
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             result.error = "stream_truncated" if got_response else "connection_error"
             result.error_detail = str(exc)[:200] or type(exc).__name__
