@@ -32,6 +32,7 @@ __all__ = [
     "MetricsScrapeConfig",
     "PluginSpec",
     "ProfileConfig",
+    "SAFE_FILTERS",
     "TierConfig",
     "AdmissionConfig",
     "KVAdmissionConfig",
@@ -234,9 +235,14 @@ class PluginSpec(_Strict):
 
 
 class ProfileConfig(_Strict):
-    """A scheduling profile: filters (in order), weighted scorers, one picker."""
+    """A scheduling profile: filters (in order), weighted scorers, one picker.
 
-    filters: list[PluginSpec] = Field(default_factory=list)
+    `filters` left out means the safe set (`SAFE_FILTERS`: healthy, fresh metrics, KV fit) —
+    `filters: []` means none. A configured profile named like a built-in overrides only the
+    fields it sets (`SchedulingConfig.all_profiles`): new weights keep the built-in's filters.
+    """
+
+    filters: list[PluginSpec] = Field(default_factory=lambda: [PluginSpec(type=t) for t in SAFE_FILTERS])
     scorers: list[PluginSpec] = Field(default_factory=list)
     picker: PluginSpec = Field(default_factory=lambda: PluginSpec(type="max-score-picker"))
 
@@ -254,6 +260,11 @@ class ProfileConfig(_Strict):
                 if not callable(getattr(plugin, method, None)):
                     raise ValueError(f"{kind}[{i}]: {spec.type!r} is not a {noun}")
         return self
+
+
+SAFE_FILTERS: tuple[str, ...] = ("healthy-filter", "stale-metrics-filter", "kv-fit-filter")
+"""Filters of a configured profile that lists none: never a dead endpoint, one whose metrics
+went stale, or one whose KV cache cannot hold the request."""
 
 
 def _p(type_: str, weight: float = 1.0, **params: Any) -> PluginSpec:
@@ -333,8 +344,16 @@ class SchedulingConfig(_Strict):
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:
-        """Built-in profiles overlaid with the configured ones."""
-        return {**BUILTIN_PROFILES, **self.profiles}
+        """Built-in profiles overlaid with the configured ones; a configured profile named like a
+        built-in replaces only the fields it sets (filters, scorers, picker)."""
+        out = dict(BUILTIN_PROFILES)
+        for name, profile in self.profiles.items():
+            base = BUILTIN_PROFILES.get(name)
+            if base is None:
+                out[name] = profile
+            else:
+                out[name] = base.model_copy(update={f: getattr(profile, f) for f in profile.model_fields_set})
+        return out
 
 
 class KVAdmissionConfig(_Strict):

@@ -8,6 +8,7 @@ import pytest
 
 from extproc.config import ConfigError, default_config, load_config
 from extproc.config.loader import config_from_mapping
+from extproc.config.schema import BUILTIN_PROFILES, SAFE_FILTERS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,3 +71,23 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_config(bad, env={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.yaml", env={})
+
+
+def test_a_profile_named_like_a_builtin_overrides_only_what_it_sets() -> None:
+    """New weights for load-aware must not silently drop its filters (a dead endpoint would get traffic)."""
+    cfg = config_from_mapping(minimal(scheduling={"profiles": {"load-aware": {"scorers": [{"type": "queue-depth-scorer", "weight": 3}]}}}))
+    profile = cfg.scheduling.all_profiles()["load-aware"]
+    assert [f.type for f in profile.filters] == [f.type for f in BUILTIN_PROFILES["load-aware"].filters]
+    assert [(s.type, s.weight) for s in profile.scorers] == [("queue-depth-scorer", 3.0)]
+    assert profile.picker.type == "max-score-picker"
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [(None, list(SAFE_FILTERS)), ([], []), ([{"type": "healthy-filter"}], ["healthy-filter"])],
+    ids=["omitted-safe-set", "explicitly-none", "explicit"],
+)
+def test_new_profile_filters(filters, expected) -> None:
+    spec = {"scorers": [{"type": "inflight-scorer"}]} | ({} if filters is None else {"filters": filters})
+    cfg = config_from_mapping(minimal(scheduling={"profiles": {"mine": spec}}))
+    assert [f.type for f in cfg.scheduling.all_profiles()["mine"].filters] == expected
