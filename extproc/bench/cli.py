@@ -342,9 +342,10 @@ def _server_overrides(path: Path, profiles) -> dict:  # type: ignore[no-untyped-
         raise _fail(f"--extproc-config: {path} must hold a YAML mapping")
     sample = server_config({f"127.0.0.1:{8000 + i}": p for i, p in enumerate(profiles)}, profile="load-aware")
     try:
-        config_from_mapping(merge_config(sample, overrides))
+        config_from_mapping(merge_config(sample, overrides), source=str(path))
     except ConfigError as exc:
         raise _fail(f"--extproc-config: {exc}") from None
+    _console().print(f"--extproc-config: {path} laid over llm-extproc's config for the llm-extproc policies", highlight=False)
     return overrides
 
 

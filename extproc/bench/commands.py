@@ -293,7 +293,15 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
     status = {"done": 0, "interrupted": 130, "failed": 1}[outcome]
     if not runs:
         return status or 1
-    report = build_report(runs, options.slo)
+    settings = {
+        "rate_scales": list(options.rate_scales),
+        "speed": options.stack.speed,
+        "seed": options.stack.seed,
+        "fleet": list(options.stack.profiles),
+        "stream_interval": options.stack.stream_interval,
+        "extproc_config": dict(options.stack.server_overrides) if options.stack.server_overrides else None,
+    }
+    report = build_report(runs, options.slo, settings)
     console.print(render_report(report))
     if len(options.rate_scales) > 1:
         from extproc.bench.views import render_goodput

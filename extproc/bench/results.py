@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -105,11 +105,16 @@ class RunSummary(_Model):
 
 
 class Report(_Model):
-    """The `--json` document of `demo` and `bench`."""
+    """The `--json` document of `demo` and `bench`.
+
+    `settings` records how the runs were made, so a report can be reproduced: rate scales,
+    simulator speed, seed, fleet, stream interval, and what `--extproc-config` laid over
+    llm-extproc's config (`bench` only)."""
 
     runs: list[RunSummary]
     slo: SLO
     time_unit: Literal["simulated", "wall"]
+    settings: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +195,8 @@ def summarize_run(run: LabeledRun, slo: SLO | None = None) -> RunSummary:
     )
 
 
-def build_report(runs: Sequence[LabeledRun], slo: SLO | None = None) -> Report:
-    """The report for `runs`, which must share one time unit.
+def build_report(runs: Sequence[LabeledRun], slo: SLO | None = None, settings: dict[str, Any] | None = None) -> Report:
+    """The report for `runs`, which must share one time unit (`settings`: see `Report`).
 
     Raises:
         ValueError: runs measured in different time units (simulated and wall).
@@ -201,7 +206,7 @@ def build_report(runs: Sequence[LabeledRun], slo: SLO | None = None) -> Report:
     if len(units) > 1:
         raise ValueError(f"runs mix time units {sorted(units)}; report them separately")
     unit = units.pop() if units else "wall"
-    return Report(runs=[summarize_run(r, slo) for r in runs], slo=slo, time_unit=unit)  # type: ignore[arg-type]
+    return Report(runs=[summarize_run(r, slo) for r in runs], slo=slo, time_unit=unit, settings=settings)  # type: ignore[arg-type]
 
 
 def prefix_cache_counters(metrics_text: str) -> tuple[float, float]:

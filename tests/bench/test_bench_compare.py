@@ -89,5 +89,9 @@ def test_extproc_config_reaches_the_server(tmp_path: Path) -> None:
     with Command(args, tmp_path) as cmd:
         rc = cmd.wait(timeout_s=120)
     cmd.assert_clean_exit(rc, 0, children_at_least=3)
-    (run,) = Report.model_validate(orjson.loads((tmp_path / "bench.json").read_bytes())).runs
+    report = Report.model_validate(orjson.loads((tmp_path / "bench.json").read_bytes()))
+    assert report.settings is not None and report.settings["extproc_config"] == {"limits": {"max_body_bytes": 1024}}
+    assert report.settings["speed"] == 10 and report.settings["rate_scales"] == [1.0]
+    (run,) = report.runs
+    assert "override.yaml laid over llm-extproc's config" in " ".join(cmd.stdout.split())
     assert set(run.errors) == {"413 request_too_large"} and run.errors["413 request_too_large"] >= 2, run.errors

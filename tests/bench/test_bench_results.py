@@ -84,7 +84,7 @@ def test_simulated_time_divides_by_simulated_duration() -> None:
 def test_report_has_the_shared_json_shape() -> None:
     report = build_report([LabeledRun("a", "t", _record()), LabeledRun("b", "t", _record())])
     doc = orjson.loads(orjson.dumps(report.model_dump()))
-    assert set(doc) == {"runs", "slo", "time_unit"}
+    assert set(doc) == {"runs", "slo", "time_unit", "settings"} and doc["settings"] is None  # bench fills settings
     assert doc["slo"] == {"ttft_ms": 2000, "itl_ms": 100} and doc["time_unit"] == "wall"
     assert set(doc["runs"][0]) == {
         "policy", "trace", "requests", "offered_rps", "successes", "errors", "ttft_ms", "itl_ms", "e2e_ms",
