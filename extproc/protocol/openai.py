@@ -21,6 +21,7 @@ from extproc.errors import InvalidJSONError, ValidationError
 from extproc.types import RequestKind
 
 __all__ = [
+    "with_model",
     "CHAT_PATH",
     "COMPLETIONS_PATH",
     "ChatCompletionRequest",
@@ -210,6 +211,15 @@ def parse_body(kind: RequestKind, body: bytes) -> ParsedRequest:
     if not isinstance(raw, dict):
         raise InvalidJSONError(f"request body must be a JSON object, got {type(raw).__name__}")
     return parse_mapping(kind, raw)
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """`body` (a JSON object already accepted by `parse_body`) with its `model` set to `model`:
+    a client used an alias, and the engines know the model by its served name. Every other
+    field keeps its value and order (orjson re-serialises numbers in their shortest form)."""
+    raw = orjson.loads(body)
+    raw["model"] = model
+    return orjson.dumps(raw)
 
 
 def parse_mapping(kind: RequestKind, raw: Mapping[str, Any]) -> ParsedRequest:

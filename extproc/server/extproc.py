@@ -41,7 +41,7 @@ from extproc.datastore.endpoints import Reservation
 from extproc.errors import BadRequestError, ExtProcError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
-from extproc.protocol.openai import route_kind
+from extproc.protocol.openai import route_kind, with_model
 from extproc.server import responses
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
@@ -230,7 +230,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if routed.result is not None and log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.result.explain())
             headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
-            return responses.route_in_body(headers), routed, reservation
+            req = routed.request
+            # An alias: the engines serve the model under its configured name.
+            rewritten = with_model(body, req.served_model) if req.model != req.served_model else None
+            return responses.route_in_body(headers, rewritten), routed, reservation
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         return self._reject(err, hdrs), None, None
 

@@ -149,16 +149,16 @@ def route_in_headers(headers: Mapping[str, str], *, skip_body: bool) -> pb.Proce
     return resp
 
 
-def route_in_body(headers: Mapping[str, str]) -> pb.ProcessingResponse:
-    """Body-phase routing: set the routing headers on the upstream request and recompute the route."""
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=_set(headers)),
-                clear_route_cache=True,
-            )
-        )
-    )
+def route_in_body(headers: Mapping[str, str], body: bytes | None = None) -> pb.ProcessingResponse:
+    """Body-phase routing: set the routing headers on the upstream request and recompute the
+    route; with `body`, also replace the request body (and its `content-length`, which Envoy
+    keeps from the original headers in this mode)."""
+    if body is not None:
+        headers = {**headers, "content-length": str(len(body))}
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(headers)), clear_route_cache=True)
+    if body is not None:
+        common.body_mutation.body = body
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
 def immediate_error(err: ExtProcError, *, request_id: str | None = None) -> pb.ProcessingResponse:

@@ -18,7 +18,7 @@ from extproc.errors import InvalidJSONError, NotFoundError, PayloadTooLargeError
 from extproc.pipeline.tokens import TokenCounter
 from extproc.stack.envoy import EnvoyProcess
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import DEAD_MODEL, Engines, assert_openai_error, chat
+from tests.e2e.e2e_helpers import ALIAS, DEAD_MODEL, MODEL, Engines, assert_openai_error, chat
 from tests.e2e.fake_engines import JSON_BODY, SSE_BODY, Backend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -43,9 +43,10 @@ def _only_request(engines: Engines, answered_by: str | None) -> tuple[Backend, b
     ("path", "body"),
     [
         ("/v1/chat/completions", chat("Say hi to the picked engine.")),
-        ("/v1/completions", {"model": "qwen3-8b", "prompt": "Say hi to the picked engine."}),
+        ("/v1/completions", {"model": ALIAS, "prompt": "Say hi to the picked engine."}),
+        ("/v1/chat/completions", {**chat("Say hi to the picked engine.", temperature=0.25), "model": MODEL}),
     ],
-    ids=["chat", "completions"],
+    ids=["chat-by-alias", "completions-by-alias", "chat-by-served-name"],
 )
 async def test_picked_engine_gets_the_request_and_its_prompt_tokens(
     client: httpx.AsyncClient, engines: Engines, qwen_counter: TokenCounter, path: str, body: dict
@@ -58,7 +59,9 @@ async def test_picked_engine_gets_the_request_and_its_prompt_tokens(
     engine, rec = _only_request(engines, r.headers["x-backend"])
     assert engine in engines.serving
     assert rec.path == path
-    assert rec.body == sent
+    # Byte for byte, except that an alias reaches the engine as the model's served name.
+    assert rec.body == (sent if body["model"] == MODEL else orjson.dumps({**body, "model": MODEL}))
+    assert rec.header("content-length") == str(len(rec.body)).encode()
     # llm-extproc's decision, not the client's, names the engine that got it.
     assert rec.header("x-gateway-destination-endpoint") == engine.address.encode()
     assert r.headers["x-llm-endpoint"] == engine.address  # Envoy reports the upstream it used
@@ -157,8 +160,9 @@ async def test_the_servers_own_503_passes_unchanged(client: httpx.AsyncClient) -
 
 
 def _padded(size: int) -> bytes:
-    """A valid chat body of exactly `size` bytes (JSON allows trailing whitespace)."""
-    body = orjson.dumps(chat("padded"))
+    """A valid chat body of exactly `size` bytes (JSON allows trailing whitespace), naming the
+    model by its served name so it reaches the engine unchanged."""
+    body = orjson.dumps({**chat("padded"), "model": MODEL})
     assert len(body) <= size
     return body + b" " * (size - len(body))
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from extproc.errors import InvalidJSONError, ValidationError
-from extproc.protocol.openai import parse_body, route_kind
+from extproc.protocol.openai import parse_body, route_kind, with_model
 from extproc.types import RequestKind
 
 CHAT = RequestKind.CHAT
@@ -149,3 +149,10 @@ def test_malformed_bodies(raw, needle):
         parse_body(CHAT, raw)
     assert needle in info.value.message
     assert info.value.status == 400
+
+
+def test_with_model_changes_only_the_model():
+    body = b'{"model": "alias", "messages": [{"role": "user", "content": "h\xc3\xa9"}], "n": 2, "top_p": 0.5}'
+    out = with_model(body, "Org/Served")
+    assert orjson.loads(out) == {**orjson.loads(body), "model": "Org/Served"}
+    assert list(orjson.loads(out)) == ["model", "messages", "n", "top_p"]  # order kept

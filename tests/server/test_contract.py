@@ -88,6 +88,15 @@ async def test_headers_then_body_routes_in_body_phase(app, stub, qwen_counter):
     assert not common.HasField("body_mutation"), "the body must reach the engine untouched"
 
 
+async def test_alias_reaches_the_engine_as_the_served_name(stub):
+    body = orjson.dumps({"model": "qwen3-8b", "messages": [{"role": "user", "content": "héllo"}], "temperature": 0.5})
+    _, r_body = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(body))
+    common = r_body.request_body.response
+    rewritten = common.body_mutation.body
+    assert orjson.loads(rewritten) == {**orjson.loads(body), "model": MODEL}
+    assert set_headers(common)["content-length"] == str(len(rewritten))
+
+
 async def test_existing_request_id_is_kept(stub):
     _, r_body = await exchange(
         stub,
