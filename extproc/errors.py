@@ -20,6 +20,7 @@ import orjson
 
 __all__ = [
     "ExtProcError",
+    "MethodNotAllowedError",
     "BadRequestError",
     "InvalidJSONError",
     "ValidationError",
@@ -81,6 +82,17 @@ class NotFoundError(ExtProcError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class MethodNotAllowedError(ExtProcError):
+    """A generation path with a method other than POST (the engine would answer plain text)."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def headers(self) -> dict[str, str]:
+        return {"allow": "POST"}
 
 
 class PayloadTooLargeError(ExtProcError):

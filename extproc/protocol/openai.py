@@ -22,6 +22,7 @@ from extproc.types import RequestKind
 
 __all__ = [
     "with_model",
+    "generation_path",
     "CHAT_PATH",
     "COMPLETIONS_PATH",
     "ChatCompletionRequest",
@@ -46,6 +47,11 @@ def route_kind(method: str, path: str) -> RequestKind | None:
     """
     if method.upper() != "POST":
         return None
+    return generation_path(path)
+
+
+def generation_path(path: str) -> RequestKind | None:
+    """The generation API `path` names (normalised as in `route_kind`), whatever the method."""
     p = path.split("?", 1)[0].split("#", 1)[0]
     if "%" in p:
         p = unquote(p)

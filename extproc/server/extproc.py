@@ -38,10 +38,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.datastore.endpoints import Reservation
-from extproc.errors import BadRequestError, ExtProcError
+from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
-from extproc.protocol.openai import route_kind, with_model
+from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.server import responses
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
@@ -131,6 +131,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield responses.continue_request_headers(mode=mode)
                     elif kind is not None:
                         yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
+                    elif generation_path(hdrs.get(":path", "")) is not None:
+                        method = hdrs.get(":method", "")
+                        yield self._reject(MethodNotAllowedError(f"{method} is not allowed here; use POST"), hdrs)
                     else:
                         try:
                             endpoint = self._pipeline.pick_any()

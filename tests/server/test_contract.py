@@ -127,6 +127,14 @@ async def test_generation_request_without_body_is_rejected(stub):
     assert "body is required" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+async def test_generation_path_with_another_method_is_a_json_405(stub, method):
+    (reply,) = await exchange(stub, headers_msg(method, "/v1/chat/completions/", end=True))
+    status, body, hdrs = error_of(reply)
+    assert status == 405 and hdrs["allow"] == "POST" and hdrs["content-type"] == "application/json"
+    assert body["error"]["code"] == "method_not_allowed" and method in body["error"]["message"]
+
+
 async def test_response_phases_pass_through(stub):
     replies = await exchange(
         stub,
