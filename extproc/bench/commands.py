@@ -225,6 +225,7 @@ def _label_endpoints(run: LabeledRun, profiles: dict[str, str]) -> LabeledRun:
 async def run_up(policy: Policy, settings: StackSettings, console: Console) -> int:
     """Start the stack, print its URLs, and keep it running until SIGINT/SIGTERM (exit 0)."""
     logs = _Logs("llm-extproc-up-")
+    logs.keep = True  # `up` prints this directory for the user to read: it outlives the stack
     stack = PolicyStack(policy, settings, workdir=logs.path)
 
     async def work(interrupts: Interrupts) -> None:

@@ -4,6 +4,7 @@ stops every child (checked by PID)."""
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -38,3 +39,11 @@ def test_up_serves_through_envoy_and_stops_cleanly(tmp_path: Path) -> None:
         rc = cmd.wait(timeout_s=60)
     # the simulator, llm-extproc and Envoy, all gone
     cmd.assert_clean_exit(rc, 0, children_at_least=3)
+    # the logs `up` pointed to are still there to read
+    kept = re.search(r"child logs kept in (\S+)", cmd.stdout)
+    assert kept, cmd.stdout
+    logs = Path(kept.group(1))
+    try:
+        assert (logs / "llm-extproc.log").is_file() and (logs / "envoy.log").is_file()
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
