@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 from extproc.admission.priority import check_shedding, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
@@ -91,9 +92,30 @@ def _consume(task: asyncio.Future) -> None:
         task.exception()
 
 
+def _text_chars(*roots: Any) -> int:
+    """Characters of every string (values and keys) under `roots` — JSON-like lists and dicts,
+    walked without recursion (a client can nest a thousand levels deep). For a chat that is
+    everything its template can render: contents, but also `tool_calls` arguments,
+    `reasoning_content`, tool schemas and any other field a message carries."""
+    total = 0
+    stack = list(roots)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                if isinstance(key, str):
+                    total += len(key)
+                stack.append(value)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total
+
+
 def _message_chars(parsed: ParsedRequest) -> int:
-    """Characters of a chat request's message contents (the template's own text not included)."""
-    return sum(len(m.get("content") or "") for m in parsed.messages)
+    """Characters a chat request's template can render: messages (every field) and tools."""
+    return _text_chars(parsed.messages, parsed.tools)
 
 
 def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
@@ -208,7 +230,10 @@ class RequestPipeline:
         if isinstance(counted, tuple):  # counted on the event loop: nothing to wait for
             (prompt_tokens, token_ids), exact = counted, True
         else:
-            prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name)
+            # The budget runs from the start of counting: the inline part (rendering, cutting)
+            # already spent some of it.
+            budget_s = self._count_budget_s - (time.perf_counter() - t1)
+            prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name, budget_s)
         t2 = time.perf_counter()
         if exact:
             self._check_context(parsed, model, prompt_tokens)
@@ -371,12 +396,11 @@ class RequestPipeline:
             # Rendering a template is pure Python: a huge conversation renders in a thread so
             # the event loop keeps serving other streams in between (the GIL switches every 5 ms).
             return self._count_off_loop(plan, None, runtime)
-        before_h, before_m = counter.hits, counter.misses
         plans = plan()
         if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS and self._executor is not None:
             return self._count_off_loop(None, plans, runtime)
         results = [counter.complete(p) for p in plans]
-        self._count_cache_use(runtime, counter.hits - before_h, counter.misses - before_m)
+        self._count_cache_use(runtime, plans)
         return [r.count for r in results], results[0].token_ids
 
     async def _count_off_loop(
@@ -385,21 +409,21 @@ class RequestPipeline:
         """`_count`'s slow path: render (when `plans` is None) and tokenize in the executor."""
         loop = asyncio.get_running_loop()
         counter = runtime.counter
-        before_h, before_m = counter.hits, counter.misses
         if plans is None:
             plans = await loop.run_in_executor(self._executor, plan)
         if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS:
             results = [await loop.run_in_executor(self._executor, counter.complete, p) for p in plans]
         else:
             results = [counter.complete(p) for p in plans]
-        self._count_cache_use(runtime, counter.hits - before_h, counter.misses - before_m)
+        self._count_cache_use(runtime, plans)
         return [r.count for r in results], results[0].token_ids
 
     async def _await_count(
-        self, counting: Awaitable[tuple[list[int], list[int] | None]], parsed: ParsedRequest, model_name: str
+        self, counting: Awaitable[tuple[list[int], list[int] | None]], parsed: ParsedRequest, model_name: str, budget_s: float
     ) -> tuple[list[int], list[int] | None, bool]:
-        """Wait for an off-loop count at most the count budget; past it, fall back to the
-        character estimate (the count goes on in its thread and fills the token cache).
+        """Wait for an off-loop count at most `budget_s` (seconds; what is left of the count
+        budget); past it, fall back to the character estimate (the count goes on in its thread
+        and fills the token cache).
 
         Returns:
             (prompt tokens per prompt, token ids of the first prompt or None, exact?)
@@ -407,7 +431,7 @@ class RequestPipeline:
         task = asyncio.ensure_future(counting)
         try:
             # shield: on timeout the tokenization goes on in its thread and fills the cache.
-            prompt_tokens, token_ids = await asyncio.wait_for(asyncio.shield(task), self._count_budget_s)
+            prompt_tokens, token_ids = await asyncio.wait_for(asyncio.shield(task), max(0.0, budget_s))
         except TimeoutError:
             task.add_done_callback(_consume)
             self._metrics.token_estimates.labels(model_name).inc()
@@ -417,7 +441,11 @@ class RequestPipeline:
             raise
         return prompt_tokens, token_ids, True
 
-    def _count_cache_use(self, runtime: ModelRuntime, hits: int, misses: int) -> None:
+    def _count_cache_use(self, runtime: ModelRuntime, plans: list[EncodePlan]) -> None:
+        """This request's segment-cache hits and misses (from its own plans: the counter's
+        shared totals move with every concurrent request)."""
+        misses = sum(len(p.missing) for p in plans)
+        hits = sum(len(p.segments) for p in plans) - misses
         name = runtime.config.name
         if hits > 0:
             self._metrics.child(self._metrics.tokenizer_cache_hits, name).inc(hits)

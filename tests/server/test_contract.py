@@ -16,6 +16,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.server.responses import OWNED_HEADERS
+from extproc.types import RequestKind
 
 ENDPOINTS = ["127.0.0.1:18001", "127.0.0.1:18002"]  # as in conftest.make_config
 MODEL = "Qwen/Qwen3-8B"
@@ -443,7 +444,20 @@ async def test_protocol_violations_end_the_stream_and_release(app, stub, message
     await wait_until(lambda: app.store.open_reservations == 0 and app.servicer.active_streams == 0)
 
 
-async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_untokenized(make_app):
+def _long_text_in(where: str, text: str) -> bytes:
+    """A chat body whose long text sits in the message content, a tool schema, or a tool call."""
+    hi = [{"role": "user", "content": "hi"}]
+    if where == "content":
+        return chat_body(text)
+    if where == "tools":
+        return orjson.dumps({"model": MODEL, "messages": hi, "tools": [{"type": "function", "function": {"name": "f", "description": text}}]})
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": text}}]}
+    return orjson.dumps({"model": MODEL, "messages": [*hi, call, {"role": "user", "content": "x"}]})
+
+
+@pytest.mark.parametrize("where", ["content", "tools", "tool_calls"])
+async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_untokenized(make_app, where):
+    """Whatever part of the request the text sits in (the template renders all of it)."""
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
     app = await make_app(models=[{"name": MODEL, "max_model_len": 1024}])
@@ -451,7 +465,8 @@ async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_
         stub = pb_grpc.ExternalProcessorStub(ch)
         misses = app.pipeline.resolve_model(MODEL).counter.misses
         # 16 characters per token of context (limits.max_chars_per_token) × 1,024 tokens, plus one.
-        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body("x" * (16 * 1024 + 1))))
+        body = _long_text_in(where, "x" * (16 * 1024 + 1))
+        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(body))
         status, payload, _ = error_of(reply)
         assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
         assert app.pipeline.resolve_model(MODEL).counter.misses == misses  # nothing was tokenized
@@ -470,5 +485,23 @@ async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app)
         _, reply = await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body(text)))
     hdrs = set_headers(reply.request_body.response)
     assert hdrs["x-gateway-destination-endpoint"] in ENDPOINTS
-    assert int(hdrs["x-llm-prompt-tokens"]) == int((len(text) + 16) / 3.5)  # the character estimate
+    # the character estimate: every string of the message (keys, role, content) + 16 per message
+    assert int(hdrs["x-llm-prompt-tokens"]) == int((len("role") + len("user") + len("content") + len(text) + 16) / 3.5)
     assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
+
+
+async def test_token_cache_metrics_count_each_request_once_under_concurrency(make_app):
+    """Hits and misses come from each request's own segments, not from the shared counter's
+    movement while other requests (and tokenizer threads) run."""
+    app = await make_app(
+        limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000},
+        models=[{"name": MODEL, "max_model_len": 131072}],
+    )
+    counter = app.pipeline.resolve_model(MODEL).counter
+    hits0, misses0 = counter.hits, counter.misses
+    long_ones = [chat_body(f"doc {i} " + "lorem ipsum " * 2_500) for i in range(8)]  # off the loop
+    short_ones = [chat_body(f"short {i}") for i in range(40)]
+    await asyncio.gather(*(app.pipeline.route(RequestKind.CHAT, b) for b in long_ones + short_ones + long_ones))
+    reg = app.metrics.registry
+    assert reg.get_sample_value("llm_extproc_tokenizer_cache_hits_total", {"model": MODEL}) == counter.hits - hits0
+    assert reg.get_sample_value("llm_extproc_tokenizer_cache_misses_total", {"model": MODEL}) == counter.misses - misses0
