@@ -7,7 +7,9 @@ import signal
 
 import typer
 
-__all__ = ["fail", "stop_on_signals"]
+__all__ = ["LOG_LEVELS", "fail", "setup_logging", "stop_on_signals"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -15,6 +17,19 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     options or configuration (nothing was started), 1 for a failure at start-up."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr at `level` (one of LOG_LEVELS, any case).
+
+    Raises:
+        typer.Exit: (2) an unknown level, after saying which ones exist.
+    """
+    import logging
+
+    if level.lower() not in LOG_LEVELS:
+        raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -18,8 +18,8 @@ def agent(
         "http://127.0.0.1:8000", help="the local engine's base URL (/metrics, /health); 'none' to watch no engine"
     ),
     gpu_source: str = typer.Option("nvml", help="nvml | sim:URL (a simulator's /sim/gpu) | none"),
-    grpc_port: int = typer.Option(9100, help="gRPC port: grpc.health.v1 + llm_extproc.v1.NodeLoad (0 = any free port)"),
-    metrics_port: int = typer.Option(9101, help="Prometheus /metrics port (0 = any free port)"),
+    grpc_port: int = typer.Option(9100, min=0, max=65535, help="gRPC port: grpc.health.v1 + llm_extproc.v1.NodeLoad (0 = any free port)"),
+    metrics_port: int = typer.Option(9101, min=0, max=65535, help="Prometheus /metrics port (0 = any free port)"),
     host: str = typer.Option("0.0.0.0", help="listen address of both ports"),
     period: float = typer.Option(1.0, help="sampling period (seconds); also NodeLoad.Watch's cadence"),
     node: str = typer.Option("", help="node name in reports (default: the host name)"),
@@ -30,19 +30,18 @@ def agent(
     beta: float = typer.Option(1 / 3, help="weight of the free-KV term free_kv / total_kv"),
     gamma: float = typer.Option(1 / 3, help="weight of the idle-GPU term 1 - gpu_util"),
     latency_ref_ms: float = typer.Option(200.0, help="TTFT P95 (ms) at or below which the latency term is 1"),
-    log_level: str = typer.Option("info", help="debug, info, warning, error"),
+    log_level: str = typer.Option("info", help="debug, info, warning, error, critical"),
 ) -> None:
     """Run the node agent: NVML + the local engine's metrics → health, load reports, Prometheus."""
     import asyncio
-    import logging
     import sys
 
     from extproc.agent.app import AgentSettings, NodeAgent
     from extproc.agent.devices import GpuSourceError, gpu_source_from_spec
     from extproc.agent.weight import WeightParams
-    from extproc.clitools import fail, stop_on_signals
+    from extproc.clitools import fail, setup_logging, stop_on_signals
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     try:
         weight = WeightParams(alpha=alpha, beta=beta, gamma=gamma, latency_ref_ms=latency_ref_ms)
         extra = {"node": node} if node else {}

@@ -145,8 +145,12 @@ class ExtProcApp:
         server = grpc.aio.server(options=options)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(cfg.listen.grpc)
+        try:
+            port = server.add_insecure_port(cfg.listen.grpc)
+        except RuntimeError:  # grpcio raises on a failed bind (older versions returned 0)
+            port = 0
         if port == 0:
+            await self.aclose(grace_s=0)  # the probes and scrapers already started
             raise RuntimeError(f"cannot listen on {cfg.listen.grpc} (address in use or not available)")
         self.grpc_port = port
         await server.start()

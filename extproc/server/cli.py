@@ -14,19 +14,18 @@ def serve(
     endpoint: list[str] = typer.Option(
         [], "--endpoint", "-e", help="ip:port of an endpoint serving the default model (repeatable; only without --config)"
     ),
-    log_level: str = typer.Option("info", help="debug, info, warning, error"),
+    log_level: str = typer.Option("info", help="debug, info, warning, error, critical"),
 ) -> None:
     """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
     import asyncio
-    import logging
     import sys
 
-    from extproc.clitools import fail, stop_on_signals
+    from extproc.clitools import fail, setup_logging, stop_on_signals
     from extproc.config import ConfigError, default_config, load_config
     from extproc.pipeline.tokens import TokenizerLoadError
     from extproc.server.app import ExtProcApp
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     try:
         if config:
             if endpoint:

@@ -15,7 +15,7 @@ _PROFILE_HELP = "engine profile (GPU × model); one of: " + ", ".join(PROFILES)
 
 
 def sim(
-    port: int = typer.Option(8000, help="listen port (0 = any free port)"),
+    port: int = typer.Option(8000, min=0, max=65535, help="listen port (0 = any free port)"),
     host: str = typer.Option("127.0.0.1", help="listen address"),
     profile: str = typer.Option(DEFAULT_PROFILE, help=_PROFILE_HELP),
     model: str | None = typer.Option(None, help="served model name (default: the profile's model)"),

@@ -56,3 +56,18 @@ def test_subprocess_prints_ready_line_serves_and_exits_cleanly(sig: signal.Signa
             proc.kill()
             proc.wait(timeout=10)
     assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sim", "--port", "99999"], "65535"),
+        (["serve", "--log-level", "bogus"], "--log-level must be one of debug, info, warning, error, critical"),
+        (["agent", "--log-level", "loud", "--gpu-source", "none"], "--log-level must be one of"),
+    ],
+    ids=["sim-port-out-of-range", "serve-bad-log-level", "agent-bad-log-level"],
+)
+def test_bad_options_exit_2_with_a_message_not_a_traceback(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
