@@ -61,8 +61,11 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest
         ("- a list", "must hold a YAML mapping"),
         ("scheduling:\n  profiles:\n    load-aware:\n      scorers: [{type: no-such-scorer}]\n", "no-such-scorer"),
         ("scheduling:\n  profile: missing\n", "missing"),
+        ("endpoints: [{address: '10.0.0.1:8000', models: [m]}]\n", "sets endpoints, which the bench owns"),
+        ("admin: {enabled: false}\n", "sets admin, which the bench owns"),
+        ("# " + "x" * (1 << 20) + "\n", "is larger than"),
     ],
-    ids=["bad-yaml", "not-a-mapping", "unknown-scorer", "unknown-profile"],
+    ids=["bad-yaml", "not-a-mapping", "unknown-scorer", "unknown-profile", "endpoints", "admin", "huge"],
 )
 def test_bad_extproc_config_exits_2_before_starting_anything(tmp_path: Path, text: str, message: str) -> None:
     from typer.testing import CliRunner
