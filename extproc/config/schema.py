@@ -273,8 +273,9 @@ def _p(type_: str, weight: float = 1.0, **params: Any) -> PluginSpec:
 
 BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # The default: KV admission, then the soonest predicted first token, short queues, free KV,
-    # light FLOPs load, the design notes' compute-aware weight and steady token rhythm.
-    # Weights tuned on real traces (docs/benchmarks.md).
+    # light FLOPs load, the design notes' compute-aware weight, steady token rhythm, and few
+    # requests in flight by our own count (what least_request balances on: without it the
+    # profile fell behind least_request at 1.2x load on Azure conv, docs/benchmarks.md).
     "load-aware": ProfileConfig(
         filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter"), _p("backpressure-cap-filter")],
         scorers=[
@@ -284,6 +285,7 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("flops-load-scorer", 1.0),
             _p("compute-aware-scorer", 1.0),
             _p("backpressure-scorer", 0.5),
+            _p("inflight-scorer", 2.0),
         ],
     ),
     # Issue-1 baseline: fewest in-flight requests counted by this server, random tie-break.
