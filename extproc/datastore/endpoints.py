@@ -20,7 +20,7 @@ every way a request can end frees exactly what it held.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -153,7 +153,6 @@ class Reservation:
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1
-        self._store._changed(ep)
 
     def settle(self) -> None:
         """Stop counting this request's blocks (the engine's metrics now include it)."""
@@ -163,7 +162,6 @@ class Reservation:
         ep = self.endpoint
         ep.reserved_blocks -= self.blocks
         ep.unsettled.discard(self)
-        self._store._changed(ep)
 
     def release(self) -> None:
         """Return everything still counted; safe to call more than once."""
@@ -179,7 +177,6 @@ class Reservation:
         else:
             ep.decode_inflight -= 1
         self._store._open.discard(self)
-        self._store._changed(ep)
 
 
 class Datastore:
@@ -187,10 +184,9 @@ class Datastore:
 
     Args:
         endpoints: endpoint configurations.
-        on_change: optional callback(endpoint) after an endpoint's accounting changes (metrics hook).
     """
 
-    def __init__(self, endpoints: Iterable[EndpointConfig], *, on_change: Callable[[Endpoint], None] | None = None) -> None:
+    def __init__(self, endpoints: Iterable[EndpointConfig]) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         for cfg in endpoints:
@@ -198,7 +194,6 @@ class Datastore:
             self._by_addr[ep.address] = ep
             for m in cfg.models:
                 self._by_model.setdefault(m, []).append(ep)
-        self._on_change = on_change
         self._open: set[Reservation] = set()
 
     def all(self) -> list[Endpoint]:
@@ -224,7 +219,6 @@ class Datastore:
             endpoint.reserved_blocks += blocks
             endpoint.unsettled.add(r)
         self._open.add(r)
-        self._changed(endpoint)
         return r
 
     def settle_scraped(self, endpoint: Endpoint, scraped_at: float) -> int:
@@ -238,10 +232,6 @@ class Datastore:
         for r in done:
             r.settle()
         return len(done)
-
-    def _changed(self, endpoint: Endpoint) -> None:
-        if self._on_change is not None:
-            self._on_change(endpoint)
 
     @property
     def open_reservations(self) -> int:
