@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from extproc.clitools import fail as _fail
+
 __all__ = ["analyze", "bench", "demo", "up"]
 
 
@@ -51,7 +53,6 @@ def analyze(
     from extproc.bench.traces import Trace, TraceFormatError, load_trace
 
     console = Console()
-    err = Console(stderr=True, soft_wrap=True)  # an error line never breaks mid-sentence in a log
     try:
         if str(path) == "synthetic" and not path.exists():
             from extproc.bench.workload import WorkloadSpec, synthetic_workload
@@ -70,8 +71,7 @@ def analyze(
             )
         analysis = analyze_trace(trace, truncate=truncate)
     except (TraceFormatError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     render_analysis(analysis, console)
     try:
         if json_path is not None:
@@ -83,8 +83,7 @@ def analyze(
             plot_trace(trace, plot)
             console.print(f"wrote {plot}")
     except OSError as exc:
-        err.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        raise _fail(f"cannot write: {exc}") from None
 
 
 # ── demo, up, bench ─────────────────────────────────────────────────────────────────────────
@@ -117,13 +116,6 @@ def _console():  # type: ignore[no-untyped-def]
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=200)
-
-
-def _fail(message: str) -> typer.Exit:
-    from rich.console import Console
-
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(2)
 
 
 def _parse_scales(text: str) -> list[float]:
