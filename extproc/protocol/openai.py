@@ -8,6 +8,7 @@ a boolean. Errors name the offending parameter in OpenAI's `param` form (`messag
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -45,7 +46,7 @@ def route_kind(method: str, path: str) -> RequestKind | None:
     slash tolerated — so `/v1/chat/%63ompletions` cannot slip past admission as "another path"
     (the Envoy configs normalise paths too).
     """
-    if method.upper() != "POST":
+    if method != "POST":  # methods are case-sensitive: `post` is not POST to the engine either
         return None
     return generation_path(path)
 
@@ -220,12 +221,44 @@ def parse_body(kind: RequestKind, body: bytes) -> ParsedRequest:
 
 
 def with_model(body: bytes, model: str) -> bytes:
-    """`body` (a JSON object already accepted by `parse_body`) with its `model` set to `model`:
-    a client used an alias, and the engines know the model by its served name. Every other
-    field keeps its value and order (orjson re-serialises numbers in their shortest form)."""
-    raw = orjson.loads(body)
-    raw["model"] = model
-    return orjson.dumps(raw)
+    """`body` (a JSON object already accepted by `parse_body`) with its top-level `model` value
+    replaced by `model`: a client used an alias, and the engines know the model by its served
+    name. Only that value's bytes change (the last `model` key, the one a JSON parser keeps):
+    numbers, escapes and spacing reach the engine exactly as the client wrote them.
+
+    Raises:
+        ValueError: `body` is not a JSON object with a `model` member (parse_body rejects those).
+    """
+    text = body.decode("utf-8")
+    decoder = json.JSONDecoder()
+    i = _skip_ws(text, 0)
+    if text[i : i + 1] != "{":
+        raise ValueError("not a JSON object")
+    i = _skip_ws(text, i + 1)
+    span: tuple[int, int] | None = None
+    while text[i : i + 1] != "}":
+        if text[i : i + 1] != '"':
+            raise ValueError("malformed JSON object")
+        key, i = json.decoder.scanstring(text, i + 1)
+        i = _skip_ws(text, i)
+        if text[i : i + 1] != ":":
+            raise ValueError("malformed JSON object")
+        start = _skip_ws(text, i + 1)
+        _, end = decoder.raw_decode(text, start)
+        if key == "model":
+            span = (start, end)
+        i = _skip_ws(text, end)
+        if text[i : i + 1] == ",":
+            i = _skip_ws(text, i + 1)
+    if span is None:
+        raise ValueError("no model member")
+    return (text[: span[0]] + json.dumps(model, ensure_ascii=False) + text[span[1] :]).encode("utf-8")
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
 
 
 def parse_mapping(kind: RequestKind, raw: Mapping[str, Any]) -> ParsedRequest:

@@ -156,3 +156,11 @@ def test_with_model_changes_only_the_model():
     out = with_model(body, "Org/Served")
     assert orjson.loads(out) == {**orjson.loads(body), "model": "Org/Served"}
     assert list(orjson.loads(out)) == ["model", "messages", "n", "top_p"]  # order kept
+
+
+def test_with_model_changes_only_the_model_bytes():
+    """Numbers, escapes and spacing reach the engine as the client wrote them (a re-serialiser
+    would print 1e15 as 1000000000000000.0 and turn integers beyond 64 bits into floats); with
+    duplicate keys the last one, the one parsers keep, is replaced."""
+    body = b'{ "model" : "a", "x": [1e15, 123456789012345678901234567890, 1E5], "c": "h\\u00e9", "model":"alias"}'
+    assert with_model(body, "Org/Served") == body.replace(b'"model":"alias"', b'"model":"Org/Served"')
