@@ -269,6 +269,9 @@ def bench(
     ),
     stream_interval: int = typer.Option(STREAM_INTERVAL, "--stream-interval", min=1, help="output tokens per streamed chunk"),
     json_path: Path | None = typer.Option(None, "--json", help="write the report (JSON) here"),
+    requests_out: Path | None = typer.Option(
+        None, "--requests-out", help="write one JSON line per request (endpoint, TTFT, E2E, lag, ...) here"
+    ),
     plot: Path | None = typer.Option(None, "--plot", help="PNG: TTFT CDF per policy (+ <name>-goodput.png for several loads)"),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput SLO: TTFT limit (ms)"),
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="goodput SLO: mean inter-token latency limit (ms)"),
@@ -313,7 +316,8 @@ def bench(
     options = BenchOptions(
         policies=chosen, workload=workload, rate_scales=scales, duration_s=duration, stack=settings,
         replay=ReplayOptions(speed=speed_value, request_timeout_s=request_timeout),
-        outputs=Outputs(json_path=json_path, plot_path=plot), slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
+        outputs=Outputs(json_path=json_path, plot_path=plot, requests_path=requests_out),
+        slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
     )  # fmt: skip
     raise typer.Exit(asyncio.run(run_bench(options, console)))
 

@@ -23,7 +23,7 @@ import orjson
 from rich.console import Console
 
 from extproc.bench.policies import Policy
-from extproc.bench.results import SLO, LabeledRun, Report, build_report, render_report
+from extproc.bench.results import SLO, LabeledRun, Report, build_report, render_report, request_rows
 from extproc.bench.runner import Interrupts, ReplayOptions, Workload, replay
 from extproc.bench.stacks import PolicyStack, StackSettings
 
@@ -34,10 +34,12 @@ _BEHIND_WARN = 0.01  # behind-schedule fraction above which a run is flagged (CP
 
 @dataclass(frozen=True, slots=True)
 class Outputs:
-    """Where results go: the JSON report and the PNG figure (None: not written)."""
+    """Where results go: the JSON report, the PNG figure and one JSON line per request
+    (`bench` only; None: not written)."""
 
     json_path: Path | None = None
     plot_path: Path | None = None
+    requests_path: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,10 +318,20 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
             _plot_bench(options, runs, report, console)
         if options.outputs.json_path is not None:
             _write_json(report, options.outputs.json_path, console)
+        if options.outputs.requests_path is not None:
+            _write_requests(runs, options.outputs.requests_path, console)
     except OSError as exc:
         console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
         return status or 2
     return status
+
+
+def _write_requests(runs: list[LabeledRun], path: Path, console: Console) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as fh:
+        for row in request_rows(runs):
+            fh.write(orjson.dumps(row) + b"\n")
+    console.print(f"wrote {path} (one JSON line per request)", highlight=False)
 
 
 def _scaled(base: Workload, options: BenchOptions, scale: float) -> Workload:

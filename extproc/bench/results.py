@@ -28,7 +28,7 @@ Definitions (all over the run's requests that were sent):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,6 +50,7 @@ __all__ = [
     "prefix_cache_counters",
     "prefix_cache_hit_rate",
     "render_report",
+    "request_rows",
     "summarize_run",
 ]
 
@@ -193,6 +194,39 @@ def summarize_run(run: LabeledRun, slo: SLO | None = None) -> RunSummary:
             max_lag_ms=max([0.0, *lags]) * 1000,
         ),
     )
+
+
+def request_rows(runs: Sequence[LabeledRun]) -> Iterator[dict[str, Any]]:
+    """One flat record per request of every run, for `bench --requests-out` (JSON Lines): which
+    endpoint served it, how long it took and how late it was sent, to find what makes a tail.
+
+    Keys: policy, trace, index, scheduled_s (trace seconds), sent_s (wall seconds since the run
+    started), lag_ms (wall), input_tokens, max_tokens, output_tokens, endpoint, status, error,
+    ttft_ms, e2e_ms, itl_ms (the run's time unit; None when not measured).
+    """
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1000, 3)
+
+    for run in runs:
+        for r in run.record.results:
+            yield {
+                "policy": run.policy,
+                "trace": run.trace,
+                "index": r.index,
+                "scheduled_s": r.scheduled_s,
+                "sent_s": round(r.sent_wall_s, 6),
+                "lag_ms": round(r.lag_s * 1000, 3),
+                "input_tokens": r.input_tokens,
+                "max_tokens": r.max_tokens,
+                "output_tokens": r.output_tokens,
+                "endpoint": r.endpoint,
+                "status": r.status,
+                "error": r.error,
+                "ttft_ms": ms(r.ttft_s),
+                "e2e_ms": ms(r.e2e_s),
+                "itl_ms": ms(r.itl_s),
+            }
 
 
 def build_report(runs: Sequence[LabeledRun], slo: SLO | None = None, settings: dict[str, Any] | None = None) -> Report:

@@ -18,7 +18,7 @@ def test_bench_two_policies_table_json_and_plot(tmp_path: Path) -> None:
     on a fresh one-simulator fleet, every request served, on the same requests."""
     args = [
         "bench", "--policies", "envoy-least-request,llm-extproc", "--requests", "6", "--rate-scale", "1",
-        "--speed", "10", "--fleet", FLEET_1, "--json", "bench.json", "--plot", "bench.png",
+        "--speed", "10", "--fleet", FLEET_1, "--json", "bench.json", "--plot", "bench.png", "--requests-out", "requests.jsonl",
     ]  # fmt: skip
     with Command(args, tmp_path) as cmd:
         rc = cmd.wait(timeout_s=150)
@@ -37,6 +37,9 @@ def test_bench_two_policies_table_json_and_plot(tmp_path: Path) -> None:
     assert "envoy-least-request" in out and "llm-extproc" in out and "goodput" in out
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "bench-goodput.png").exists()  # one load: no goodput-vs-load figure
+    rows = [orjson.loads(line) for line in (tmp_path / "requests.jsonl").read_bytes().splitlines()]
+    assert [(r["policy"], r["index"]) for r in rows] == [(p, i) for p in ("envoy-least-request", "llm-extproc") for i in range(6)]
+    assert all(r["status"] == 200 and r["endpoint"] and r["ttft_ms"] > 0 for r in rows), rows
 
 
 def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from extproc.bench.results import (
     prefix_cache_counters,
     prefix_cache_hit_rate,
     render_report,
+    request_rows,
     summarize_run,
 )
 
@@ -134,3 +135,17 @@ def test_prefix_cache_counters_and_hit_rate() -> None:
     # Two engines: (550 − 250) hits over (1600 − 1000) queries.
     assert prefix_cache_hit_rate([(250, 1000), (0, 0)], [(450, 1400), (100, 200)]) == pytest.approx(0.5)
     assert prefix_cache_hit_rate([(5, 10)], [(5, 10)]) is None
+
+
+def test_request_rows_flatten_every_request_of_every_run() -> None:
+    runs = [LabeledRun("a", "fixture", _record()), LabeledRun("b", "fixture", _record("simulated", 2.0))]
+    rows = list(request_rows(runs))
+    assert [(r["policy"], r["index"]) for r in rows] == [(p, i) for p in "ab" for i in range(5)]
+    second = rows[1]
+    assert (second["endpoint"], second["status"], second["lag_ms"]) == ("A", 200, 60.0)
+    assert (second["ttft_ms"], second["e2e_ms"], second["itl_ms"]) == (300.0, 2300.0, 50.0)
+    refused = rows[4]
+    assert (refused["status"], refused["error"], refused["ttft_ms"], refused["endpoint"]) == (
+        429, "429 rate_limit_exceeded", None, None,
+    )
+    orjson.dumps(rows)  # every value is JSON-serialisable
