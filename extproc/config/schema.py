@@ -98,7 +98,20 @@ class LimitsConfig(_Strict):
             of it; past that the request is routed on a character estimate (the rest of a
             decision never waits).
         shutdown_grace_s: how long SIGTERM waits for in-flight streams (seconds).
-        max_messages: most chat messages in one request (count); more is a 400.
+        max_json_values: most JSON values (objects, arrays, strings, numbers, true/false/null;
+            object keys not counted) in one request body; more is a 400 naming the limit,
+            decided on the bytes before they are parsed (`extproc.protocol.jsonlimits`). A body
+            under max_body_bytes can hold ~1.4M tiny values (`[],[],...`), and decoding,
+            validating and walking them costs 0.3–1.5 µs each on the event loop: one such 4 MiB
+            body stalled every stream for 8–10 s (measured on the 2-core development machine);
+            refused now, it costs 5–12 ms. At the default, parse + validate + character walk of
+            a body at the limit measured 0.4–9 ms for most shapes, 15–20 ms for a 200 kB tool
+            schema (its characters walked) or for 2048 messages (max_messages' own cost), while
+            the biggest real chats fit: 2048 messages are ~6k values; 500 messages with 128
+            tools of 12 parameters each, 13.7k. A completions prompt sent as token ids counts
+            one value per token: raise the limit to accept token-id prompts over ~16k tokens.
+        max_messages: most chat messages in one request (count); more is a 400, checked
+            before the messages are validated.
         max_prompts: most prompts in one batched completions request (count); more is a 400.
         max_chars_per_token: a prompt longer than `max_chars_per_token × max_model_len`
             characters cannot fit the model and is refused with a 400 before it is tokenized
@@ -107,6 +120,7 @@ class LimitsConfig(_Strict):
     """
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_json_values: int = Field(default=16384, ge=64)
     max_messages: int = Field(default=2048, ge=1)
     max_prompts: int = Field(default=1024, ge=1)
     max_chars_per_token: int = Field(default=16, ge=1)

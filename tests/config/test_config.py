@@ -24,6 +24,7 @@ def test_example_config_loads():
     assert cfg.models[0].name == "Qwen/Qwen3-8B"
     assert [e.address for e in cfg.endpoints] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert cfg.limits.max_body_bytes == 4 * 1024 * 1024
+    assert cfg.limits.max_json_values == default_config(["127.0.0.1:9000"], env={}).limits.max_json_values == 16384
 
 
 def test_default_config_serves_the_default_model():
@@ -43,6 +44,7 @@ def test_default_config_serves_the_default_model():
         (minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["m"]}] * 2), ["listed twice"]),
         (minimal(models=[{"name": "m", "aliases": ["m"]}]), ["alias 'm'"]),
         (minimal(limits={"max_body_bytes": 9_000_000}), ["grpc_max_message_bytes", "max_body_bytes"]),
+        (minimal(limits={"max_json_values": 10}), ["limits.max_json_values", "10"]),
         ({"endpoints": []}, ["models: required key is missing"]),
         (minimal(scheduling={"profile": "round-robin"}), ["scheduling", "'round-robin' is not defined"]),
         (minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "kv-fit-filter"}]}}}), ["scheduling.profiles.p", "is not a scorer"]),
@@ -50,7 +52,7 @@ def test_default_config_serves_the_default_model():
         (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "kv-fit-filter", "params": {"headroom_fraction": 2}}]}}}), ["headroom_fraction"]),
         (minimal(admission={"priority": {"default": "vip"}}), ["admission.priority.default", "'vip'"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:

@@ -83,6 +83,39 @@ def test_assistant_tool_call_message_without_content():
     assert r.messages[1]["content"] == "" and r.messages[1]["tool_calls"][0]["id"] == "1"
 
 
+def test_message_fields_reach_the_template_as_sent_none_dropped_at_the_top_only():
+    call = {"id": None, "type": "function", "function": {"name": "w", "arguments": "{}"}}
+    msg = {"role": "assistant", "content": None, "name": None, "tool_calls": [call], "x": {"a": None}}
+    r = parse_body(CHAT, body(model="m", messages=[msg]))
+    assert r.messages == [{"role": "assistant", "content": "", "tool_calls": [call], "x": {"a": None}}]
+
+
+@pytest.mark.parametrize(
+    ("kind", "raw"),
+    [
+        (CHAT, body(model="m", messages=[{"role": "user", "content": "hi", "x": [[]] * 60}])),
+        (COMP, body(model="m", prompt=list(range(70)))),
+        (COMP, body(model="m", prompt=["a"] * 70)),
+    ],
+    ids=["chat-extra-field", "token-ids", "batched-prompts"],
+)
+def test_bodies_over_max_values_are_refused_before_decoding(kind, raw):
+    with pytest.raises(ValidationError) as info:
+        parse_body(kind, raw, max_values=64)
+    assert info.value.code == "too_many_json_values" and "more than 64 JSON values" in info.value.message
+    parse_body(kind, raw)  # valid otherwise
+
+
+def test_max_messages_is_checked_before_the_messages_are_validated():
+    raw = body(model="m", messages=[{"role": 1}] * 3)  # every message invalid
+    with pytest.raises(ValidationError) as info:
+        parse_body(CHAT, raw, max_messages=2)
+    assert (info.value.param, info.value.message) == ("messages", "3 messages; at most 2 are accepted")
+    with pytest.raises(ValidationError) as info:
+        parse_body(CHAT, raw, max_messages=3)
+    assert info.value.param == "messages[0].role"
+
+
 @pytest.mark.parametrize(
     ("prompt", "prompts", "ids"),
     [

@@ -419,6 +419,28 @@ async def test_size_limits_refuse_before_tokenizing(stub, path, body, param):
     assert status == 400 and payload["error"]["param"] == param
 
 
+@pytest.mark.parametrize("body_bytes", [60_000, 600_000], ids=["counted-inline", "counted-in-a-thread"])
+async def test_body_of_many_tiny_values_is_refused_while_other_streams_are_routed(make_app, body_bytes):
+    """~`body_bytes / 3` empty arrays in an extra message field: refused (400, the limit named)
+    from its bytes, while a normal request on another stream is routed meanwhile."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    app = await make_app(limits={"max_body_bytes": 1 << 20, "grpc_max_message_bytes": 2 << 20})
+    many = chat_body(x=[[]] * (body_bytes // 3))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        (_, refused), (_, routed) = await asyncio.gather(
+            exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(many)),
+            exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body())),
+        )
+    status, payload, _ = error_of(refused)
+    assert status == 400 and payload["error"]["code"] == "too_many_json_values"
+    message = payload["error"]["message"]
+    assert "more than 16384 JSON values" in message and "limits.max_json_values" in message
+    assert set_headers(routed.request_body.response)["x-gateway-destination-endpoint"] in ENDPOINTS
+    assert app.store.open_reservations == 0
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/%76%31/chat/completions", "/v1//chat/completions", "/v1/x/../chat/completions"])
 async def test_encoded_or_dotted_paths_are_still_generation_requests(stub, path):
     (reply,) = await exchange(stub, headers_msg("POST", path))
