@@ -95,8 +95,8 @@ class SimRequest:
         arrival: arrival time (simulated seconds).
         finish_reason: reported when `output_tokens` are done (`length` or `stop`).
         request_id: free-form id for logs.
-        notify: called with the request when tokens are ready to emit (every `notify_every`
-            tokens) and when it finishes; the server uses it to wake a stream.
+        notify: called with the request when tokens are ready to emit (the first token, then
+            every `notify_every` tokens) and when it finishes; the server uses it to wake a stream.
         notify_every: tokens between notifications (the stream interval).
     """
 
@@ -523,7 +523,9 @@ class Engine:
         if req.num_output >= req.target_output:
             self._finish(req, end, req._final_reason)
             return True
-        if req.notify is not None and req.num_output - req.notified >= req.notify_every:
+        # vLLM's --stream-interval sends the first token at once, then every `interval` tokens
+        # (v1 output processor: finished, first token, or interval reached).
+        if req.notify is not None and (req.notified == 0 or req.num_output - req.notified >= req.notify_every):
             req.notified = req.num_output
             req.notify(req)
         return False

@@ -3,7 +3,8 @@
 One aiohttp app and one engine task per server. The engine task plans a step (or a run of
 identical decode steps), sleeps until the step's simulated end mapped to wall time
 (``wall = wall0 + (sim − sim0) / speed``), then commits it; handlers only enqueue requests and
-wait on an `asyncio.Event` that the engine sets every `stream_interval` tokens or at the end.
+wait on an `asyncio.Event` that the engine sets at the first token, then every `stream_interval`
+tokens, and at the end.
 Nothing sleeps per request or per token. If the process falls behind (CPU), the engine's
 clock does not skip ahead: it runs steps back to back until it has caught up.
 
@@ -531,7 +532,7 @@ class SimServer:
                 if kind == "chat" and not await send(stream_chunk(kind, rid, created, self.model, "", role=True)):
                     return self._die(request)
             while sent < n:
-                upto = min(n, sent + interval)
+                upto = min(n, sent + (1 if sent == 0 else interval))  # the first token goes alone
                 fin = (req.finish_reason or "stop") if done and upto == n else None
                 if not await send(stream_chunk(kind, rid, created, self.model, output_text(req.uid, sent, upto), fin)):
                     return self._die(request)

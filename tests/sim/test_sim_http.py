@@ -58,7 +58,9 @@ async def test_chat_stream_framing_and_usage_chunk(start_sim, http, interval: in
     first, *content, usage = events
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == first["id"] for e in events)
-    assert len(content) == -(-10 // interval)  # tokens grouped by the stream interval
+    # like vLLM's --stream-interval: the first token at once, then the rest grouped by the interval
+    assert len(content) == 1 + -(-9 // interval)
+    assert len(content[0]["choices"][0]["delta"]["content"].split()) == 1
     text = "".join(e["choices"][0]["delta"]["content"] for e in content)
     assert len(text.split()) == 10
     assert [e["choices"][0]["finish_reason"] for e in content] == [None] * (len(content) - 1) + ["length"]
