@@ -108,8 +108,9 @@ class LimitsConfig(_Strict):
             a body at the limit measured 0.4–9 ms for most shapes, 15–20 ms for a 200 kB tool
             schema (its characters walked) or for 2048 messages (max_messages' own cost), while
             the biggest real chats fit: 2048 messages are ~6k values; 500 messages with 128
-            tools of 12 parameters each, 13.7k. A completions prompt sent as token ids counts
-            one value per token: raise the limit to accept token-id prompts over ~16k tokens.
+            tools of 12 parameters each, 13.7k. A completions body may hold the longest model's
+            `max_model_len` values more (one full-context prompt sent as token ids, one value
+            per token).
         max_messages: most chat messages in one request (count); more is a 400, checked
             before the messages are validated.
         max_prompts: most prompts in one batched completions request (count); more is a 400.

@@ -192,6 +192,14 @@ class RequestPipeline:
         self._executor = executor
         self._rng = rng or random.Random()
         self._max_body = config.limits.max_body_bytes
+        # A completions prompt may be token ids, one JSON value each: one full-context prompt
+        # (the longest model's max_model_len) is allowed on top of limits.max_json_values. Such
+        # a body costs orjson + pydantic ~0.25 µs per value (10 ms for 40,960 ids, measured) and
+        # no character walk (only chats are walked).
+        self._max_values = {
+            RequestKind.CHAT: config.limits.max_json_values,
+            RequestKind.COMPLETION: config.limits.max_json_values + max((m.max_model_len for m in config.models), default=0),
+        }
         # Past this, a burst of long new prompts waiting for a tokenizer thread is routed on a
         # character estimate instead of refused: the rest of the decision needs the remainder.
         self._count_budget_s = config.limits.decision_timeout_ms / 1000 * COUNT_BUDGET_FRACTION
@@ -239,7 +247,7 @@ class RequestPipeline:
         cfg = self._config
         if len(body) > self._max_body:
             raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {self._max_body} bytes")
-        max_values: int | None = cfg.limits.max_json_values
+        max_values: int | None = self._max_values[kind]
         if self._executor is not None and len(body) > INLINE_COUNT_BYTES:
             # Checked here, an exact count (when the bound is over) in a thread: it steps through
             # C-speed windows and hands the GIL back to the event loop between them.

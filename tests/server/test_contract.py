@@ -441,6 +441,28 @@ async def test_body_of_many_tiny_values_is_refused_while_other_streams_are_route
     assert app.store.open_reservations == 0
 
 
+async def test_a_full_context_token_id_prompt_passes_the_value_limit_that_a_chat_may_not(make_app):
+    """A completions prompt of token ids is one JSON value per token: one full-context prompt
+    fits on top of `limits.max_json_values`, while a chat body with as many values is refused."""
+    app = await make_app(
+        limits={"max_body_bytes": 1 << 20, "grpc_max_message_bytes": 2 << 20, "max_json_values": 1000},
+        models=[{"name": MODEL, "max_model_len": 4096}],
+    )
+    ids = list(range(100, 4090))  # 3,990 values: over 1,000, within 1,000 + 4,096
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        _, routed = await exchange(
+            stub, headers_msg("POST", "/v1/completions"), body_msg(orjson.dumps({"model": MODEL, "prompt": ids, "max_tokens": 4}))
+        )
+        _, refused = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body(x=ids)))
+    assert set_headers(routed.request_body.response)["x-gateway-destination-endpoint"] in ENDPOINTS
+    status, payload, _ = error_of(refused)
+    assert status == 400 and payload["error"]["code"] == "too_many_json_values"
+    assert "more than 1000 JSON values" in payload["error"]["message"]
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/%76%31/chat/completions", "/v1//chat/completions", "/v1/x/../chat/completions"])
 async def test_encoded_or_dotted_paths_are_still_generation_requests(stub, path):
     (reply,) = await exchange(stub, headers_msg("POST", path))
