@@ -289,12 +289,14 @@ def _p(type_: str, weight: float = 1.0, **params: Any) -> PluginSpec:
 BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # The default: KV admission, then the soonest predicted first token, short queues, free KV,
     # light FLOPs load, the design notes' compute-aware weight, steady token rhythm, and few
-    # requests in flight by our own count (what least_request balances on: without it the
-    # profile fell behind least_request at 1.2x load on Azure conv, docs/benchmarks.md).
+    # requests in flight by our own count (what least_request balances on). No in-flight cap
+    # by token-rhythm pressure (`backpressure-cap-filter`, opt-in): an H100 whose 8k-token
+    # prefill steps make its gaps uneven read as "heavy" and was held at 128 requests while
+    # the A100s queued (decision 0005, second addendum; docs/benchmarks.md).
     "load-aware": ProfileConfig(
-        filters=[_p("healthy-filter"), _p("stale-metrics-filter"), _p("kv-fit-filter"), _p("backpressure-cap-filter")],
+        filters=[_p(name) for name in SAFE_FILTERS],
         scorers=[
-            _p("ttft-estimate-scorer", 3.0),
+            _p("ttft-estimate-scorer", 6.0),
             _p("queue-depth-scorer", 1.0),
             _p("kv-utilization-scorer", 1.0),
             _p("flops-load-scorer", 1.0),

@@ -9,7 +9,10 @@ soonest.
   divided by the backlog it joined (`Endpoint.prefill_s_per_token`, an EWMA). It folds the GPU's
   prefill speed, chunked-prefill interference from running decodes and queueing into one
   number, so a mixed H100/A100 fleet sorts itself out without per-GPU configuration. Until an
-  endpoint has been observed it takes the median of the observed ones (or `prior_s_per_token`).
+  endpoint has been observed it takes the fastest observed value (or `prior_s_per_token`):
+  optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic on an
+  idle fleet stayed on the first endpoint that looked fast and never learned the others (all
+  twenty requests of a new user's curl loop went to one A100 while both H100s sat idle).
 
 Score = min_j(predicted_j) / predicted_i: the fastest endpoint scores 1.0 and one predicted
 twice as slow 0.5 (proportional, unlike a min-max normalisation that would give it 0).
@@ -21,7 +24,6 @@ Parameters:
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 
 from pydantic import Field
@@ -37,7 +39,7 @@ __all__ = ["TTFTEstimateScorer", "predicted_ttft_s"]
 def predicted_ttft_s(endpoints: Sequence[Endpoint], prompt_tokens: int, prior_s_per_token: float) -> list[float]:
     """Predicted seconds to first token on each endpoint for a prompt of `prompt_tokens`."""
     known = [ep.prefill_s_per_token for ep in endpoints if ep.prefill_s_per_token]
-    fill = statistics.median(known) if known else prior_s_per_token
+    fill = min(known) if known else prior_s_per_token
     return [(ep.prefill_tokens + max(1, prompt_tokens)) * (ep.prefill_s_per_token or fill) for ep in endpoints]
 
 
