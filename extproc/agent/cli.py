@@ -17,7 +17,7 @@ def agent(
     engine_url: str = typer.Option(
         "http://127.0.0.1:8000", help="the local engine's base URL (/metrics, /health); 'none' to watch no engine"
     ),
-    gpu_source: str = typer.Option("nvml", help="nvml | sim:URL (a simulator's /sim/gpu) | none"),
+    gpu_source: str = typer.Option("nvml", help="nvml | sim:URL (a simulator's base URL, e.g. sim:http://127.0.0.1:8001) | none"),
     grpc_port: int = typer.Option(9100, min=0, max=65535, help="gRPC port: grpc.health.v1 + llm_extproc.v1.NodeLoad (0 = any free port)"),
     metrics_port: int = typer.Option(9101, min=0, max=65535, help="Prometheus /metrics port (0 = any free port)"),
     host: str = typer.Option("0.0.0.0", help="listen address of both ports"),

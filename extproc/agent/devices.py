@@ -113,5 +113,7 @@ def gpu_source_from_spec(spec: str, *, timeout_s: float = 1.0) -> GpuSource:
         url = spec[len("sim:") :]
         if not url.startswith(("http://", "https://")):
             raise GpuSourceError(f"--gpu-source sim:URL needs an http(s) URL, got {spec!r}")
+        # the simulator's base URL; its `/sim/gpu` path spelled out is accepted too
+        url = url.rstrip("/").removesuffix("/sim/gpu")
         return SimGpuSource(url, timeout_s=timeout_s)
     raise GpuSourceError(f"unknown --gpu-source {spec!r}; use nvml, sim:URL (a simulator's base URL) or none")

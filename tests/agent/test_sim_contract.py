@@ -19,8 +19,9 @@ async def sim(qwen_counter: TokenCounter):
     await server.aclose()
 
 
-async def test_agent_reads_the_simulated_node(sim: SimServer, start_agent) -> None:
-    agent = await start_agent(sim.url, gpu=f"sim:{sim.url}", period_s=0.05)
+@pytest.mark.parametrize("spelling", ["{url}", "{url}/sim/gpu/"], ids=["base-url", "gpu-path"])
+async def test_agent_reads_the_simulated_node(sim: SimServer, start_agent, spelling: str) -> None:
+    agent = await start_agent(sim.url, gpu="sim:" + spelling.format(url=sim.url), period_s=0.05)
     first = agent.latest
     assert first is not None and first.healthy
     (gpu,) = first.devices
