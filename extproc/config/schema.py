@@ -409,6 +409,15 @@ class PriorityConfig(_Strict):
     queue_saturation_depth: int = Field(default=32, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
 
+    @model_validator(mode="after")
+    def _sheddable_first(self) -> PriorityConfig:
+        if self.shed_sheddable_at > self.shed_standard_at:
+            raise ValueError(
+                f"shed_sheddable_at ({self.shed_sheddable_at}) must be <= shed_standard_at "
+                f"({self.shed_standard_at}): sheddable requests are refused first"
+            )
+        return self
+
     @field_validator("header")
     @classmethod
     def _lower(cls, v: str) -> str:

@@ -51,8 +51,9 @@ def test_default_config_serves_the_default_model():
         (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "nope-filter"}]}}}), ["unknown plugin type 'nope-filter'"]),
         (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "kv-fit-filter", "params": {"headroom_fraction": 2}}]}}}), ["headroom_fraction"]),
         (minimal(admission={"priority": {"default": "vip"}}), ["admission.priority.default", "'vip'"]),
+        (minimal(admission={"priority": {"shed_sheddable_at": 1.5, "shed_standard_at": 0.5}}), ["admission.priority", "shed_sheddable_at (1.5)"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:
