@@ -200,10 +200,15 @@ def demo(
     plot: Path | None = typer.Option(Path("llm-extproc-demo.png"), "--plot", help="PNG: TTFT CDF per endpoint, load over time"),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput SLO: TTFT limit (ms)"),
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="goodput SLO: mean inter-token latency limit (ms)"),
+    extproc_config: Path | None = typer.Option(
+        None, "--extproc-config", help="YAML merged into llm-extproc's config for the llm-extproc policies "
+        "(e.g. scheduling.profiles.load-aware with other scorer weights)",
+    ),
 ) -> None:
     """The whole stack locally: Envoy, llm-extproc, four simulated vLLM endpoints (2× H100, 2× A100,
     Qwen3-8B) and a replayed workload; prints a result table, writes a PNG (and JSON)."""
     import asyncio
+    import dataclasses
 
     from extproc.bench.commands import DemoOptions, Outputs, run_demo
     from extproc.bench.results import SLO
@@ -216,6 +221,8 @@ def demo(
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
     if trace is None and requests is None and duration is None:
         requests = DEMO_REQUESTS
+    if extproc_config is not None:
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
     console = _console()
     workload = _workload(trace, format, requests, duration, rate_scale, rate, seed, settings, console)
     options = DemoOptions(
@@ -232,9 +239,14 @@ def up(
     speed: float = typer.Option(1.0, "--speed", help="simulated seconds per wall second"),
     stream_interval: int = typer.Option(1, "--stream-interval", min=1, help="output tokens per streamed chunk"),
     seed: int = typer.Option(0, "--seed", help="seed of the simulators"),
+    extproc_config: Path | None = typer.Option(
+        None, "--extproc-config", help="YAML merged into llm-extproc's config for the llm-extproc policies "
+        "(e.g. scheduling.profiles.load-aware with other scorer weights)",
+    ),
 ) -> None:
     """The demo's stack, kept running for your own OpenAI clients; prints every URL. Ctrl-C stops it."""
     import asyncio
+    import dataclasses
 
     from extproc.bench.commands import run_up
 
@@ -243,6 +255,8 @@ def up(
         raise _fail("--policy takes one policy name")
     if policies[0].unavailable():
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
+    if extproc_config is not None:
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
     raise typer.Exit(asyncio.run(run_up(policies[0], settings, _console())))
 
 
@@ -347,7 +361,7 @@ def _server_overrides(path: Path, profiles) -> dict:  # type: ignore[no-untyped-
     owned = sorted(set(overrides) & _BENCH_OWNED_KEYS)
     if owned:
         raise _fail(
-            f"--extproc-config: {path} sets {', '.join(owned)}, which the bench owns (its fleet, model and ports); "
+            f"--extproc-config: {path} sets {', '.join(owned)}, which the stack owns (its fleet, model and ports); "
             "change scheduling, admission, limits or telemetry"
         )
     sample = server_config({f"127.0.0.1:{8000 + i}": p for i, p in enumerate(profiles)}, profile="load-aware")

@@ -64,8 +64,8 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest
         ("- a list", "must hold a YAML mapping"),
         ("scheduling:\n  profiles:\n    load-aware:\n      scorers: [{type: no-such-scorer}]\n", "no-such-scorer"),
         ("scheduling:\n  profile: missing\n", "missing"),
-        ("endpoints: [{address: '10.0.0.1:8000', models: [m]}]\n", "sets endpoints, which the bench owns"),
-        ("admin: {enabled: false}\n", "sets admin, which the bench owns"),
+        ("endpoints: [{address: '10.0.0.1:8000', models: [m]}]\n", "sets endpoints, which the stack owns"),
+        ("admin: {enabled: false}\n", "sets admin, which the stack owns"),
         ("# " + "x" * (1 << 20) + "\n", "is larger than"),
     ],
     ids=["bad-yaml", "not-a-mapping", "unknown-scorer", "unknown-profile", "endpoints", "admin", "huge"],
@@ -82,6 +82,21 @@ def test_bad_extproc_config_exits_2_before_starting_anything(tmp_path: Path, tex
     )
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("command", [["up", "--port", "0"], ["demo", "--requests", "3"]], ids=["up", "demo"])
+def test_up_and_demo_take_the_same_extproc_config(tmp_path: Path, command: list[str]) -> None:
+    """`up` and `demo` read `--extproc-config` with the same checks (a bad one exits 2 before
+    anything starts)."""
+    from typer.testing import CliRunner
+
+    from extproc.cli import app
+
+    path = tmp_path / "override.yaml"
+    path.write_text("scheduling:\n  profiles:\n    load-aware:\n      scorers: [{type: no-such-scorer}]\n")
+    result = CliRunner().invoke(app, [*command, "--extproc-config", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "no-such-scorer" in " ".join(result.output.split())
 
 
 def test_extproc_config_reaches_the_server(tmp_path: Path) -> None:
