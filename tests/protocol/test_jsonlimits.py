@@ -115,6 +115,29 @@ def test_the_limit_is_exact():
     assert "more than 302 JSON values" in err.message and "limits.max_json_values" in err.message
 
 
+@pytest.mark.parametrize("window", [2, 3, 5, 8, 13])
+def test_a_pair_split_across_windows_does_not_refuse_a_body_at_the_limit(window):
+    """`[` ending one window and `]` starting the next are one value, not two: a body holding
+    exactly the limit is counted to the end, whichever byte the window boundary falls on."""
+    old, jsonlimits.WINDOW = jsonlimits.WINDOW, window
+    try:
+        for pad in range(2 * window):
+            body = b'{"a": 1,' + b" " * pad + b'"b": []}'
+            assert count_values(body, 3) == 3, pad
+    finally:
+        jsonlimits.WINDOW = old
+
+
+def test_a_long_run_of_backslashes_spans_windows():
+    """A window never ends inside a backslash run (the run is skipped with a regex, at C speed)."""
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "," * 20_000 + "\\" * 100_000 + '"]'}]})
+    old, jsonlimits.WINDOW = jsonlimits.WINDOW, 4096
+    try:
+        assert count_values(body, 16384) == 6
+    finally:
+        jsonlimits.WINDOW = old
+
+
 def test_commas_and_brackets_inside_strings_never_refuse():
     """Far more `,[{` bytes than the limit (the cheap bound is over it), but few real values."""
     prompt = "def f(a, b):\n    return {'a': [a, b], \"c\": {x: y for x, y in z}}, [1, 2, 3]\n" * 2000
