@@ -256,7 +256,9 @@ class RequestPipeline:
                 if await loop.run_in_executor(self._executor, count_values, body, max_values) > max_values:
                     raise too_many_values(max_values)
             max_values = None
-        parsed = parse_body(kind, body, max_values=max_values, max_messages=cfg.limits.max_messages)
+        parsed = parse_body(
+            kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
+        )
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
         t1 = time.perf_counter()

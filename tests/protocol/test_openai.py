@@ -106,6 +106,32 @@ def test_bodies_over_max_values_are_refused_before_decoding(kind, raw):
     parse_body(kind, raw)  # valid otherwise
 
 
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ([1.5] * 5000, "list of 5000 items that are not all token ids; a batch holds at most 100 prompts"),
+        ([1] * 5000 + ["x"], "list of 5001 items that are not all token ids"),
+        ([[1.5] * 50] * 10, "item 0 is not a list of token ids"),
+        (["a", "b", [1]], "item 2 is not a string"),
+        ([[1, 2], [3, True]], "item 1 is not a list of token ids"),
+    ],
+    ids=["floats", "ids-then-a-string", "lists-of-floats", "mixed", "bool-is-no-token-id"],
+)
+def test_a_prompt_list_is_checked_before_pydantic(prompt, needle):
+    """A completions body may hold a full context of token ids; a list of anything else fails
+    on its first bad item (pydantic would report every item of every union branch)."""
+    with pytest.raises(ValidationError) as info:
+        parse_body(COMP, body(model="m", prompt=prompt), max_prompts=100)
+    assert needle in info.value.message and info.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    "prompt", [list(range(5000)), ["a", "b"], [[1, 2], [3]], "text"], ids=["token-ids", "strings", "id-lists", "string"]
+)
+def test_valid_prompt_lists_pass_the_pre_check(prompt):
+    assert parse_body(COMP, body(model="m", prompt=prompt), max_prompts=100).model == "m"
+
+
 def test_max_messages_is_checked_before_the_messages_are_validated():
     raw = body(model="m", messages=[{"role": 1}] * 3)  # every message invalid
     with pytest.raises(ValidationError) as info:
