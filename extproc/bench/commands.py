@@ -313,13 +313,13 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
     _warn_behind(console, report)
     for note in skipped:
         console.print(note, highlight=False)
-    try:
-        if options.outputs.plot_path is not None:
-            _plot_bench(options, runs, report, console)
+    try:  # the data first: a figure that cannot be written must not cost the results
         if options.outputs.json_path is not None:
             _write_json(report, options.outputs.json_path, console)
         if options.outputs.requests_path is not None:
             _write_requests(runs, options.outputs.requests_path, console)
+        if options.outputs.plot_path is not None:
+            _plot_bench(options, runs, report, console)
     except OSError as exc:
         console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
         return status or 2
