@@ -55,6 +55,7 @@ class Endpoint:
         prefill_s_per_token: learned time to first token per token of prefill backlog
             (seconds per token, EWMA over observed first tokens; queueing, chunked-prefill
             interference and the GPU's speed all show in it), None until observed.
+        prefill_sampled_at: `time.monotonic()` of its latest sample (seconds), None before.
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
         probed: whether any probe has completed.
@@ -81,6 +82,7 @@ class Endpoint:
     last_probe_error: str | None = None
     probed: bool = False
     prefill_s_per_token: float | None = None
+    prefill_sampled_at: float | None = None
     engine: Any = None
     scrape_errors: int = 0
     routed_total: int = 0
@@ -139,17 +141,26 @@ class Reservation:
     def released(self) -> bool:
         return self._released
 
-    def mark_first_token(self, now: float | None = None) -> None:
-        """The first output token reached us: the request moves from prefill to decode."""
+    def mark_first_token(self, now: float | None = None, *, learn: bool = True) -> None:
+        """The first output token reached us: the request moves from prefill to decode.
+
+        Args:
+            now: when (`time.monotonic()` seconds; default now).
+            learn: feed the time since routing into the endpoint's learned prefill speed. False
+                when the signal is not the first token itself (a non-streamed response's
+                headers come with its last token).
+        """
         if self._released or not self.in_prefill:
             return
         self.in_prefill = False
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
-        if self.backlog_tokens > 0:
-            sample = (self.first_token_at - self.created_at) / self.backlog_tokens
+        elapsed = self.first_token_at - self.created_at
+        if learn and self.backlog_tokens > 0 and elapsed > 0:
+            sample = elapsed / self.backlog_tokens
             prev = ep.prefill_s_per_token
             ep.prefill_s_per_token = sample if prev is None else prev + PREFILL_EWMA_ALPHA * (sample - prev)
+            ep.prefill_sampled_at = self.first_token_at
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1

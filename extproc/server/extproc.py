@@ -167,7 +167,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
                     if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
-                        reservation.mark_first_token()
+                        reservation.mark_first_token(learn=routed is not None and routed.request.stream)
                     yield responses.response_body(replacement)
                 else:
                     yield responses.continue_for(phase)
@@ -271,10 +271,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        elif reservation is not None and 200 <= status < 300:
-            # Without body telemetry, the response starting is our best signal that prefill is
-            # over (an engine answers a stream's headers with its first chunk).
-            reservation.mark_first_token()
+        streamed = routed is not None and routed.request.stream
+        if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
+            # Without body telemetry, a stream's headers are our best signal that prefill is
+            # over (an engine answers them with its first chunk; observed streams wait for the
+            # first content instead). A non-streamed answer starts with its last token: it
+            # leaves prefill here but teaches nothing about prefill speed.
+            reservation.mark_first_token(learn=streamed)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
         return responses.response_headers(extra, remove)

@@ -376,7 +376,36 @@ async def test_observed_stream_marks_first_token_on_first_content(app, stub):
     reply = await call.read()
     assert not reply.response_body.response.HasField("body_mutation")  # markers off: unchanged
     assert (ep.prefill_inflight, ep.decode_inflight) == (0, 1)
+    assert ep.prefill_s_per_token is not None  # a streamed first token teaches the prefill speed
     call.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+@pytest.mark.parametrize("telemetry", [{"sample_rate": 1.0}, {"enabled": False}], ids=["observed", "unobserved"])
+async def test_a_non_streamed_answer_ends_prefill_without_teaching_its_speed(make_app, telemetry):
+    """A non-streamed answer's headers and body come with its last token: the request leaves
+    prefill, but its end-to-end time is not a time to first token."""
+    app = await make_app(telemetry=telemetry)
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        await call.read()
+        await call.write(body_msg(chat_body()))
+        ep = app.store.get(set_headers((await call.read()).request_body.response)["x-gateway-destination-endpoint"])
+        json_headers = base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")]
+        )
+        await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=json_headers)))
+        await call.read()
+        if telemetry.get("enabled", True):
+            answer = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Hi there"}}]}'
+            await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True)))
+            await call.read()
+        assert (ep.prefill_inflight, ep.decode_inflight) == (0, 1)
+        assert ep.prefill_s_per_token is None
+        call.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
 
 
