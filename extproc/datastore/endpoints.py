@@ -58,6 +58,8 @@ class Endpoint:
         prefill_sampled_at: `time.monotonic()` of its latest sample (seconds), None before.
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
+        consecutive_5xx: generation answers in a row with a 5xx status (count).
+        ejected_until: `time.monotonic()` until which outlier detection keeps it out (seconds).
         probed: whether any probe has completed.
         engine: latest scraped engine metrics (`extproc.datastore.scraper.EngineMetrics`), or None.
         scrape_errors: consecutive failed scrapes (count).
@@ -79,6 +81,8 @@ class Endpoint:
     reserved_blocks: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    consecutive_5xx: int = 0
+    ejected_until: float = 0.0
     last_probe_error: str | None = None
     probed: bool = False
     prefill_s_per_token: float | None = None
@@ -101,6 +105,24 @@ class Endpoint:
     def flops_load(self) -> int:
         """FLOPs-weighted in-flight load: 3 per request in prefill, 1 per request in decode."""
         return PREFILL_WEIGHT * self.prefill_inflight + DECODE_WEIGHT * self.decode_inflight
+
+    def ejected(self, now: float) -> bool:
+        """True while outlier detection keeps the endpoint out (`now`: monotonic seconds)."""
+        return self.ejected_until > now
+
+    def record_status(self, status: int, now: float, *, consecutive_5xx: int, ejection_s: float) -> bool:
+        """Count one generation answer's HTTP status; True when this answer ejects the endpoint
+        (the `consecutive_5xx`-th 5xx in a row, or a 5xx on the first try after an ejection).
+        Other statuses (2xx, and 4xx: the client's fault) end a streak."""
+        if status < 500:
+            self.consecutive_5xx = 0
+            return False
+        self.consecutive_5xx += 1
+        if self.consecutive_5xx >= consecutive_5xx and not self.ejected(now):
+            self.ejected_until = now + ejection_s
+            self.consecutive_5xx = consecutive_5xx - 1  # after the ejection, one more 5xx ejects again
+            return True
+        return False
 
     def metrics_age(self, now: float) -> float | None:
         """Seconds since the last successful scrape, or None if never scraped."""
