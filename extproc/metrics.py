@@ -56,6 +56,12 @@ class Metrics:
             ["endpoint"],
             registry=registry,
         )
+        self.endpoint_ejections = Counter(
+            "llm_extproc_endpoint_ejections_total",
+            "Times outlier detection ejected the endpoint for answering 5xx in a row.",
+            ["endpoint"],
+            registry=registry,
+        )
         self.endpoint_reserved_blocks = Gauge(
             "llm_extproc_endpoint_reserved_kv_blocks",
             "KV blocks reserved by requests routed to the endpoint that its metrics do not show yet.",

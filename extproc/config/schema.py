@@ -222,6 +222,26 @@ class HealthCheckConfig(_Strict):
     healthy_threshold: int = Field(default=1, ge=1)
 
 
+class OutlierDetectionConfig(_Strict):
+    """Passive ejection of endpoints that answer with server errors (Envoy's outlier detection,
+    which its `ORIGINAL_DST` cluster does not offer, in the picker instead).
+
+    An endpoint whose last `consecutive_5xx` answers were 5xx is left out by `healthy-filter`
+    for `ejection_s` seconds, then tried again (one more 5xx ejects it again at once). Probes
+    cannot see this failure: an engine may pass `/health` and still fail every generation,
+    and one that fails fast never produces a first token, so it would look idle and fast.
+
+    Attributes:
+        enabled: eject at all.
+        consecutive_5xx: 5xx answers in a row that eject (count).
+        ejection_s: how long an ejection lasts (seconds).
+    """
+
+    enabled: bool = True
+    consecutive_5xx: int = Field(default=5, ge=1)
+    ejection_s: float = Field(default=10.0, gt=0)
+
+
 class MetricsScrapeConfig(_Strict):
     """Scraping each endpoint's engine `/metrics`.
 
@@ -342,6 +362,7 @@ class SchedulingConfig(_Strict):
             compute-aware, random; a user profile may replace a built-in by name).
         block_size: KV block size of the engines when they do not export theirs (tokens).
         health_check: active health checking. metrics: engine metrics scraping.
+        outlier_detection: passive ejection of endpoints answering 5xx.
         tiers: tier boundaries (tier mode).
         explain_header: add `x-llm-route-debug` (scores of the chosen endpoint and the
             runner-up) to the response; off by default since it reveals fleet internals.
@@ -352,6 +373,7 @@ class SchedulingConfig(_Strict):
     profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
     block_size: int = Field(default=16, ge=1)
     health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
+    outlier_detection: OutlierDetectionConfig = Field(default_factory=OutlierDetectionConfig)
     metrics: MetricsScrapeConfig = Field(default_factory=MetricsScrapeConfig)
     tiers: TierConfig = Field(default_factory=TierConfig)
     explain_header: bool = False

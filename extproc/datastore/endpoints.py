@@ -55,8 +55,11 @@ class Endpoint:
         prefill_s_per_token: learned time to first token per token of prefill backlog
             (seconds per token, EWMA over observed first tokens; queueing, chunked-prefill
             interference and the GPU's speed all show in it), None until observed.
+        prefill_sampled_at: `time.monotonic()` of its latest sample (seconds), None before.
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
+        consecutive_5xx: generation answers in a row with a 5xx status (count).
+        ejected_until: `time.monotonic()` until which outlier detection keeps it out (seconds).
         probed: whether any probe has completed.
         engine: latest scraped engine metrics (`extproc.datastore.scraper.EngineMetrics`), or None.
         scrape_errors: consecutive failed scrapes (count).
@@ -78,9 +81,12 @@ class Endpoint:
     reserved_blocks: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    consecutive_5xx: int = 0
+    ejected_until: float = 0.0
     last_probe_error: str | None = None
     probed: bool = False
     prefill_s_per_token: float | None = None
+    prefill_sampled_at: float | None = None
     engine: Any = None
     scrape_errors: int = 0
     routed_total: int = 0
@@ -99,6 +105,24 @@ class Endpoint:
     def flops_load(self) -> int:
         """FLOPs-weighted in-flight load: 3 per request in prefill, 1 per request in decode."""
         return PREFILL_WEIGHT * self.prefill_inflight + DECODE_WEIGHT * self.decode_inflight
+
+    def ejected(self, now: float) -> bool:
+        """True while outlier detection keeps the endpoint out (`now`: monotonic seconds)."""
+        return self.ejected_until > now
+
+    def record_status(self, status: int, now: float, *, consecutive_5xx: int, ejection_s: float) -> bool:
+        """Count one generation answer's HTTP status; True when this answer ejects the endpoint
+        (the `consecutive_5xx`-th 5xx in a row, or a 5xx on the first try after an ejection).
+        Other statuses (2xx, and 4xx: the client's fault) end a streak."""
+        if status < 500:
+            self.consecutive_5xx = 0
+            return False
+        self.consecutive_5xx += 1
+        if self.consecutive_5xx >= consecutive_5xx and not self.ejected(now):
+            self.ejected_until = now + ejection_s
+            self.consecutive_5xx = consecutive_5xx - 1  # after the ejection, one more 5xx ejects again
+            return True
+        return False
 
     def metrics_age(self, now: float) -> float | None:
         """Seconds since the last successful scrape, or None if never scraped."""
@@ -139,17 +163,26 @@ class Reservation:
     def released(self) -> bool:
         return self._released
 
-    def mark_first_token(self, now: float | None = None) -> None:
-        """The first output token reached us: the request moves from prefill to decode."""
+    def mark_first_token(self, now: float | None = None, *, learn: bool = True) -> None:
+        """The first output token reached us: the request moves from prefill to decode.
+
+        Args:
+            now: when (`time.monotonic()` seconds; default now).
+            learn: feed the time since routing into the endpoint's learned prefill speed. False
+                when the signal is not the first token itself (a non-streamed response's
+                headers come with its last token).
+        """
         if self._released or not self.in_prefill:
             return
         self.in_prefill = False
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
-        if self.backlog_tokens > 0:
-            sample = (self.first_token_at - self.created_at) / self.backlog_tokens
+        elapsed = self.first_token_at - self.created_at
+        if learn and self.backlog_tokens > 0 and elapsed > 0:
+            sample = elapsed / self.backlog_tokens
             prev = ep.prefill_s_per_token
             ep.prefill_s_per_token = sample if prev is None else prev + PREFILL_EWMA_ALPHA * (sample - prev)
+            ep.prefill_sampled_at = self.first_token_at
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1

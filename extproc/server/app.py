@@ -129,6 +129,7 @@ class ExtProcApp:
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,
             sample_rate=cfg.telemetry.sample_rate,
+            outlier_detection=cfg.scheduling.outlier_detection,
         )
         self.pipeline = pipeline
         await self._checker.start()

@@ -37,6 +37,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.config.schema import OutlierDetectionConfig
 from extproc.datastore.endpoints import Reservation
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
@@ -77,8 +78,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
+        outlier_detection: OutlierDetectionConfig | None = None,
     ) -> None:
         self._pipeline = pipeline
+        self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
         self._sample_rate = sample_rate if telemetry is not None else 0.0
@@ -167,7 +170,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
                     if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
-                        reservation.mark_first_token()
+                        reservation.mark_first_token(learn=routed is not None and routed.request.stream)
                     yield responses.response_body(replacement)
                 else:
                     yield responses.continue_for(phase)
@@ -271,10 +274,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        elif reservation is not None and 200 <= status < 300:
-            # Without body telemetry, the response starting is our best signal that prefill is
-            # over (an engine answers a stream's headers with its first chunk).
-            reservation.mark_first_token()
+        if self._outliers is not None and routed is not None and routed.endpoint is not None and status:
+            od = self._outliers
+            if routed.endpoint.record_status(status, time.monotonic(), consecutive_5xx=od.consecutive_5xx, ejection_s=od.ejection_s):
+                self._metrics.child(self._metrics.endpoint_ejections, routed.endpoint.address).inc()
+                log.warning(
+                    "endpoint %s ejected for %.0f s: %d answers in a row with a 5xx status",
+                    routed.endpoint.address, od.ejection_s, od.consecutive_5xx,
+                )
+        streamed = routed is not None and routed.request.stream
+        if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
+            # Without body telemetry, a stream's headers are our best signal that prefill is
+            # over (an engine answers them with its first chunk; observed streams wait for the
+            # first content instead). A non-streamed answer starts with its last token: it
+            # leaves prefill here but teaches nothing about prefill speed.
+            reservation.mark_first_token(learn=streamed)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
         return responses.response_headers(extra, remove)

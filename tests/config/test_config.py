@@ -25,6 +25,7 @@ def test_example_config_loads():
     assert [e.address for e in cfg.endpoints] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert cfg.limits.max_body_bytes == 4 * 1024 * 1024
     assert cfg.limits.max_json_values == default_config(["127.0.0.1:9000"], env={}).limits.max_json_values == 16384
+    assert cfg.scheduling.outlier_detection == default_config(["127.0.0.1:9000"], env={}).scheduling.outlier_detection
 
 
 def test_default_config_serves_the_default_model():

@@ -211,6 +211,34 @@ def test_ttft_estimate_learns_each_endpoints_prefill_speed(store):
     assert scores == pytest.approx([0.03 / 0.1, 0.03 / 0.12, 1.0])
 
 
+def test_ttft_estimate_learns_only_from_real_first_tokens(store):
+    a, _, _ = store.all()
+    r = store.reserve(a, prompt_tokens=1000)
+    r.mark_first_token(r.created_at + 5.0, learn=False)  # a non-streamed answer's headers: its end
+    assert a.prefill_s_per_token is None and not r.in_prefill and a.decode_inflight == 1
+    r = store.reserve(a, prompt_tokens=1000)
+    r.mark_first_token(r.created_at - 0.5)  # a clock that went backwards teaches nothing
+    assert a.prefill_s_per_token is None
+
+
+def test_ttft_estimate_forgets_an_idle_endpoints_old_value(store):
+    """One slow first token must not keep an endpoint idle forever: with nothing in flight and
+    its value older than relearn_after_s, it is tried again like an unobserved endpoint."""
+    a, b, _ = store.all()
+    for ep, ttft in ((a, 0.05), (b, 5.0)):  # b's one sample: a 100x slow cold start
+        r = store.reserve(ep, prompt_tokens=1000)
+        r.mark_first_token(r.created_at + ttft)
+        r.release()
+    scorer = build("ttft-estimate-scorer", {"relearn_after_s": 10})
+    ctx = context(prompt=1000)
+    assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 0.01])
+    ctx.now = b.prefill_sampled_at + 11
+    a.prefill_sampled_at = ctx.now  # a keeps being observed
+    assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 1.0])  # b: as fast as the fastest, until re-measured
+    store.reserve(b, prompt_tokens=1000)  # b has a request in flight: its own value counts again
+    assert scorer.score(ctx, [a, b])[1] < 0.01
+
+
 def test_ttft_estimate_ewma_and_prior(store):
     a, b, _ = store.all()
     assert build("ttft-estimate-scorer").score(context(prompt=100), [a, b]) == [1.0, 1.0]  # nothing known: equal

@@ -7,6 +7,7 @@ and checks the replies message by message: one reply per request, of the same ki
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import orjson
@@ -376,8 +377,89 @@ async def test_observed_stream_marks_first_token_on_first_content(app, stub):
     reply = await call.read()
     assert not reply.response_body.response.HasField("body_mutation")  # markers off: unchanged
     assert (ep.prefill_inflight, ep.decode_inflight) == (0, 1)
+    assert ep.prefill_s_per_token is not None  # a streamed first token teaches the prefill speed
     call.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
+
+
+@pytest.mark.parametrize("telemetry", [{"sample_rate": 1.0}, {"enabled": False}], ids=["observed", "unobserved"])
+async def test_a_non_streamed_answer_ends_prefill_without_teaching_its_speed(make_app, telemetry):
+    """A non-streamed answer's headers and body come with its last token: the request leaves
+    prefill, but its end-to-end time is not a time to first token."""
+    app = await make_app(telemetry=telemetry)
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        await call.read()
+        await call.write(body_msg(chat_body()))
+        ep = app.store.get(set_headers((await call.read()).request_body.response)["x-gateway-destination-endpoint"])
+        json_headers = base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")]
+        )
+        await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=json_headers)))
+        await call.read()
+        if telemetry.get("enabled", True):
+            answer = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Hi there"}}]}'
+            await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True)))
+            await call.read()
+        assert (ep.prefill_inflight, ep.decode_inflight) == (0, 1)
+        assert ep.prefill_s_per_token is None
+        call.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def _answer_as(stub, status_for) -> str:
+    """One request, answered by its endpoint with the status `status_for(endpoint)` gives;
+    returns the endpoint."""
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions"))
+    await call.read()
+    await call.write(body_msg(chat_body()))
+    chosen = set_headers((await call.read()).request_body.response)["x-gateway-destination-endpoint"]
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=status_for(chosen))])
+    await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers, end_of_stream=True)))
+    await call.read()
+    await call.done_writing()
+    await call.read()
+    return chosen
+
+
+async def test_an_endpoint_answering_5xx_is_ejected_then_tried_again(make_app):
+    """Five 5xx answers in a row eject an endpoint (probes cannot see it: it may pass /health
+    and fail every generation); the other takes every request while it is out."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from prometheus_client import generate_latest
+
+    app = await make_app(scheduling={"health_check": {"enabled": False}, "outlier_detection": {"consecutive_5xx": 5, "ejection_s": 60}})
+    bad = ENDPOINTS[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        failures = 0
+        for _ in range(200):  # the fail-fast endpoint looks idle: it gets picked often
+            failures += await _answer_as(stub, lambda ep: b"503" if ep == bad else b"200") == bad
+            if failures == 5:
+                break
+        ep = app.store.get(bad)
+        assert failures == 5 and ep.ejected(time.monotonic())
+        assert {await _answer_as(stub, lambda ep: b"200") for _ in range(10)} == {ENDPOINTS[1]}
+    assert f'llm_extproc_endpoint_ejections_total{{endpoint="{bad}"}} 1.0' in generate_latest(app.metrics.registry).decode()
+
+
+def test_an_ejection_ends_and_one_more_5xx_ejects_again():
+    from extproc.datastore.endpoints import Endpoint
+
+    ep = Endpoint("127.0.0.1:1", frozenset({"m"}))
+    kw = {"consecutive_5xx": 3, "ejection_s": 10.0}
+    assert [ep.record_status(503, 0.0, **kw) for _ in range(3)] == [False, False, True]
+    assert ep.ejected(5.0) and not ep.ejected(10.5)
+    assert ep.record_status(503, 11.0, **kw)  # the first try after the ejection fails: out again
+    assert ep.ejected(20.0)
+    assert not ep.record_status(200, 22.0, **kw) and ep.consecutive_5xx == 0
+    ep.record_status(503, 22.0, **kw)
+    ep.record_status(404, 22.0, **kw)  # a client error ends a streak
+    assert ep.consecutive_5xx == 0
 
 
 async def test_credentials_never_reach_logs_or_metrics(app, stub, caplog):
