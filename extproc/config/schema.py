@@ -312,11 +312,13 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # requests in flight by our own count (what least_request balances on). No in-flight cap
     # by token-rhythm pressure (`backpressure-cap-filter`, opt-in): an H100 whose 8k-token
     # prefill steps make its gaps uneven read as "heavy" and was held at 128 requests while
-    # the A100s queued (decision 0005, second addendum; docs/benchmarks.md).
+    # the A100s queued. The TTFT estimate outweighs the count balancers together (10 against
+    # 6.5): they give a full point for one request fewer, which on a mixed fleet is the slower
+    # GPU (decision 0005, second addendum; docs/benchmarks.md).
     "load-aware": ProfileConfig(
         filters=[_p(name) for name in SAFE_FILTERS],
         scorers=[
-            _p("ttft-estimate-scorer", 6.0),
+            _p("ttft-estimate-scorer", 10.0),
             _p("queue-depth-scorer", 1.0),
             _p("kv-utilization-scorer", 1.0),
             _p("flops-load-scorer", 1.0),
