@@ -9,10 +9,10 @@ simulators) behind a real Envoy:
    `--bound` × its light-load p99 (linear interpolation between grid points; on a mixed fleet
    p99 is several times p50 even when idle, hence a relative bound).
 2. Every policy, on the same requests with fresh simulators (`llm-extproc bench`), at the light
-   load and at 0.5×, 1.0× and 1.2× that capacity: TTFT p50/p99, E2E p99, output tokens/s,
+   load and at multiples of that capacity (`--multiples`, default 0.5×, 1.0× and 1.2×): TTFT p50/p99, E2E p99, output tokens/s,
    goodput, errors and 429s by reason.
 3. Each policy's capacity at the same relative bound, interpolated over those points, as a
-   multiple of least_request's ("≥" when it holds the bound even at 1.2×).
+   multiple of least_request's ("≥" when it holds the bound even at the highest multiple).
 
     .venv/bin/python scripts/bench_scheduling.py --trace ../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv
 
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speed", default="", help="simulator speed (default: bench's auto)")
     ap.add_argument("--out", default="bench-scheduling", help="directory for the JSON reports")
+    ap.add_argument("--multiples", default="0.5,1.0,1.2", help="loads to run every policy at, as multiples of least_request's capacity")
     ap.add_argument("--baseline-grid-json", default="", help="reuse least_request's grid runs from these bench JSON files (comma-separated)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -100,7 +101,7 @@ def main() -> None:
     base_cap, _ = capacity(base_runs, args.bound)
     if base_cap is None:
         sys.exit(f"{BASELINE} breaks the p99 bound at every grid load; lower the grid")
-    multiples = (0.5, 1.0, 1.2)
+    multiples = tuple(float(x) for x in args.multiples.split(","))
     # Every policy at the light load and at the multiples of least_request's capacity; each
     # policy's own capacity is interpolated over those points.
     at = bench(args, list(POLICIES), [grid[0]] + [m * base_cap / rate_per_scale for m in multiples], out / "policies.json")
