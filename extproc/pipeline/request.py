@@ -393,7 +393,6 @@ class RequestPipeline:
         `body_bytes` is the body's length (bytes), an upper bound on its characters.
 
         Raises:
-            ValidationError: too many prompts (`parse_body` checks the messages).
             ContextLengthError: more characters than the context can hold at
                 `limits.max_chars_per_token`.
         """
@@ -407,13 +406,9 @@ class RequestPipeline:
             # off-loop rule) needs no walk of its messages.
             chars = _message_chars(parsed) if body_bytes > min(max_chars, BIG_CHARS) else body_bytes
         elif parsed.prompts:
-            if len(parsed.prompts) > limits.max_prompts:
-                raise ValidationError(f"{len(parsed.prompts)} prompts; at most {limits.max_prompts} are accepted", param="prompt")
             chars = max(len(p) for p in parsed.prompts)
         else:
             ids = parsed.prompt_token_ids
-            if len(ids) > limits.max_prompts:
-                raise ValidationError(f"{len(ids)} prompts; at most {limits.max_prompts} are accepted", param="prompt")
             return [len(p) for p in ids], ids[0]
         if chars > max_chars:
             raise ContextLengthError(
