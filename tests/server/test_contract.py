@@ -445,6 +445,11 @@ async def test_an_endpoint_answering_5xx_is_ejected_then_tried_again(make_app):
         assert failures == 5 and ep.ejected(time.monotonic())
         assert {await _answer_as(stub, lambda ep: b"200") for _ in range(10)} == {ENDPOINTS[1]}
     assert f'llm_extproc_endpoint_ejections_total{{endpoint="{bad}"}} 1.0' in generate_latest(app.metrics.registry).decode()
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{app.admin_port}/api/v1/endpoints") as resp:
+        shown = {e["address"]: e for e in (await resp.json())["endpoints"]}
+    assert 0 < shown[bad]["ejected_for_s"] <= 60 and shown[ENDPOINTS[1]]["ejected_for_s"] == 0
 
 
 def test_an_ejection_ends_and_one_more_5xx_ejects_again():
