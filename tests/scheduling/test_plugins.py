@@ -37,6 +37,18 @@ def test_healthy_filter_drops_unhealthy_and_device_faults(store):
     assert build("healthy-filter").filter(context(), [a, b, c]) == [a, c]
 
 
+def test_healthy_filter_leaves_out_ejected_endpoints_unless_all_are(store):
+    a, b, c = store.all()
+    ctx = context()
+    b.healthy = False
+    a.ejected_until = ctx.now + 10  # outlier detection: five 5xx in a row
+    assert build("healthy-filter").filter(ctx, [a, b, c]) == [c]
+    c.ejected_until = ctx.now + 10  # every live endpoint ejected: keep them (never the unhealthy b)
+    assert build("healthy-filter").filter(ctx, [a, b, c]) == [a, c]
+    a.ejected_until = c.ejected_until = ctx.now - 1  # ejections over
+    assert build("healthy-filter").filter(ctx, [a, b, c]) == [a, c]
+
+
 def test_stale_metrics_filter(store):
     a, b, c = store.all()
     a.engine = engine(age=0.1)
