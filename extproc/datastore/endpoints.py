@@ -113,7 +113,10 @@ class Endpoint:
     def record_status(self, status: int, now: float, *, consecutive_5xx: int, ejection_s: float) -> bool:
         """Count one generation answer's HTTP status; True when this answer ejects the endpoint
         (the `consecutive_5xx`-th 5xx in a row, or a 5xx on the first try after an ejection).
-        Other statuses (2xx, and 4xx: the client's fault) end a streak."""
+        A 504 (Envoy's own timeout of a slow answer: not the engine failing) and a 429 (the
+        engine shedding) leave the streak as it is; other statuses end it."""
+        if status in (429, 504):
+            return False
         if status < 500:
             self.consecutive_5xx = 0
             return False

@@ -258,11 +258,16 @@ def _check_prompt_list(prompt: list[Any], max_prompts: int | None) -> None:
             f"{max_prompts} prompts",
             param="prompt",
         )
-    strings = isinstance(prompt[0], str)
+    first = prompt[0]
+    kind, ok = (
+        ("a string", lambda x: isinstance(x, str)) if isinstance(first, str)
+        else ("a token id", lambda x: type(x) is int) if type(first) is int
+        else ("a list of token ids", _is_token_ids)
+    )  # fmt: skip
     for i, item in enumerate(prompt):
-        if not (isinstance(item, str) if strings else _is_token_ids(item)):
+        if not ok(item):
             raise ValidationError(
-                f"Invalid value for 'prompt': item {i} is not {'a string' if strings else 'a list of token ids'} "
+                f"Invalid value for 'prompt': item {i} is not {kind} "
                 "(a prompt list holds strings, token ids, or lists of token ids)",
                 param="prompt",
             )

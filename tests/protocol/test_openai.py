@@ -113,9 +113,10 @@ def test_bodies_over_max_values_are_refused_before_decoding(kind, raw):
         ([1] * 5000 + ["x"], "list of 5001 items that are not all token ids"),
         ([[1.5] * 50] * 10, "item 0 is not a list of token ids"),
         (["a", "b", [1]], "item 2 is not a string"),
+        ([1, "a"], "item 1 is not a token id"),
         ([[1, 2], [3, True]], "item 1 is not a list of token ids"),
     ],
-    ids=["floats", "ids-then-a-string", "lists-of-floats", "mixed", "bool-is-no-token-id"],
+    ids=["floats", "ids-then-a-string", "lists-of-floats", "mixed", "id-then-string", "bool-is-no-token-id"],
 )
 def test_a_prompt_list_is_checked_before_pydantic(prompt, needle):
     """A completions body may hold a full context of token ids; a list of anything else fails

@@ -247,7 +247,10 @@ def test_ttft_estimate_forgets_an_idle_endpoints_old_value(store):
     ctx.now = b.prefill_sampled_at + 11
     a.prefill_sampled_at = ctx.now  # a keeps being observed
     assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 1.0])  # b: as fast as the fastest, until re-measured
-    store.reserve(b, prompt_tokens=1000)  # b has a request in flight: its own value counts again
+    decoding = store.reserve(b, prompt_tokens=10)
+    decoding.mark_first_token(learn=False)  # a long decode still running there changes nothing
+    assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 1.0])
+    store.reserve(b, prompt_tokens=1000)  # b has a request in prefill: its own value counts again
     assert scorer.score(ctx, [a, b])[1] < 0.01
 
 

@@ -463,7 +463,10 @@ def test_an_ejection_ends_and_one_more_5xx_ejects_again():
     assert ep.ejected(20.0)
     assert not ep.record_status(200, 22.0, **kw) and ep.consecutive_5xx == 0
     ep.record_status(503, 22.0, **kw)
-    ep.record_status(404, 22.0, **kw)  # a client error ends a streak
+    ep.record_status(429, 22.0, **kw)  # the engine shedding, or Envoy timing a slow answer out,
+    ep.record_status(504, 22.0, **kw)  # neither ends nor extends a streak
+    assert ep.consecutive_5xx == 1
+    ep.record_status(404, 22.0, **kw)  # a client error ends it
     assert ep.consecutive_5xx == 0
 
 

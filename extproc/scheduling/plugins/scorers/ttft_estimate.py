@@ -13,8 +13,8 @@ soonest.
   optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic on an
   idle fleet stayed on the first endpoint that looked fast and never learned the others (all
   twenty requests of a new user's curl loop went to one A100 while both H100s sat idle). A
-  value learned more than `relearn_after_s` ago on an endpoint with nothing in flight counts
-  as unobserved again: one slow first token (a cold start) must not keep an endpoint idle
+  value learned more than `relearn_after_s` ago on an endpoint with nothing in prefill (long
+  decodes may still run there) counts as unobserved again: one slow first token (a cold start) must not keep an endpoint idle
   forever, since only traffic can correct it.
 
 Score = min_j(predicted_j) / predicted_i: the fastest endpoint scores 1.0 and one predicted
@@ -60,7 +60,7 @@ def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> float |
     value = ep.prefill_s_per_token
     if value is None or value <= 0:
         return None
-    if now is not None and ep.inflight == 0 and ep.prefill_sampled_at is not None and now - ep.prefill_sampled_at > relearn_after_s:
+    if now is not None and ep.prefill_inflight == 0 and ep.prefill_sampled_at is not None and now - ep.prefill_sampled_at > relearn_after_s:
         return None
     return value
 
