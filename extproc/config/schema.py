@@ -8,6 +8,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
     scheduling: {mode: endpoint, profile: load-aware, profiles: {...}, metrics: {...}, health_check: {...}}
     admission: {kv: {...}, priority: {...}}
+    ratelimit: {enabled, backend, tenant_header, default, tenants: {...}, redis: {...}}
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from extproc.ratelimit.config import RateLimitConfig
 from extproc.telemetry.observer import ObserverOptions
 from extproc.telemetry.stats import StreamStatsParams
 
@@ -491,6 +493,7 @@ class Config(_Strict):
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    ratelimit: RateLimitConfig = Field(default_factory=RateLimitConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -511,4 +514,8 @@ class Config(_Strict):
                     raise ValueError(
                         f"endpoints[{i}].models: {m!r} is not a configured model name; configured: {sorted(canonical)}"
                     )
+        for name, tenant in self.ratelimit.tenants.items():
+            for m in tenant.models:
+                if m not in canonical:
+                    raise ValueError(f"ratelimit.tenants.{name}.models: {m!r} is not a configured model name; configured: {sorted(canonical)}")
         return self

@@ -1,5 +1,5 @@
 """The admin HTTP server (default port 9090): `/metrics`, `/healthz`, `/api/v1/endpoints`,
-`/api/v1/weights`.
+`/api/v1/weights`, `/api/v1/tenants` (each rate-limited tenant's window).
 
 `/api/v1/weights` is what an external balancer (or Grafana) pulls: per endpoint, the active
 profile's weighted score for a reference request (a 512-token prompt with the model's default
@@ -26,6 +26,7 @@ from extproc.types import LLMRequest, RequestKind, TokenCount
 
 if TYPE_CHECKING:
     from extproc.pipeline.request import RequestPipeline
+    from extproc.ratelimit.limiter import RateLimiter
 
 __all__ = ["AdminServer", "REFERENCE_PROMPT_TOKENS"]
 
@@ -68,8 +69,10 @@ class AdminServer:
         host: str,
         port: int,
         pipeline: RequestPipeline | None = None,
+        ratelimit: RateLimiter | None = None,
     ) -> None:
         self._pipeline = pipeline
+        self._ratelimit = ratelimit
         self._metrics = metrics
         self._store = store
         self._is_serving = is_serving
@@ -84,6 +87,7 @@ class AdminServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/api/v1/endpoints", self._endpoints)
         app.router.add_get("/api/v1/weights", self._weights)
+        app.router.add_get("/api/v1/tenants", self._tenants)
         return app
 
     async def start(self) -> None:
@@ -160,6 +164,12 @@ class AdminServer:
                 ]
             }
         )
+
+    async def _tenants(self, request: web.Request) -> web.Response:
+        """Each limited tenant's sliding window (labels only, never keys); empty when rate
+        limiting is off."""
+        rows = await self._ratelimit.windows() if self._ratelimit is not None else []
+        return web.json_response({"enabled": self._ratelimit is not None, "tenants": rows})
 
     def weights(self) -> list[dict]:
         """Per endpoint: the active profile's score for the reference request and its parts."""

@@ -24,6 +24,8 @@ from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
+from extproc.ratelimit.limiter import RateLimiter, build_backend
+from extproc.ratelimit.metrics import RateLimitMetrics
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.metrics import TelemetryMetrics
@@ -90,6 +92,10 @@ class ExtProcApp:
             else None
         )
         self.pipeline: RequestPipeline | None = None
+        self.ratelimit: RateLimiter | None = None
+        if config.ratelimit.enabled:
+            models = {m.name: (m.default_output_tokens, m.max_model_len) for m in config.models}
+            self.ratelimit = RateLimiter(config.ratelimit, build_backend(config.ratelimit), RateLimitMetrics(self.metrics.registry), models)
         self._admin: AdminServer | None = None
         self._serving = False
         self.servicer: ExtProcServicer | None = None
@@ -130,6 +136,7 @@ class ExtProcApp:
             observer_options=cfg.telemetry.observer,
             sample_rate=cfg.telemetry.sample_rate,
             outlier_detection=cfg.scheduling.outlier_detection,
+            ratelimit=self.ratelimit,
         )
         self.pipeline = pipeline
         await self._checker.start()
@@ -164,7 +171,7 @@ class ExtProcApp:
             from extproc.config.schema import parse_host_port
 
             host, aport = parse_host_port(cfg.listen.admin)
-            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline)
+            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline, ratelimit=self.ratelimit)
             try:
                 await self._admin.start()
             except OSError as exc:
@@ -188,6 +195,8 @@ class ExtProcApp:
         if self._admin is not None:
             await self._admin.aclose()
             self._admin = None
+        if self.ratelimit is not None:
+            await self.ratelimit.aclose()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

@@ -20,7 +20,8 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
 5. anything else — continue unchanged.
 
 The stream's end, however it comes (clean close after the response, CANCELLED, a client abort,
-a server error), releases the request's reservation: that is the `finally` below. Success is
+a server error), releases the request's reservation and settles its rate-limit charge with what
+the response really cost: that is the `finally` below. Success is
 never judged from the gRPC status (DESIGN section 3).
 """
 
@@ -43,6 +44,8 @@ from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
 from extproc.protocol.openai import generation_path, route_kind, with_model
+from extproc.ratelimit.limiter import Admission, RateLimiter
+from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
@@ -66,6 +69,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
+        ratelimit: tenants' rate limits, or None. A token-limited tenant's responses are always
+            observed (for their usage) but only the sampled ones feed telemetry.
     """
 
     def __init__(
@@ -79,7 +84,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
         outlier_detection: OutlierDetectionConfig | None = None,
+        ratelimit: RateLimiter | None = None,
     ) -> None:
+        self._ratelimit = ratelimit
         self._pipeline = pipeline
         self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
         self._telemetry = telemetry
@@ -89,7 +96,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self._priority_header = priority_header
         self._explain = explain_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header))
+        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, *(ratelimit.headers if ratelimit else ())))
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -112,7 +119,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
         start_ns = 0
-        observe = False
+        observe = sampled = False
+        tenant: Tenant | None = None
+        admission: Admission | None = None
         self.active_streams += 1
         self._metrics.streams_active.inc()
         try:
@@ -129,7 +138,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
-                        observe = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
+                        sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
+                        if self._ratelimit is not None:
+                            tenant = self._ratelimit.tenant(hdrs)
+                        # A token-limited tenant's usage settles its reservation: read every response.
+                        observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))
                         mode = responses.GENERATION_MODE_STREAMED if observe else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
                     elif kind is not None:
@@ -151,21 +164,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if kind is None or routed is not None or reservation is not None:
                         yield responses.continue_for(phase)
                         continue
-                    response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs)
-                    if routed is not None and routed.endpoint is not None and observe:
+                    response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, tenant)
+                    if routed is not None and observe and (routed.endpoint is not None or admission is not None):
                         observer = StreamObserver(
-                            endpoint=routed.endpoint.address,
+                            endpoint=routed.endpoint.address if routed.endpoint is not None else str(routed.tier),
                             model=routed.request.served_model,
                             request_start_ns=start_ns,
-                            stats=routed.endpoint.stream_stats,
-                            metrics=self._telemetry,
+                            stats=routed.endpoint.stream_stats if sampled and routed.endpoint is not None else None,
+                            metrics=self._telemetry if sampled else None,
                             options=self._observer_options,
                             route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
                             prompt_tokens=routed.request.prompt_tokens,
                         )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer)
+                    yield self._on_response_headers(
+                        msg.response_headers, routed, reservation, observer, admission.headers if admission is not None else None
+                    )
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
@@ -185,10 +200,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     observer.on_end("complete")  # judged from what it saw, never the gRPC status
                 except Exception:
                     log.exception("stream observer failed at end of stream")
+            if admission is not None:
+                self._settle(admission, observer, routed)
             if reservation is not None:
                 reservation.release()
             self.active_streams -= 1
             self._metrics.streams_active.dec()
+
+    def _settle(self, admission: Admission, observer: StreamObserver | None, routed: Routed | None) -> None:
+        """Settle a rate-limit charge with what the response really cost (never raises)."""
+        limiter = self._ratelimit
+        try:
+            stats = routed.endpoint.stream_stats if routed is not None and routed.endpoint is not None else None
+            tpe = stats.tokens_per_event if stats is not None else 1.0
+            result = observer.result if observer is not None else None
+            limiter.settle(admission, limiter.used_tokens(admission, result, tpe))  # type: ignore[union-attr]
+        except Exception:
+            log.exception("rate-limit settlement failed")
 
     def _reject(self, err: ExtProcError, hdrs: dict[str, str]) -> pb.ProcessingResponse:
         self._metrics.child(self._metrics.requests, "rejected", err.code or "error").inc()
@@ -208,9 +236,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return headers
 
     async def _decide(
-        self, body: bytes, kind: RequestKind, hdrs: dict[str, str]
-    ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None]:
-        """Run the pipeline on a body; reserve the decision (no await in between).
+        self, body: bytes, kind: RequestKind, hdrs: dict[str, str], tenant: Tenant | None = None
+    ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None, Admission | None]:
+        """Run the pipeline on a body, charge the tenant's rate limit, reserve the decision.
+
+        Only the rate-limit charge may await between the decision and the KV reservation: the
+        memory backend never suspends, and a remote one gives a charge back when the stream is
+        cancelled during the call (`RateLimiter._acquire`).
 
         No timer guards the whole decision: its only wait is token counting off the event loop,
         which the pipeline bounds (half of `limits.decision_timeout_ms`, then a character
@@ -218,6 +250,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         start = time.perf_counter()
         try:
             routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header))
+            admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
         except ExtProcError as exc:
             err: ExtProcError = exc
         except Exception:
@@ -239,9 +272,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             req = routed.request
             # An alias: the engines serve the model under its configured name.
             rewritten = with_model(body, req.served_model) if req.model != req.served_model else None
-            return responses.route_in_body(headers, rewritten), routed, reservation
+            return responses.route_in_body(headers, rewritten), routed, reservation, admission
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
-        return self._reject(err, hdrs), None, None
+        return self._reject(err, hdrs), None, None, None
 
     def _on_response_headers(
         self,
@@ -249,6 +282,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         routed: Routed | None,
         reservation: Reservation | None,
         observer: StreamObserver | None,
+        ratelimit_headers: dict[str, str] | None = None,
     ) -> pb.ProcessingResponse:
         found: dict[str, str] = {}
         for h in msg.headers.headers:
@@ -258,7 +292,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             status = int(found.get(":status", "0"))
         except ValueError:
             status = 0
-        extra: dict[str, str] = {}
+        extra: dict[str, str] = dict(ratelimit_headers) if ratelimit_headers else {}
         remove: tuple[str, ...] = ()
         if observer is not None:
             try:

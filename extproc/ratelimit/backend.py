@@ -1,0 +1,54 @@
+"""The interface every window backend implements (memory, Redis): one call per decision."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from extproc.ratelimit.window import Decision, ScopeLimit
+
+__all__ = ["BackendUnavailable", "WindowBackend"]
+
+
+class BackendUnavailable(Exception):
+    """The backend could not answer (Redis unreachable, timed out, or errored)."""
+
+
+class WindowBackend(Protocol):
+    """A store of sliding windows, keyed by scope.
+
+    `now_ms` is for tests (explicit time); None means the backend's own clock (the memory
+    backend's monotonic clock, Redis's `TIME`, so every replica sharing Redis shares one clock).
+    """
+
+    name: str
+    local: bool
+    """True when calls never suspend (an in-process backend): the caller need not guard them."""
+
+    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
+        """Admit and charge `cost` tokens and one request in every scope, or refuse (`window.decide`).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        ...
+
+    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
+        """Correct an admitted charge (`window.settle`).
+
+        Raises:
+            BackendUnavailable: no answer (the charge stays as it was).
+        """
+        ...
+
+    async def peek(self, scopes: Sequence[ScopeLimit], now_ms: int | None = None) -> Decision:
+        """The scopes' windows now, charging nothing.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...

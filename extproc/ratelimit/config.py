@@ -1,0 +1,158 @@
+"""Configuration of tenants and their token rate limits (`ratelimit:` in the config file).
+
+Shape::
+
+    ratelimit:
+      enabled: true
+      backend: memory            # or redis (limits shared by every replica)
+      tenant_header: null        # e.g. x-llm-tenant, set by a trusted layer (auth filter)
+      default: {tokens_per_minute: 100000, requests_per_minute: 600}
+      tenants:
+        acme:
+          api_key_sha256: ["<sha256 hex of the key>"]
+          tokens_per_minute: 1000000
+          models: {"Qwen/Qwen3-8B": {tokens_per_minute: 200000}}
+      redis: {url: "redis://127.0.0.1:6379/0", on_error: open}
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["LimitValues", "TenantConfig", "RedisConfig", "RateLimitConfig", "WINDOW_S"]
+
+WINDOW_S = 60
+"""The window is one minute: limits are tokens and requests per minute (OpenAI's TPM / RPM)."""
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LimitValues(_Strict):
+    """Limits of one scope (a tenant, or a tenant on one model); None means unlimited.
+
+    Attributes:
+        tokens_per_minute: tokens charged in any 60 s window (see `RateLimitConfig.cost`).
+        requests_per_minute: requests admitted in any 60 s window.
+    """
+
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+
+    @property
+    def limited(self) -> bool:
+        return self.tokens_per_minute is not None or self.requests_per_minute is not None
+
+
+class TenantConfig(LimitValues):
+    """A named tenant.
+
+    Attributes:
+        api_key_sha256: SHA-256 digests (lower-case hex) of the API keys / bearer tokens that
+            belong to this tenant (`printf %s "$KEY" | sha256sum`); keys never appear in clear.
+        models: per-model limits (canonical model names) on top of the tenant's own.
+    """
+
+    api_key_sha256: list[str] = Field(default_factory=list)
+    models: dict[str, LimitValues] = Field(default_factory=dict)
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex(cls, v: list[str]) -> list[str]:
+        for i, h in enumerate(v):
+            if not _SHA256.match(h):
+                raise ValueError(f"api_key_sha256[{i}] must be 64 lower-case hex digits (a SHA-256 digest), not a key")
+        return v
+
+
+class RedisConfig(_Strict):
+    """The shared Redis backend.
+
+    Attributes:
+        url: `redis://host:port/db` (or `rediss://` for TLS; credentials in the URL are never logged).
+        key_prefix: prefix of every key (one hash per tenant scope, expiring by itself).
+        timeout_ms: connect and command timeout (milliseconds); one decision is one round trip.
+        on_error: `open` admits without counting while Redis is unreachable; `closed` refuses
+            with 503. Either way a metric counts the failures and a log line says so (at most
+            one per `log_interval_s`); the next request tries Redis again (no restart).
+        log_interval_s: least seconds between two "Redis unreachable" log lines.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "llm-extproc:rl:"
+    timeout_ms: int = Field(default=50, ge=1)
+    on_error: Literal["open", "closed"] = "open"
+    log_interval_s: float = Field(default=10.0, gt=0)
+
+
+class RateLimitConfig(_Strict):
+    """Tenants and their token / request rate limits over a sliding one-minute window.
+
+    Attributes:
+        enabled: rate limiting at all (off: tenants are not even identified).
+        backend: `memory` (per process) or `redis` (one limit across every replica).
+        buckets: the window's resolution: 60 s in this many buckets (60 → 1 s; must divide
+            60,000 ms evenly). A charge leaves the window 59–60 s after it was made.
+        tenant_header: request header naming the tenant, set by a trusted layer in front of
+            Envoy's ext_proc filter; None trusts no header. Envoy must remove a client's copy
+            (envoy/*.yaml strip `x-llm-tenant`; strip yours likewise if you pick another name).
+        api_key_headers: headers carrying an API key when no tenant header is set (first present
+            wins; `authorization: Bearer <key>` reads the key). The tenant is then the configured
+            one listing the key's SHA-256, else one per key, known only by its hash.
+        anonymous_tenant: the tenant of requests with neither.
+        cost: `tokens` — prompt tokens + output budget (`max_tokens` × n, or the model's
+            `default_output_tokens`) at admission, settled to prompt + output actually generated
+            at the end; `size` — the design notes' `size_cost_base + max(1, body_bytes // 1024)`,
+            known at admission (no settlement).
+        size_cost_base: the `base` of the size cost (tokens).
+        settle_from_response: stream the responses of token-limited tenants through the server
+            to read their real usage (costs ~0.3 ms of CPU per body chunk, docs/benchmarks.md);
+            off, a request is charged its reservation in full.
+        default: limits of tenants with no entry under `tenants`.
+        tenants: named tenants (the anonymous tenant may be one of them).
+        max_tenant_labels: metric label values for tenants without a name (short hashes);
+            later ones share the label `other`.
+        redis: the Redis backend's settings.
+    """
+
+    enabled: bool = False
+    backend: Literal["memory", "redis"] = "memory"
+    buckets: int = Field(default=60, ge=1, le=60_000)
+    tenant_header: str | None = None
+    api_key_headers: list[str] = Field(default_factory=lambda: ["authorization", "x-api-key", "api-key"])
+    anonymous_tenant: str = Field(default="anonymous", min_length=1)
+    cost: Literal["tokens", "size"] = "tokens"
+    size_cost_base: int = Field(default=1, ge=0)
+    settle_from_response: bool = True
+    default: LimitValues = Field(default_factory=LimitValues)
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    max_tenant_labels: int = Field(default=100, ge=0)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lower_opt(cls, v: str | None) -> str | None:
+        return v.lower() if v else None
+
+    @field_validator("api_key_headers")
+    @classmethod
+    def _lower(cls, v: list[str]) -> list[str]:
+        return [h.lower() for h in v]
+
+    @model_validator(mode="after")
+    def _checks(self) -> RateLimitConfig:
+        if (WINDOW_S * 1000) % self.buckets:
+            raise ValueError(f"buckets ({self.buckets}) must divide 60000 ms evenly (60 → 1 s buckets)")
+        seen: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            for h in t.api_key_sha256:
+                if h in seen:
+                    raise ValueError(f"tenants.{name}.api_key_sha256: key digest already listed by tenant {seen[h]!r}")
+                seen[h] = name
+        return self

@@ -1,0 +1,356 @@
+"""The rate limiter the ext_proc server calls: tenant → scopes → reserve at admission → settle.
+
+    admit(tenant, request)   cost = prompt + output budget (or the size cost); one backend call
+                             charges every scope (tenant, tenant × model) or refuses:
+                             429 + retry-after + x-ratelimit-*, or 400 when the cost exceeds a
+                             whole limit (no wait would ever admit it)
+    settle(admission, used)  at the stream's end, however it ended: the charge becomes the
+                             tokens really used (`used_tokens`); None keeps the reservation
+
+A tenant with no limit anywhere is not counted at all (no backend call). Backend failures follow
+`redis.on_error`: `open` admits uncounted, `closed` answers 503; both count
+`llm_extproc_ratelimit_backend_errors_total` and log at most one line per `log_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.errors import NoEndpointError
+from extproc.ratelimit.backend import BackendUnavailable, WindowBackend
+from extproc.ratelimit.config import RateLimitConfig
+from extproc.ratelimit.metrics import RateLimitMetrics
+from extproc.ratelimit.replies import TenantRateLimitedError, TooLargeForLimitError, duration, ratelimit_headers
+from extproc.ratelimit.tenant import Tenant, TenantResolver
+from extproc.ratelimit.window import UNLIMITED, Decision, ScopeLimit
+from extproc.types import LLMRequest
+
+__all__ = ["Admission", "RateLimiter", "build_backend"]
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(config: RateLimitConfig) -> WindowBackend:
+    """The configured backend (one new backend = one module + one line here)."""
+    if config.backend == "redis":
+        from extproc.ratelimit.redis_backend import RedisBackend
+
+        return RedisBackend(config.redis, config.buckets)
+    from extproc.ratelimit.memory import MemoryBackend
+
+    return MemoryBackend(config.buckets)
+
+
+@dataclass(slots=True)
+class Admission:
+    """An admitted request's charge, held until the stream ends.
+
+    Attributes:
+        tenant: whose window was charged.
+        keys: the scope keys charged.
+        bucket: the bucket charged, or None when nothing was (backend down, failing open).
+        charged: tokens reserved (tokens).
+        prompt_tokens: our prompt count, for settlement without `usage` (tokens).
+        headers: the `x-ratelimit-*` headers for the response.
+        settle_by_usage: the charge is settled from the response (token cost with a token limit).
+        settled: `settle` ran (it runs once).
+    """
+
+    tenant: Tenant
+    keys: tuple[str, ...]
+    bucket: int | None
+    charged: int
+    prompt_tokens: int
+    headers: dict[str, str] = field(default_factory=dict)
+    settle_by_usage: bool = False
+    settled: bool = False
+
+
+class RateLimiter:
+    """Tenants and their sliding-window limits over one backend.
+
+    Args:
+        config: the `ratelimit` section.
+        backend: where windows live (`build_backend`).
+        metrics: per-tenant metrics.
+        models: canonical model name → (default_output_tokens, max_model_len) for the output
+            budget of a request without `max_tokens` (tokens).
+        clock: monotonic seconds, for log rate-limiting.
+    """
+
+    def __init__(
+        self,
+        config: RateLimitConfig,
+        backend: WindowBackend,
+        metrics: RateLimitMetrics,
+        models: Mapping[str, tuple[int, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.resolver = TenantResolver(config)
+        self._metrics = metrics
+        self._models = dict(models)
+        self._clock = clock
+        self._pending: set[asyncio.Task] = set()
+        self._seen: dict[str, Tenant] = {}
+        self._last_warn = -1e18
+        self._suppressed = 0
+
+    # -- identity and limits ---------------------------------------------------------------
+
+    @property
+    def headers(self) -> frozenset[str]:
+        """Request headers the server must hand to `tenant`."""
+        return self.resolver.headers
+
+    def tenant(self, headers: Mapping[str, str]) -> Tenant:
+        """The request's tenant (`TenantResolver.resolve`)."""
+        return self.resolver.resolve(headers)
+
+    @staticmethod
+    def limited(tenant: Tenant) -> bool:
+        """Some limit applies to this tenant (else nothing is counted)."""
+        return tenant.limits.limited or any(v.limited for v in tenant.models.values())
+
+    def wants_usage(self, tenant: Tenant) -> bool:
+        """Its requests' real usage is needed (token cost, a token limit, settlement on): the
+        server streams their responses through itself."""
+        if self.config.cost != "tokens" or not self.config.settle_from_response:
+            return False
+        return tenant.limits.tokens_per_minute is not None or any(v.tokens_per_minute is not None for v in tenant.models.values())
+
+    @staticmethod
+    def scopes(tenant: Tenant, model: str) -> list[ScopeLimit]:
+        """The tenant's scope, and the tenant × model scope when that model has limits. Keys share
+        the `{tenant}` hash tag (one Redis Cluster slot)."""
+
+        def lim(v: int | None) -> int:
+            return UNLIMITED if v is None else v
+
+        out = [ScopeLimit("{%s}" % tenant.id, lim(tenant.limits.tokens_per_minute), lim(tenant.limits.requests_per_minute))]
+        per_model = tenant.models.get(model)
+        if per_model is not None and per_model.limited:
+            out.append(ScopeLimit("{%s}:%s" % (tenant.id, model), lim(per_model.tokens_per_minute), lim(per_model.requests_per_minute)))
+        return out
+
+    def output_budget(self, request: LLMRequest) -> int:
+        """Output tokens reserved: `max_tokens` × n, else the model's `default_output_tokens`
+        (within what its context leaves after the prompt) × n."""
+        if request.max_tokens is not None:
+            per = request.max_tokens
+        else:
+            default, max_len = self._models.get(request.served_model, (512, 1 << 30))
+            per = min(default, max(1, max_len - request.prompt_tokens))
+        return per * max(1, request.n)
+
+    def cost(self, request: LLMRequest) -> int:
+        """Tokens charged at admission (`RateLimitConfig.cost`)."""
+        if self.config.cost == "size":
+            return self.config.size_cost_base + max(1, request.body_bytes // 1024)
+        return request.prompt_tokens + self.output_budget(request)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    async def admit(self, tenant: Tenant, request: LLMRequest) -> Admission | None:
+        """Charge the request or refuse it. None: the tenant has no limit (nothing counted).
+
+        Raises:
+            TooLargeForLimitError: the cost exceeds a whole token limit (400).
+            TenantRateLimitedError: over a limit now (429, retry-after, x-ratelimit-*).
+            NoEndpointError: the backend is unreachable and `redis.on_error` is `closed` (503).
+        """
+        if not self.limited(tenant):
+            return None
+        self._remember(tenant)
+        scopes = self.scopes(tenant, request.served_model)
+        cost = self.cost(request)
+        m = self._metrics
+        for s in scopes:
+            if 0 <= s.tokens < cost:
+                m.requests.labels(tenant.label, "too_large").inc()
+                raise TooLargeForLimitError(self._too_large(tenant, request, s, cost), param="max_tokens")
+        keys = tuple(s.key for s in scopes)
+        start = time.perf_counter()
+        try:
+            decision = await self._acquire(scopes, cost)
+        except BackendUnavailable as exc:
+            m.backend_errors.labels(self.backend.name, "acquire").inc()
+            self._warn(f"rate-limit backend {self.backend.name} unavailable ({exc}); failing {self.config.redis.on_error}")
+            if self.config.redis.on_error == "closed":
+                m.requests.labels(tenant.label, "backend_error_closed").inc()
+                raise NoEndpointError("the rate limiter is unavailable; retry later", code="rate_limiter_unavailable") from None
+            m.requests.labels(tenant.label, "backend_error_open").inc()
+            return Admission(tenant, keys, None, cost, request.prompt_tokens)
+        m.decision_seconds.labels(self.backend.name).observe(time.perf_counter() - start)
+        m.window_tokens.labels(tenant.label).set(decision.uses[0].tokens)
+        m.window_requests.labels(tenant.label).set(decision.uses[0].requests)
+        headers = ratelimit_headers(scopes, decision.uses)
+        if not decision.admitted:
+            m.requests.labels(tenant.label, f"refused_{decision.refused_limit}").inc()
+            m.tokens_refused.labels(tenant.label).inc(cost)
+            raise self._refusal(tenant, request, scopes, decision, cost, headers)
+        m.requests.labels(tenant.label, "admitted").inc()
+        m.tokens_charged.labels(tenant.label).inc(cost)
+        return Admission(tenant, keys, decision.bucket, cost, request.prompt_tokens, headers, self.wants_usage(tenant))
+
+    async def _acquire(self, scopes: list[ScopeLimit], cost: int) -> Decision:
+        if self.backend.local:  # never suspends: a cancelled stream cannot lose a charge here
+            return await self.backend.acquire(scopes, cost)
+        # A remote call may have charged by the time a cancellation arrives: let it finish and
+        # give the tokens back, so a client gone during the decision costs nothing.
+        task = asyncio.ensure_future(self.backend.acquire(scopes, cost))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            keys = [s.key for s in scopes]
+
+            def undo(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is None and t.result().admitted:
+                    self._spawn(self._settle_remote(keys, t.result().bucket, -cost))
+
+            task.add_done_callback(undo)
+            raise
+
+    @staticmethod
+    def _scope_name(tenant: Tenant, scope: ScopeLimit) -> str:
+        model = scope.key.partition("}:")[2]
+        return f"tenant {tenant.label}" + (f" on model {model}" if model else "")
+
+    def _too_large(self, tenant: Tenant, request: LLMRequest, scope: ScopeLimit, cost: int) -> str:
+        if self.config.cost == "size":
+            what = f"{cost} tokens (size cost of a {request.body_bytes}-byte body)"
+        else:
+            what = f"{cost} tokens ({request.prompt_tokens} prompt + {self.output_budget(request)} output budget)"
+        return (
+            f"This request needs {what}, more than the whole limit of {scope.tokens} tokens per minute "
+            f"for {self._scope_name(tenant, scope)}: it can never be admitted. Lower max_tokens or shorten the prompt."
+        )
+
+    def _refusal(
+        self, tenant: Tenant, request: LLMRequest, scopes: list[ScopeLimit], d: Decision, cost: int, headers: dict[str, str]
+    ) -> TenantRateLimitedError:
+        k = d.refused_scope or 0
+        scope, use = scopes[k], d.uses[k]
+        if d.refused_limit == "requests":
+            what = f"requests per min (RPM): Limit {scope.requests}, Used {use.requests}, Requested 1"
+        else:
+            what = f"tokens per min (TPM): Limit {scope.tokens}, Used {use.tokens}, Requested {cost}"
+        msg = f"Rate limit reached for {self._scope_name(tenant, scope)} on {what}. Please try again in {duration(d.retry_after_ms)}."
+        return TenantRateLimitedError(msg, limit=d.refused_limit or "tokens", retry_after_s=d.retry_after_ms / 1000, headers=headers)
+
+    # -- settlement ----------------------------------------------------------------------------
+
+    @staticmethod
+    def used_tokens(admission: Admission, result: Any, tokens_per_event: float = 1.0) -> int | None:
+        """Tokens a finished request really cost, from its `StreamResult` (or None: keep the charge).
+
+        usage (prompt + completion) when the response carried it; an answer ≥ 400 without
+        content costs nothing; an SSE stream without usage (the client did not ask for it, or
+        went away) costs our prompt count + its content events × the endpoint's learned tokens
+        per event (decision 0110); a stream that never got response headers costs the prompt
+        (the engine may have prefilled it); a non-streamed answer without usage keeps the charge.
+        """
+        if result is None or not admission.settle_by_usage:
+            return None
+        usage = result.usage
+        prompt = usage.prompt_tokens if usage is not None and usage.prompt_tokens is not None else admission.prompt_tokens
+        if usage is not None and usage.completion_tokens is not None:
+            return prompt + usage.completion_tokens
+        if result.status is not None and result.status >= 400 and not result.content_events:
+            return 0
+        if result.streaming:
+            return prompt + round(result.content_events * tokens_per_event)
+        if result.status is None:
+            return prompt
+        return None
+
+    def settle(self, admission: Admission | None, used: int | None) -> None:
+        """The request ended: correct its charge to `used` tokens (None: keep it). Runs once per
+        admission; never raises, never suspends (a remote correction runs as its own task)."""
+        if admission is None or admission.settled:
+            return
+        admission.settled = True
+        if admission.bucket is None:
+            return
+        final = admission.charged if used is None else max(0, used)
+        self._metrics.tokens_settled.labels(admission.tenant.label).inc(final)
+        delta = final - admission.charged
+        if delta == 0:
+            return
+        backend = self.backend
+        if backend.local:
+            backend.settle_now(admission.keys, admission.bucket, delta)  # type: ignore[attr-defined]
+        else:
+            self._spawn(self._settle_remote(list(admission.keys), admission.bucket, delta))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _settle_remote(self, keys: list[str], bucket: int, delta: int) -> None:
+        try:
+            await self.backend.settle(keys, bucket, delta)
+        except BackendUnavailable as exc:
+            self._metrics.backend_errors.labels(self.backend.name, "settle").inc()
+            self._warn(f"rate-limit backend {self.backend.name} unavailable at settlement ({exc}); the reservation stands")
+
+    def _warn(self, message: str) -> None:
+        now = self._clock()
+        if now - self._last_warn < self.config.redis.log_interval_s:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more since the last such line)" if self._suppressed else ""
+        log.warning("%s%s", message, more)
+        self._last_warn, self._suppressed = now, 0
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    def _remember(self, tenant: Tenant) -> None:
+        if tenant.label != "other" and tenant.id not in self._seen and len(self._seen) < self.config.max_tenant_labels + len(self.config.tenants) + 1:
+            self._seen[tenant.id] = tenant
+
+    async def windows(self) -> list[dict[str, Any]]:
+        """Each limited tenant's window (configured ones, and unnamed ones seen by this process):
+        limits, use, remaining and resets per scope. Labels only, never keys."""
+        tenants = {t.id: t for t in self.resolver.named} | self._seen
+        out = []
+        for t in tenants.values():
+            if not self.limited(t):
+                continue
+            rows = []
+            for model in [""] + sorted(t.models):
+                scopes = self.scopes(t, model)
+                scope = scopes[-1] if model else scopes[0]
+                if model and len(scopes) == 1:
+                    continue
+                try:
+                    use = (await self.backend.peek([scope])).uses[0]
+                except BackendUnavailable:
+                    rows.append({"model": model or None, "error": f"{self.backend.name} backend unavailable"})
+                    continue
+                rows.append(
+                    {
+                        "model": model or None,
+                        "tokens_per_minute": None if scope.tokens < 0 else scope.tokens,
+                        "requests_per_minute": None if scope.requests < 0 else scope.requests,
+                        "tokens": use.tokens,
+                        "requests": use.requests,
+                        "reset_tokens": duration(use.reset_tokens_ms),
+                        "reset_requests": duration(use.reset_requests_ms),
+                    }
+                )
+            out.append({"tenant": t.label, "named": t.named, "windows": rows})
+        return out
+
+    async def aclose(self) -> None:
+        """Wait for pending settlements (bounded by the backend's timeout), then close the backend."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self.backend.aclose()

@@ -1,0 +1,87 @@
+"""In-process window backend (the default): one limit per llm-extproc process.
+
+Decisions run on the event loop without suspending, so concurrent requests are decided one at
+a time: a limit is never overshot by concurrency. With several replicas each enforces its own
+limit (the effective limit is limit × replicas): use the Redis backend there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from extproc.ratelimit.config import WINDOW_S
+from extproc.ratelimit.window import Decision, ScopeLimit, WindowState, decide, settle
+
+__all__ = ["MemoryBackend"]
+
+SWEEP_EVERY = 4096
+"""Decisions between two sweeps of scopes whose windows have emptied (bounds memory when many
+one-off tenants come and go)."""
+
+
+def _monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+class MemoryBackend:
+    """Windows in a dict, keyed by scope.
+
+    Args:
+        buckets: buckets per 60 s window.
+        clock_ms: the clock when a call passes no `now_ms` (milliseconds).
+    """
+
+    name = "memory"
+    local = True
+
+    def __init__(self, buckets: int = 60, clock_ms: Callable[[], int] = _monotonic_ms) -> None:
+        self._n = buckets
+        self._bucket_ms = WINDOW_S * 1000 // buckets
+        self._clock = clock_ms
+        self._states: dict[str, WindowState] = {}
+        self._until_sweep = SWEEP_EVERY
+
+    def _get(self, keys: Sequence[str]) -> list[WindowState]:
+        states = self._states
+        out = []
+        for k in keys:
+            st = states.get(k)
+            if st is None:
+                st = states[k] = WindowState()
+            out.append(st)
+        return out
+
+    def _sweep(self, now_ms: int) -> None:
+        oldest = now_ms // self._bucket_ms - self._n + 1
+        for key in [k for k, st in self._states.items() if (st.newest() is None or st.newest() < oldest)]:
+            del self._states[key]
+
+    def acquire_now(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, *, charge: bool = True) -> Decision:
+        """`acquire`, synchronously."""
+        now = self._clock() if now_ms is None else now_ms
+        self._until_sweep -= 1
+        if self._until_sweep <= 0:
+            self._until_sweep = SWEEP_EVERY
+            self._sweep(now)
+        return decide(self._get([s.key for s in scopes]), scopes, cost, now, self._n, self._bucket_ms, charge=charge)
+
+    def settle_now(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
+        """`settle`, synchronously."""
+        now = self._clock() if now_ms is None else now_ms
+        settle(self._get(keys), bucket, delta, now, self._n, self._bucket_ms)
+
+    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
+        return self.acquire_now(scopes, cost, now_ms)
+
+    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
+        self.settle_now(keys, bucket, delta, now_ms)
+
+    async def peek(self, scopes: Sequence[ScopeLimit], now_ms: int | None = None) -> Decision:
+        return self.acquire_now(scopes, 0, now_ms, charge=False)
+
+    async def aclose(self) -> None:
+        self._states.clear()
+
+    def __len__(self) -> int:
+        return len(self._states)

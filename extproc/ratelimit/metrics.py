@@ -1,0 +1,64 @@
+"""The rate limiter's Prometheus metrics (label `tenant` is a configured name or a short hash,
+never a key: `tenant.TenantResolver`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RateLimitMetrics"]
+
+
+class RateLimitMetrics:
+    """Registered on the server's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "llm_extproc_ratelimit_requests_total",
+            "Rate-limit decisions per tenant: admitted, refused_tokens, refused_requests, too_large, "
+            "backend_error_open (admitted uncounted), backend_error_closed (refused).",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.tokens_charged = Counter(
+            "llm_extproc_ratelimit_tokens_charged_total",
+            "Tokens reserved at admission (prompt + output budget, or the size cost).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tokens_settled = Counter(
+            "llm_extproc_ratelimit_tokens_settled_total",
+            "Tokens finally counted for admitted requests once they ended (real usage).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tokens_refused = Counter(
+            "llm_extproc_ratelimit_tokens_refused_total",
+            "Tokens of requests refused by a rate limit.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.window_tokens = Gauge(
+            "llm_extproc_ratelimit_window_tokens",
+            "Tokens in the tenant's 60 s window at its latest decision.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.window_requests = Gauge(
+            "llm_extproc_ratelimit_window_requests",
+            "Requests in the tenant's 60 s window at its latest decision.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.backend_errors = Counter(
+            "llm_extproc_ratelimit_backend_errors_total",
+            "Backend calls that failed (Redis unreachable or timing out), by operation.",
+            ["backend", "operation"],
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            "llm_extproc_ratelimit_decision_seconds",
+            "Time for one rate-limit decision (one backend call), in seconds.",
+            ["backend"],
+            buckets=(0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=registry,
+        )

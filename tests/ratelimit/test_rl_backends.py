@@ -1,0 +1,90 @@
+"""One suite, both backends (`backend` fixture: memory, then Redis on a real redis-server):
+the same answers at bucket edges, across the slide, on settlement and under concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+
+from extproc.ratelimit.window import ScopeLimit
+
+BASE = 1_700_000_000_000  # an epoch in ms, as Redis's TIME gives; a multiple of 1000
+
+
+async def test_edges_and_slide(backend):
+    lim = [ScopeLimit("{a}", tokens=100, requests=1000)]
+    d = await backend.acquire(lim, 60, BASE + 999)
+    assert d.admitted and d.uses[0].tokens == 60 and d.uses[0].requests == 1
+    assert d.uses[0].reset_tokens_ms == 60_000 - 999
+    assert (await backend.acquire(lim, 40, BASE + 30_000)).admitted
+    d = await backend.acquire(lim, 1, BASE + 59_999)
+    assert not d.admitted and d.refused_limit == "tokens" and d.refused_scope == 0
+    assert d.retry_after_ms == 1 and d.uses[0].tokens == 100
+    d = await backend.acquire(lim, 60, BASE + 60_000)  # bucket of the first charge left
+    assert d.admitted and d.uses[0].tokens == 100
+    d = await backend.acquire(lim, 1, BASE + 60_000)
+    assert not d.admitted and d.retry_after_ms == 30_000
+
+
+async def test_requests_limit(backend):
+    lim = [ScopeLimit("{r}", requests=3)]
+    for i in range(3):
+        assert (await backend.acquire(lim, 0, BASE + i)).admitted
+    d = await backend.acquire(lim, 0, BASE + 500)
+    assert not d.admitted and d.refused_limit == "requests" and d.retry_after_ms == 59_500
+    assert d.uses[0].requests == 3 and d.uses[0].reset_requests_ms == 59_500
+
+
+async def test_scopes_are_charged_together_or_not_at_all(backend):
+    lim = [ScopeLimit("{t}", tokens=1000), ScopeLimit("{t}:m", tokens=50)]
+    assert (await backend.acquire(lim, 50, BASE)).admitted
+    d = await backend.acquire(lim, 10, BASE)
+    assert not d.admitted and d.refused_scope == 1
+    peek = await backend.peek(lim, BASE)
+    assert [u.tokens for u in peek.uses] == [50, 50]
+    # The other model's scope is independent; the tenant scope saw only admitted charges.
+    d = await backend.acquire([ScopeLimit("{t}", tokens=1000), ScopeLimit("{t}:other", tokens=50)], 10, BASE)
+    assert d.admitted and [u.tokens for u in d.uses] == [60, 10]
+
+
+async def test_settle_returns_unused_tokens(backend):
+    lim = [ScopeLimit("{s}", tokens=100)]
+    d = await backend.acquire(lim, 100, BASE + 100)
+    assert not (await backend.acquire(lim, 1, BASE + 200)).admitted
+    await backend.settle(["{s}"], d.bucket, -75, BASE + 2_000)
+    assert (await backend.peek(lim, BASE + 2_000)).uses[0].tokens == 25
+    assert (await backend.acquire(lim, 75, BASE + 2_000)).admitted
+    # Extra use after the charged bucket left the window is charged to the current bucket.
+    await backend.settle(["{s}"], d.bucket, 5, BASE + 60_500)
+    assert (await backend.peek(lim, BASE + 60_500)).uses[0].tokens == 75 + 5
+    # A refund never drives a bucket below zero.
+    d2 = await backend.acquire(lim, 10, BASE + 61_000)
+    await backend.settle(["{s}"], d2.bucket, -1_000, BASE + 61_000)
+    assert (await backend.peek(lim, BASE + 61_000)).uses[0].tokens == 80
+
+
+async def test_unlimited_scope_is_counted_but_never_refuses(backend):
+    lim = [ScopeLimit("{u}")]
+    for _ in range(5):
+        d = await backend.acquire(lim, 1_000_000, BASE)
+        assert d.admitted
+    assert d.uses[0].tokens == 5_000_000
+
+
+async def test_fifty_concurrent_requests_never_exceed_the_limit(backend):
+    limit, cost = 1_000, 37
+    lim = [ScopeLimit("{c}", tokens=limit)]
+    results = await asyncio.gather(*(backend.acquire(lim, cost, BASE + i) for i in range(50)))
+    admitted = sum(d.admitted for d in results)
+    assert admitted == limit // cost  # 27: every one that fits, none more
+    used = (await backend.peek(lim, BASE + 100)).uses[0].tokens
+    assert used == admitted * cost <= limit
+
+
+async def test_backend_clock_without_explicit_time(backend):
+    lim = [ScopeLimit("{clock}", tokens=10)]
+    first = await backend.acquire(lim, 10)
+    assert first.admitted and 59_000 <= first.uses[0].reset_tokens_ms <= 60_000
+    d = await backend.acquire(lim, 1)
+    assert not d.admitted and 0 < d.retry_after_ms <= 60_000
+    await backend.settle(["{clock}"], first.bucket, -10)
+    assert (await backend.acquire(lim, 10)).admitted

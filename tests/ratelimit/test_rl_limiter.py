@@ -1,0 +1,204 @@
+"""The limiter: cost, refusals (429 / 400), settlement from usage, and Redis failures."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from extproc.errors import NoEndpointError
+from extproc.ratelimit.config import RateLimitConfig
+from extproc.ratelimit.limiter import RateLimiter
+from extproc.ratelimit.memory import MemoryBackend
+from extproc.ratelimit.metrics import RateLimitMetrics
+from extproc.ratelimit.replies import TenantRateLimitedError, TooLargeForLimitError
+from extproc.telemetry.observer import StreamObserver
+from extproc.types import LLMRequest, RequestKind, TokenCount
+from tests.ratelimit.conftest import redis_backend
+
+MODEL = "m"
+
+
+def _limiter(backend=None, registry=None, **cfg) -> RateLimiter:
+    config = RateLimitConfig(enabled=True, **cfg)
+    return RateLimiter(
+        config, backend or MemoryBackend(config.buckets), RateLimitMetrics(registry or CollectorRegistry()), {MODEL: (100, 1000)}
+    )
+
+
+def _req(prompt=10, max_tokens=None, n=1, body_bytes=100) -> LLMRequest:
+    return LLMRequest(
+        kind=RequestKind.CHAT, model=MODEL, served_model=MODEL, prompt_tokens=TokenCount(prompt), max_tokens=max_tokens, n=n,
+        body_bytes=body_bytes,  # type: ignore[arg-type]
+    )
+
+
+def _sample(registry, name, **labels) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_cost_is_prompt_plus_output_budget_or_size():
+    lim = _limiter()
+    assert lim.cost(_req(10, max_tokens=20, n=2)) == 50
+    assert lim.cost(_req(10)) == 110  # the model's default_output_tokens (100)
+    assert lim.cost(_req(950)) == 950 + 50  # within the context left (1000 - 950)
+    size = _limiter(cost="size", size_cost_base=3)
+    assert size.cost(_req(body_bytes=100)) == 3 + 1
+    assert size.cost(_req(body_bytes=10 * 1024 + 5)) == 3 + 10
+
+
+async def test_refusal_is_a_429_naming_the_limit_with_openai_headers():
+    registry = CollectorRegistry()
+    lim = _limiter(registry=registry, default={"tokens_per_minute": 100, "requests_per_minute": 10})
+    t = lim.tenant({"authorization": "Bearer sk-secret"})
+    adm = await lim.admit(t, _req(30, max_tokens=30))
+    assert adm is not None and adm.charged == 60
+    assert adm.headers["x-ratelimit-remaining-tokens"] == "40"
+    assert adm.headers["x-ratelimit-remaining-requests"] == "9"
+    assert adm.headers["x-ratelimit-reset-tokens"].endswith("s")
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.admit(t, _req(30, max_tokens=30))
+    err = exc.value
+    assert err.status == 429
+    body = orjson.loads(err.body())["error"]
+    assert body["type"] == "tokens" and body["code"] == "rate_limit_exceeded"
+    assert "tokens per min (TPM): Limit 100, Used 60, Requested 60" in body["message"]
+    h = err.headers()
+    assert 1 <= int(h["retry-after"]) <= 60
+    assert set(h) == {"retry-after", *(f"x-ratelimit-{a}-{b}" for a in ("limit", "remaining", "reset") for b in ("tokens", "requests"))}
+    assert "sk-secret" not in err.message
+    label = t.label
+    assert _sample(registry, "llm_extproc_ratelimit_requests_total", tenant=label, outcome="refused_tokens") == 1
+    assert _sample(registry, "llm_extproc_ratelimit_tokens_refused_total", tenant=label) == 60
+    assert _sample(registry, "llm_extproc_ratelimit_window_tokens", tenant=label) == 60
+
+
+async def test_a_request_larger_than_the_whole_limit_is_a_400():
+    lim = _limiter(tenants={"acme": {"tokens_per_minute": 1000, "models": {MODEL: {"tokens_per_minute": 50}}}}, tenant_header="x-t")
+    t = lim.tenant({"x-t": "acme"})
+    with pytest.raises(TooLargeForLimitError) as exc:
+        await lim.admit(t, _req(30, max_tokens=30))
+    assert exc.value.status == 400
+    assert "more than the whole limit of 50 tokens per minute for tenant acme on model m" in exc.value.message
+
+
+async def test_unlimited_tenant_is_not_counted():
+    lim = _limiter(tenants={"vip": {}}, tenant_header="x-t")
+    assert await lim.admit(lim.tenant({"x-t": "vip"}), _req()) is None
+    assert await lim.admit(lim.tenant({}), _req()) is None  # no defaults: anonymous unlimited
+
+
+def _observed(chunks: list[bytes], status=200, ctype="text/event-stream") -> StreamObserver:
+    obs = StreamObserver(endpoint="e", model=MODEL, request_start_ns=0)
+    obs.on_response_headers(status, ctype, None, 1)
+    for i, c in enumerate(chunks):
+        obs.on_body_chunk(c, False, 2 + i)
+    return obs
+
+
+def _event(content: str | None = None, usage: dict | None = None) -> bytes:
+    obj: dict = {"choices": [{"delta": {"content": content}}] if content else []}
+    if usage:
+        obj["usage"] = usage
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def test_settlement_uses_usage_then_events_and_gives_back_the_rest():
+    lim = _limiter(default={"tokens_per_minute": 1000})
+    t = lim.tenant({})
+    adm = await lim.admit(t, _req(10, max_tokens=500))
+    assert adm.charged == 510 and adm.settle_by_usage
+    # A stream that stopped early, with usage: prompt 10 + 7 generated.
+    obs = _observed([_event("a"), _event(usage={"prompt_tokens": 10, "completion_tokens": 7})])
+    obs.on_end("complete")
+    used = lim.used_tokens(adm, obs.result)
+    assert used == 17
+    lim.settle(adm, used)
+    lim.settle(adm, 0)  # once only
+    assert (await lim.backend.peek(lim.scopes(t, MODEL))).uses[0].tokens == 17
+
+
+async def test_an_aborted_stream_settles_with_what_it_generated():
+    lim = _limiter(default={"tokens_per_minute": 1000})
+    adm = await lim.admit(lim.tenant({}), _req(10, max_tokens=500))
+    obs = _observed([_event("a"), _event("b"), _event("c")])  # no usage, cut short
+    obs.on_end("client_abort")
+    assert lim.used_tokens(adm, obs.result, tokens_per_event=2.0) == 10 + 6
+    # No response at all (gone while queued): the prompt; an engine error: nothing.
+    silent = StreamObserver(endpoint="e", model=MODEL, request_start_ns=0)
+    silent.on_end("client_abort")
+    assert lim.used_tokens(adm, silent.result) == 10
+    failed = _observed([b'{"error": {"message": "boom"}}'], status=500, ctype="application/json")
+    failed.on_end("complete")
+    assert lim.used_tokens(adm, failed.result) == 0
+    # A non-streamed answer cut before its body: unknown, the reservation stands.
+    cut = _observed([], ctype="application/json")
+    cut.on_end("client_abort")
+    assert lim.used_tokens(adm, cut.result) is None
+
+
+async def test_size_cost_is_never_settled():
+    lim = _limiter(cost="size", default={"tokens_per_minute": 1000})
+    adm = await lim.admit(lim.tenant({}), _req(body_bytes=4096))
+    assert adm.charged == 1 + 4 and not adm.settle_by_usage
+    assert not lim.wants_usage(adm.tenant)
+    obs = _observed([_event(usage={"prompt_tokens": 1, "completion_tokens": 1})])
+    obs.on_end("complete")
+    assert lim.used_tokens(adm, obs.result) is None
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+async def test_redis_stopped_mid_test_then_back(redis_server, on_error, caplog):
+    registry = CollectorRegistry()
+    backend = redis_backend(redis_server, timeout_ms=100, on_error=on_error)
+    lim = _limiter(backend, registry, default={"tokens_per_minute": 1000}, redis={"url": redis_server.url, "on_error": on_error, "timeout_ms": 100})
+    t = lim.tenant({"x-api-key": "sk-abc"})
+    try:
+        adm = await lim.admit(t, _req(10, max_tokens=10))
+        assert adm is not None and adm.bucket is not None
+        await redis_server.stop()
+        caplog.set_level(logging.WARNING, logger="extproc.ratelimit.limiter")
+        for _ in range(3):
+            if on_error == "open":
+                a = await lim.admit(t, _req(10, max_tokens=10))
+                assert a is not None and a.bucket is None and not a.headers  # admitted, uncounted
+                lim.settle(a, 5)  # nothing to settle: no backend call
+            else:
+                with pytest.raises(NoEndpointError) as exc:
+                    await lim.admit(t, _req(10, max_tokens=10))
+                assert exc.value.status == 503 and exc.value.code == "rate_limiter_unavailable"
+        assert _sample(registry, "llm_extproc_ratelimit_backend_errors_total", backend="redis", operation="acquire") == 3
+        assert _sample(registry, "llm_extproc_ratelimit_requests_total", tenant=t.label, outcome=f"backend_error_{on_error}") == 3
+        lines = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(lines) == 1, "one log line per interval, not one per request"
+        assert "sk-abc" not in caplog.text
+        # Back (same port, empty): decisions count again without a restart.
+        await redis_server.start()
+        a = await lim.admit(t, _req(10, max_tokens=10))
+        assert a is not None and a.bucket is not None
+        assert a.headers["x-ratelimit-remaining-tokens"] == str(1000 - 20)
+    finally:
+        await lim.aclose()
+
+
+async def test_redis_keys_expire_by_themselves(redis_server):
+    backend = redis_backend(redis_server)
+    lim = _limiter(backend, default={"tokens_per_minute": 1000})
+    t = lim.tenant({"x-api-key": "k"})
+    adm = await lim.admit(t, _req(10, max_tokens=10))
+    lim.settle(adm, 12)
+    await lim.aclose()  # waits for the remote settlement
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        keys = await client.keys("*")
+        assert len(keys) == 1 and b"sk" not in keys[0] and t.id.encode() in keys[0]
+        ttl = await client.pttl(keys[0])
+        assert 60_000 < ttl <= 61_000
+        fields = await client.hgetall(keys[0])
+        assert sorted(v for k, v in fields.items() if k.startswith(b"t")) == [b"12"]
+    finally:
+        await client.aclose()
+

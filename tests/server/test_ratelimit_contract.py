@@ -1,0 +1,164 @@
+"""The rate limiter through the real servicer over gRPC, as Envoy drives it: 429 with OpenAI's
+headers, headers on admitted responses, every reservation settled however the stream ends, the
+response of a token-limited tenant observed whatever the telemetry sample, and no bearer token
+in any log line or metric label."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import generate_latest
+
+from tests.server.test_contract import MODEL, body_msg, chat_body, error_of, exchange, headers_msg, set_headers, wait_until
+
+SECRET = "sk-live-ratelimit-0123456789"
+AUTH = {"authorization": f"Bearer {SECRET}".encode()}
+RATE_HEADERS = {f"x-ratelimit-{a}-{b}" for a in ("limit", "remaining", "reset") for b in ("tokens", "requests")}
+
+
+def _limited(tpm: int, rpm: int | None = None, **extra) -> dict:
+    return {"enabled": True, "default": {"tokens_per_minute": tpm, "requests_per_minute": rpm}, **extra}
+
+
+async def _used(app) -> int:
+    t = app.ratelimit.tenant({"authorization": f"Bearer {SECRET}"})
+    return (await app.ratelimit.backend.peek(app.ratelimit.scopes(t, MODEL))).uses[0].tokens
+
+
+def _sse_headers() -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")]
+    )
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm))
+
+
+def _chunk(data: bytes, end: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end))
+
+
+async def test_over_the_limit_is_a_429_with_openai_headers_and_admitted_responses_carry_them(make_app, caplog):
+    caplog.set_level(logging.DEBUG)
+    app = await make_app(ratelimit=_limited(300, 100))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        await call.read()
+        await call.write(body_msg(chat_body(max_tokens=200)))
+        assert (await call.read()).WhichOneof("response") == "request_body"
+        await call.write(_sse_headers())
+        added = {o.header.key: o.header.raw_value.decode() for o in (await call.read()).response_headers.response.header_mutation.set_headers}
+        assert RATE_HEADERS <= set(added)
+        assert added["x-ratelimit-limit-tokens"] == "300" and added["x-ratelimit-remaining-requests"] == "99"
+        # Second request while the first still holds its reservation: over the limit.
+        _, refused = await exchange(stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=200)))
+        status, body, hdrs = error_of(refused)
+        assert status == 429 and body["error"]["type"] == "tokens" and body["error"]["code"] == "rate_limit_exceeded"
+        assert "Limit 300" in body["error"]["message"]
+        assert RATE_HEADERS <= set(hdrs) and int(hdrs["retry-after"]) >= 1
+        assert hdrs["x-ratelimit-remaining-tokens"] == str(300 - int(added["x-ratelimit-limit-tokens"]) + int(added["x-ratelimit-remaining-tokens"]))
+        # Too large for the whole limit: a 400 that says so.
+        _, big = await exchange(stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=400)))
+        status, body, _ = error_of(big)
+        assert status == 400 and body["error"]["code"] == "request_exceeds_rate_limit" and "can never be admitted" in body["error"]["message"]
+        call.cancel()
+    exposed = generate_latest(app.metrics.registry).decode()
+    assert "llm_extproc_ratelimit_requests_total" in exposed
+    assert SECRET not in exposed and SECRET not in caplog.text
+
+
+async def test_an_aborted_stream_settles_with_what_it_generated(make_app):
+    app = await make_app(ratelimit=_limited(10_000), telemetry={"sample_rate": 0.0001})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        reply = await call.read()
+        # Observed although outside the telemetry sample: its usage settles the reservation.
+        assert reply.mode_override.response_body_mode == processing_mode_pb2.ProcessingMode.STREAMED
+        await call.write(body_msg(chat_body(stream=True, max_tokens=1000)))
+        prompt = int(set_headers((await call.read()).request_body.response)["x-llm-prompt-tokens"])
+        assert await _used(app) == prompt + 1000
+        await call.write(_sse_headers())
+        await call.read()
+        for word in ("a", "b", "c"):
+            await call.write(_chunk(b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": word}}]}) + b"\n\n"))
+            await call.read()
+        call.cancel()  # the client went away after three tokens
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert await _used(app) == prompt + 3
+
+
+async def test_a_finished_stream_settles_with_its_usage(make_app):
+    app = await make_app(ratelimit=_limited(10_000))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        await call.read()
+        await call.write(body_msg(chat_body(stream=True, max_tokens=500)))
+        await call.read()
+        await call.write(_sse_headers())
+        await call.read()
+        usage = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+        await call.write(_chunk(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n", end=True))
+        await call.read()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert await _used(app) == 15
+
+
+async def test_unlimited_tenants_keep_the_telemetry_sample(make_app):
+    app = await make_app(ratelimit={"enabled": True, "tenants": {"vip": {}}, "tenant_header": "x-tenant"}, telemetry={"sample_rate": 0.0001})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        (reply,) = await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions", extra={"x-tenant": b"vip"}))
+    assert reply.mode_override.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
+
+
+async def test_fifty_concurrent_streams_never_exceed_the_limit(make_app):
+    app = await make_app(ratelimit=_limited(1_000))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        calls = []
+
+        async def one() -> str:
+            call = stub.Process()  # held open: each admitted one keeps its reservation
+            calls.append(call)
+            await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+            await call.read()
+            await call.write(body_msg(chat_body(max_tokens=90)))
+            return (await call.read()).WhichOneof("response")
+
+        kinds = await asyncio.gather(*(one() for _ in range(50)))
+        used = await _used(app)
+        for call in calls:
+            call.cancel()
+    admitted = kinds.count("request_body")
+    cost = used // admitted
+    assert used == admitted * cost and cost > 90
+    assert admitted == 1_000 // cost, "every request that fits is admitted, and none more"
+    assert kinds.count("immediate_response") == 50 - admitted
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_admin_shows_each_tenants_window(make_app):
+    import httpx
+
+    app = await make_app(ratelimit=_limited(1_000, tenants={"acme": {"requests_per_minute": 5}}, tenant_header="x-tenant"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=10)))
+    async with httpx.AsyncClient() as client:
+        data = (await client.get(f"http://127.0.0.1:{app.admin_port}/api/v1/tenants")).json()
+    rows = {t["tenant"]: t for t in data["tenants"]}
+    assert data["enabled"] and rows["acme"]["windows"][0]["requests_per_minute"] == 5
+    (key_tenant,) = [t for t in rows.values() if not t["named"]]
+    window = key_tenant["windows"][0]
+    # Closed before any response: settled to its prompt tokens (the engine may have prefilled it).
+    assert window["tokens_per_minute"] == 1_000 and window["requests"] == 1 and 0 < window["tokens"] < 100
+    assert SECRET not in str(data)
