@@ -35,8 +35,10 @@ OWNED_HEADERS: tuple[str, ...] = (
     "x-llm-tier",
     "x-llm-prompt-tokens",
     "x-llm-route-debug",
+    "x-llm-tenant",
 )
-"""Routing headers this project owns. A client never sets them: Envoy's header_mutation filter
+"""Routing headers this project owns (and `x-llm-tenant`, which `ratelimit.tenant_header` may
+name: only a trusted layer between Envoy's header_mutation and ext_proc filters sets it). A client never sets them: Envoy's header_mutation filter
 strips them before ext_proc (envoy/*.yaml keeps the same list) and the server removes or
 overwrites them on every request."""
 
