@@ -227,13 +227,23 @@ class RequestPipeline:
             )
         return self._models[canonical]
 
-    async def route(self, kind: RequestKind, body: bytes, *, priority_header: str | None = None) -> Routed:
+    async def route(
+        self,
+        kind: RequestKind,
+        body: bytes,
+        *,
+        priority_header: str | None = None,
+        before_count: Callable[[str, int | None, int, int], Awaitable[None]] | None = None,
+    ) -> Routed:
         """Decide for one request body (reserves nothing).
 
         Args:
             kind: chat or completion (from the path).
             body: the raw request body (bytes).
             priority_header: the value of the priority header, if sent.
+            before_count: awaited with (served model, max_tokens, n, body bytes) once the body is
+                parsed and before its tokens are counted; may raise an `ExtProcError` to refuse
+                cheaply (the rate limiter's precheck).
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -259,6 +269,8 @@ class RequestPipeline:
         )
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
+        if before_count is not None:
+            await before_count(runtime.config.name, parsed.max_tokens, parsed.n, len(body))
         t1 = time.perf_counter()
         model = runtime.config
         counted = self._count(parsed, runtime, len(body))

@@ -41,6 +41,14 @@ class WindowBackend(Protocol):
         """
         ...
 
+    async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
+        """Would `cost` tokens and one request fit in every scope now? Charges nothing.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        ...
+
     async def peek(self, scopes: Sequence[ScopeLimit], now_ms: int | None = None) -> Decision:
         """The scopes' windows now, charging nothing.
 

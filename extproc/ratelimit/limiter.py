@@ -1,5 +1,8 @@
 """The rate limiter the ext_proc server calls: tenant → scopes → reserve at admission → settle.
 
+    precheck(tenant, ...)    before tokenizing: refuse at once when the window cannot hold even
+                             the request's least cost (1 prompt token + max_tokens × n), so a
+                             flooding tenant's refusals cost no tokenizer time
     admit(tenant, request)   cost = prompt + output budget (or the size cost); one backend call
                              charges every scope (tenant, tenant × model) or refuses:
                              429 + retry-after + x-ratelimit-*, or 400 when the cost exceeds a
@@ -101,6 +104,7 @@ class RateLimiter:
         self._seen: dict[str, Tenant] = {}
         self._last_warn = -1e18
         self._suppressed = 0
+        self._refused_at: dict[str, float] = {}
 
     # -- identity and limits ---------------------------------------------------------------
 
@@ -157,6 +161,37 @@ class RateLimiter:
 
     # -- admission ---------------------------------------------------------------------------
 
+    async def precheck(self, tenant: Tenant, model: str, max_tokens: int | None, n: int, body_bytes: int) -> None:
+        """Refuse before the prompt is tokenized when even the request's least possible cost
+        does not fit now (charges nothing; `admit` decides for real).
+
+        The least cost is 1 prompt token + `max_tokens` × n (1 × n without max_tokens), or the
+        size cost. A local backend is asked every time (a few µs); a remote one only for a
+        tenant refused within the last second (an extra round trip only under pressure).
+
+        Raises:
+            TenantRateLimitedError: the window is too full for the least cost (429).
+        """
+        if not self.limited(tenant):
+            return
+        if not self.backend.local and self._clock() - self._refused_at.get(tenant.id, -1e18) > 1.0:
+            return
+        if self.config.cost == "size":
+            floor = self.config.size_cost_base + max(1, body_bytes // 1024)
+        else:
+            floor = 1 + (max_tokens or 1) * max(1, n)
+        scopes = self.scopes(tenant, model)
+        if any(0 <= s.tokens < floor for s in scopes):
+            return  # too large for the whole limit: admit answers the 400
+        try:
+            decision = await self.backend.check(scopes, floor)
+        except BackendUnavailable:
+            return  # admit applies the failure policy
+        if not decision.admitted:
+            self._metrics.requests.labels(tenant.label, f"refused_{decision.refused_limit}").inc()
+            self._metrics.tokens_refused.labels(tenant.label).inc(floor)
+            raise self._refusal(tenant, scopes, decision, floor, ratelimit_headers(scopes, decision.uses))
+
     async def admit(self, tenant: Tenant, request: LLMRequest) -> Admission | None:
         """Charge the request or refuse it. None: the tenant has no limit (nothing counted).
 
@@ -194,7 +229,8 @@ class RateLimiter:
         if not decision.admitted:
             m.requests.labels(tenant.label, f"refused_{decision.refused_limit}").inc()
             m.tokens_refused.labels(tenant.label).inc(cost)
-            raise self._refusal(tenant, request, scopes, decision, cost, headers)
+            self._refused_at[tenant.id] = self._clock()
+            raise self._refusal(tenant, scopes, decision, cost, headers)
         m.requests.labels(tenant.label, "admitted").inc()
         m.tokens_charged.labels(tenant.label).inc(cost)
         return Admission(tenant, keys, decision.bucket, cost, request.prompt_tokens, headers, self.wants_usage(tenant))
@@ -232,9 +268,7 @@ class RateLimiter:
             f"for {self._scope_name(tenant, scope)}: it can never be admitted. Lower max_tokens or shorten the prompt."
         )
 
-    def _refusal(
-        self, tenant: Tenant, request: LLMRequest, scopes: list[ScopeLimit], d: Decision, cost: int, headers: dict[str, str]
-    ) -> TenantRateLimitedError:
+    def _refusal(self, tenant: Tenant, scopes: list[ScopeLimit], d: Decision, cost: int, headers: dict[str, str]) -> TenantRateLimitedError:
         k = d.refused_scope or 0
         scope, use = scopes[k], d.uses[k]
         if d.refused_limit == "requests":

@@ -57,14 +57,14 @@ class MemoryBackend:
         for key in [k for k, st in self._states.items() if (st.newest() is None or st.newest() < oldest)]:
             del self._states[key]
 
-    def acquire_now(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, *, charge: bool = True) -> Decision:
+    def acquire_now(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, *, mode: str = "acquire") -> Decision:
         """`acquire`, synchronously."""
         now = self._clock() if now_ms is None else now_ms
         self._until_sweep -= 1
         if self._until_sweep <= 0:
             self._until_sweep = SWEEP_EVERY
             self._sweep(now)
-        return decide(self._get([s.key for s in scopes]), scopes, cost, now, self._n, self._bucket_ms, charge=charge)
+        return decide(self._get([s.key for s in scopes]), scopes, cost, now, self._n, self._bucket_ms, mode=mode)
 
     def settle_now(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
         """`settle`, synchronously."""
@@ -77,8 +77,11 @@ class MemoryBackend:
     async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
         self.settle_now(keys, bucket, delta, now_ms)
 
+    async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
+        return self.acquire_now(scopes, cost, now_ms, mode="check")
+
     async def peek(self, scopes: Sequence[ScopeLimit], now_ms: int | None = None) -> Decision:
-        return self.acquire_now(scopes, 0, now_ms, charge=False)
+        return self.acquire_now(scopes, 0, now_ms, mode="peek")
 
     async def aclose(self) -> None:
         self._states.clear()

@@ -85,6 +85,10 @@ class RedisBackend:
         raw = await self._run([self.key(s.key) for s in scopes], self._args(scopes, "acquire", cost, now_ms))
         return _decision(raw, len(scopes))  # type: ignore[arg-type]
 
+    async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
+        raw = await self._run([self.key(s.key) for s in scopes], self._args(scopes, "check", cost, now_ms))
+        return _decision(raw, len(scopes))  # type: ignore[arg-type]
+
     async def peek(self, scopes: Sequence[ScopeLimit], now_ms: int | None = None) -> Decision:
         raw = await self._run([self.key(s.key) for s in scopes], self._args(scopes, "peek", 0, now_ms))
         return _decision(raw, len(scopes))  # type: ignore[arg-type]

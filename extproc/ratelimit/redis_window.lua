@@ -4,8 +4,9 @@
 --
 -- KEYS: the scope keys of one decision (same hash tag, so one slot on a cluster).
 -- ARGV[1] now_ms ("" = the server's TIME: every replica shares Redis's clock)
--- ARGV[2] bucket_ms, ARGV[3] buckets per window, ARGV[4] mode: "acquire" | "peek" | "settle"
--- acquire/peek: ARGV[5] cost (tokens), then per key ARGV[6 + 2(i-1)] token limit and
+-- ARGV[2] bucket_ms, ARGV[3] buckets per window, ARGV[4] mode: "acquire" | "check" | "peek" | "settle"
+--   (check: refuse or admit as acquire would, charging nothing; peek: read only)
+-- acquire/check/peek: ARGV[5] cost (tokens), then per key ARGV[6 + 2(i-1)] token limit and
 --               ARGV[7 + 2(i-1)] request limit (-1 = unlimited)
 --   returns {admitted, refused index (1-based, 0 none), refused limit (0 none, 1 tokens,
 --            2 requests), retry_after_ms, bucket, then per key: tokens, requests,
@@ -113,6 +114,8 @@ for i, st in ipairs(states) do
     return answer(0, i, 1, retry_ms(st.t, st.ut + cost - tlim))
   end
 end
+
+if mode == 'check' then return answer(1, 0, 0, 0) end
 
 for i, key in ipairs(KEYS) do
   local st = states[i]

@@ -115,7 +115,7 @@ def _retry_ms(state: WindowState, slot: int, need: int, n: int, bucket_ms: int, 
 
 
 def decide(
-    states: Sequence[WindowState], limits: Sequence[ScopeLimit], cost: int, now_ms: int, n: int, bucket_ms: int, *, charge: bool = True
+    states: Sequence[WindowState], limits: Sequence[ScopeLimit], cost: int, now_ms: int, n: int, bucket_ms: int, *, mode: str = "acquire"
 ) -> Decision:
     """Admit one request of `cost` tokens against every scope, or none (see the module docstring).
 
@@ -125,7 +125,8 @@ def decide(
         cost: tokens to charge (>= 0).
         now_ms: the time (milliseconds; any epoch shared by every caller of the same states).
         n: buckets per window. bucket_ms: bucket width (milliseconds).
-        charge: False only reads (the admin view): nothing is refused or charged.
+        mode: `acquire` checks and charges; `check` only checks (would `cost` fit now?);
+            `peek` only reads (the admin view): nothing is refused or charged.
     """
     cur = now_ms // bucket_ms
     oldest = cur - n + 1
@@ -137,7 +138,7 @@ def decide(
             t += counts[0]
             r += counts[1]
         used.append((t, r))
-    if charge:
+    if mode != "peek":
         for k, (lim, (t, r)) in enumerate(zip(limits, used, strict=True)):
             if lim.requests >= 0 and r + 1 > lim.requests:
                 retry = _retry_ms(states[k], 1, r + 1 - lim.requests, n, bucket_ms, now_ms)
@@ -145,6 +146,7 @@ def decide(
             if lim.tokens >= 0 and t + cost > lim.tokens:
                 retry = _retry_ms(states[k], 0, t + cost - lim.tokens, n, bucket_ms, now_ms)
                 return _refusal(states, used, k, "tokens", retry, cur, n, bucket_ms, now_ms)
+    if mode == "acquire":
         for k, st in enumerate(states):
             counts = st.buckets.setdefault(cur, [0, 0])
             counts[0] += cost

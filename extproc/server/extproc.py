@@ -28,6 +28,7 @@ never judged from the gRPC status (DESIGN section 3).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -249,7 +250,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         try:
-            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header))
+            precheck = functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None  # type: ignore[union-attr]
+            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header), before_count=precheck)
             admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
         except ExtProcError as exc:
             err: ExtProcError = exc

@@ -88,3 +88,13 @@ async def test_backend_clock_without_explicit_time(backend):
     assert not d.admitted and 0 < d.retry_after_ms <= 60_000
     await backend.settle(["{clock}"], first.bucket, -10)
     assert (await backend.acquire(lim, 10)).admitted
+
+
+async def test_check_answers_like_acquire_but_charges_nothing(backend):
+    lim = [ScopeLimit("{k}", tokens=100, requests=5)]
+    assert (await backend.acquire(lim, 60, BASE)).admitted
+    assert (await backend.check(lim, 40, BASE + 10)).admitted
+    d = await backend.check(lim, 41, BASE + 10)
+    assert not d.admitted and d.refused_limit == "tokens" and d.retry_after_ms == 60_000 - 10
+    assert (await backend.peek(lim, BASE + 10)).uses[0].tokens == 60
+    assert (await backend.peek(lim, BASE + 10)).uses[0].requests == 1

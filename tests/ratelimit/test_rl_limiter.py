@@ -202,3 +202,35 @@ async def test_redis_keys_expire_by_themselves(redis_server):
     finally:
         await client.aclose()
 
+
+
+async def test_precheck_refuses_what_cannot_fit_before_counting():
+    registry = CollectorRegistry()
+    lim = _limiter(registry=registry, default={"tokens_per_minute": 1000})
+    t = lim.tenant({})
+    await lim.precheck(t, MODEL, 500, 1, 100)  # fits: nothing raised, nothing charged
+    assert (await lim.backend.peek(lim.scopes(t, MODEL))).uses[0].tokens == 0
+    await lim.admit(t, _req(100, max_tokens=500))
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.precheck(t, MODEL, 500, 1, 100)  # 600 used: 1 + 500 cannot fit
+    assert "Requested 501" in exc.value.message
+    await lim.precheck(t, MODEL, 300, 1, 100)  # the least cost of this one fits
+    await lim.precheck(t, MODEL, 5000, 1, 100)  # larger than the limit: admit answers the 400
+
+
+async def test_remote_precheck_only_for_a_tenant_refused_within_a_second(redis_server):
+    now = [100.0]
+    config = RateLimitConfig(enabled=True, backend="redis", default={"tokens_per_minute": 1000})
+    lim = RateLimiter(config, redis_backend(redis_server), RateLimitMetrics(CollectorRegistry()), {MODEL: (100, 1000)}, clock=lambda: now[0])
+    t = lim.tenant({})
+    try:
+        await lim.admit(t, _req(100, max_tokens=500))
+        await lim.precheck(t, MODEL, 500, 1, 100)  # not refused yet: no round trip, passes
+        with pytest.raises(TenantRateLimitedError):
+            await lim.admit(t, _req(100, max_tokens=500))
+        with pytest.raises(TenantRateLimitedError):
+            await lim.precheck(t, MODEL, 500, 1, 100)  # under pressure: checked in Redis
+        now[0] += 1.5
+        await lim.precheck(t, MODEL, 500, 1, 100)  # pressure forgotten
+    finally:
+        await lim.aclose()

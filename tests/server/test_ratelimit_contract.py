@@ -74,6 +74,27 @@ async def test_over_the_limit_is_a_429_with_openai_headers_and_admitted_response
     assert SECRET not in exposed and SECRET not in caplog.text
 
 
+async def test_a_full_window_refuses_before_tokenizing(make_app):
+    app = await make_app(ratelimit=_limited(1_000))
+    misses = "llm_extproc_tokenizer_cache_misses_total"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        call = stub.Process()  # held open: keeps 10 + 900 tokens
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        await call.read()
+        await call.write(body_msg(chat_body(max_tokens=900)))
+        assert (await call.read()).WhichOneof("response") == "request_body"
+        before = app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0
+        assert before > 0  # the first request was tokenized and counted
+        _, r = await exchange(
+            stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body("a prompt never seen before " * 20, max_tokens=100))
+        )
+        status, body, _ = error_of(r)
+        assert status == 429 and "Requested 101" in body["error"]["message"]  # the least cost: 1 + 100
+        assert (app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0) == before, "refused without tokenizing"
+        call.cancel()
+
+
 async def test_an_aborted_stream_settles_with_what_it_generated(make_app):
     app = await make_app(ratelimit=_limited(10_000), telemetry={"sample_rate": 0.0001})
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:

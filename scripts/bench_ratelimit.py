@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""What rate limiting costs, and what it buys, side by side in one run.
+
+    micro   the limiter's cost per decision (µs, p50/p99) for the memory and Redis backends
+            (acquire, and acquire + settle), and the ext_proc decision latency (headers + body
+            over a real gRPC channel to an in-process server, sequential) with rate limiting
+            off / memory / Redis. Redis is a real redis-server on 127.0.0.1 (Debian package).
+    fleet   a two-tenant run on the simulated fleet (4 engines) behind Envoy and
+            `llm-extproc serve`: tenant "steady" sends streamed chats at a fixed rate; first alone,
+            then while tenant "flood" runs 48 concurrent long requests with no limit, then with a
+            token limit on "flood". Reports steady's TTFT (p50/p99) in each phase and the ratio
+            to its solo figure (target: within 10 %), and flood's admitted / refused counts.
+            Run under `flock /tmp/bench.lock` (it starts a fleet and Envoy).
+
+    .venv/bin/python scripts/bench_ratelimit.py micro [--decisions 5000] [--requests 1000]
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_ratelimit.py fleet [--phase-s 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import orjson
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
+
+from extproc.bench.stacks import server_config
+from extproc.config.loader import config_from_mapping
+from extproc.pipeline.request import ModelRuntime
+from extproc.pipeline.tokens import TokenCounter
+from extproc.ratelimit.config import RedisConfig
+from extproc.ratelimit.memory import MemoryBackend
+from extproc.ratelimit.redis_backend import RedisBackend
+from extproc.ratelimit.window import ScopeLimit
+from extproc.server.app import ExtProcApp
+from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
+from extproc.stack.fleet import DEFAULT_FLEET, Fleet
+from extproc.stack.redis import RedisProcess
+from extproc.stack.server import ExtProcServerProcess
+
+MODEL = "Qwen/Qwen3-8B"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _row(name: str, xs_s: list[float]) -> str:
+    return f"| {name} | {_pct(xs_s, 0.5) * 1e6:.1f} | {_pct(xs_s, 0.99) * 1e6:.1f} |"
+
+
+# -- micro -------------------------------------------------------------------------------------
+
+
+async def _backend_costs(backend, n: int) -> tuple[list[float], list[float]]:
+    scopes = [ScopeLimit("{bench}", tokens=10**12, requests=10**9)]
+    acq, both = [], []
+    for _ in range(200):  # warm-up (connection, script load)
+        await backend.acquire(scopes, 100)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        d = await backend.acquire(scopes, 100)
+        t1 = time.perf_counter()
+        await backend.settle(["{bench}"], d.bucket, -50)
+        t2 = time.perf_counter()
+        acq.append(t1 - t0)
+        both.append(t2 - t0)
+    return acq, both
+
+
+def _headers(auth: bytes) -> pb.ProcessingRequest:
+    hdrs = {":method": b"POST", ":path": b"/v1/chat/completions", "authorization": auth}
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hdrs.items()]))
+    )
+
+
+async def _decision_latency(ratelimit: dict | None, n: int, counter: TokenCounter) -> list[float]:
+    raw = {
+        "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+        "models": [{"name": MODEL, "max_model_len": 8192}],
+        "endpoints": [{"address": "127.0.0.1:18001", "models": [MODEL]}, {"address": "127.0.0.1:18002", "models": [MODEL]}],
+        "scheduling": {"health_check": {"enabled": False}, "metrics": {"enabled": False}},
+        "telemetry": {"enabled": False},
+    }
+    if ratelimit:
+        raw["ratelimit"] = ratelimit
+    cfg = config_from_mapping(raw)
+    app = ExtProcApp(cfg, registry=CollectorRegistry(), models={MODEL: ModelRuntime(cfg.models[0], counter)})
+    await app.start()
+    out = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+            stub = pb_grpc.ExternalProcessorStub(ch)
+            body = pb.ProcessingRequest(
+                request_body=pb.HttpBody(
+                    body=orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}),
+                    end_of_stream=True,
+                )
+            )
+            for i in range(n + 100):
+                call = stub.Process()
+                t0 = time.perf_counter()
+                await call.write(_headers(f"Bearer sk-{i % 10}".encode()))
+                await call.read()
+                await call.write(body)
+                reply = await call.read()
+                t1 = time.perf_counter()
+                assert reply.WhichOneof("response") == "request_body", reply
+                await call.done_writing()
+                await call.read()
+                if i >= 100:
+                    out.append(t1 - t0)
+    finally:
+        await app.aclose(grace_s=0)
+    return out
+
+
+async def micro(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
+        redis = RedisProcess(workdir=Path(tmp) / "redis")
+        await redis.start()
+        try:
+            mem_acq, mem_both = await _backend_costs(MemoryBackend(60), args.decisions)
+            rb = RedisBackend(RedisConfig(url=redis.url, key_prefix="bench:", timeout_ms=200), 60)
+            red_acq, red_both = await _backend_costs(rb, args.decisions)
+            await rb.aclose()
+            print(f"## limiter cost per decision ({args.decisions} decisions, one scope)\n")
+            print("| backend, call | p50 µs | p99 µs |\n|---|---|---|")
+            for name, xs in (("memory acquire", mem_acq), ("memory acquire + settle", mem_both),
+                             ("redis acquire", red_acq), ("redis acquire + settle", red_both)):
+                print(_row(name, xs))
+            counter = TokenCounter.from_source("builtin:qwen3")
+            limited = {"enabled": True, "default": {"tokens_per_minute": 10**12, "requests_per_minute": 10**9}}
+            runs = {
+                "off": await _decision_latency(None, args.requests, counter),
+                "memory": await _decision_latency(limited, args.requests, counter),
+                "redis": await _decision_latency({**limited, "backend": "redis", "redis": {"url": redis.url}}, args.requests, counter),
+            }
+            print(f"\n## ext_proc decision latency (headers + body round trips, {args.requests} sequential requests)\n")
+            print("| rate limiting | p50 µs | p99 µs | added p50 µs |\n|---|---|---|---|")
+            base = _pct(runs["off"], 0.5)
+            for name, xs in runs.items():
+                print(f"{_row(name, xs)[:-1]}| {(_pct(xs, 0.5) - base) * 1e6:+.1f} |")
+        finally:
+            await redis.stop()
+
+
+# -- fleet -------------------------------------------------------------------------------------
+
+STEADY_KEY, FLOOD_KEY, FLOOD_LIMITED_KEY = "sk-steady-bench", "sk-flood-bench", "sk-flood-limited-bench"
+
+
+async def _steady(client: httpx.AsyncClient, rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    ttfts: list[float] = []
+
+    async def one() -> None:
+        body = {"model": MODEL, "stream": True, "max_tokens": 64,
+                "messages": [{"role": "user", "content": f"{rng.random()} Summarise the plot of a short story in a few lines."}]}
+        t0 = time.perf_counter()
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {STEADY_KEY}"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    ttfts.append(time.perf_counter() - t0)
+                    break
+            async for _ in r.aiter_bytes():
+                pass
+
+    tasks = []
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end:
+        tasks.append(asyncio.create_task(one()))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return ttfts
+
+
+async def _flood(client: httpx.AsyncClient, key: str, stop: asyncio.Event, counts: dict[str, int], concurrency: int) -> None:
+    prompt = "Review this long design document carefully. " * 300  # ~2.7k tokens
+
+    async def worker(i: int) -> None:
+        while not stop.is_set():
+            body = {"model": MODEL, "max_tokens": 512, "messages": [{"role": "user", "content": f"{i} {time.time()} {prompt}"}]}
+            try:
+                r = await client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+            except httpx.HTTPError:
+                counts["error"] = counts.get("error", 0) + 1
+                continue
+            counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
+            if r.status_code == 429:  # a client that retries fast, ignoring retry-after
+                await asyncio.sleep(0.2)
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+
+
+async def fleet(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-rl-fleet-") as tmp:
+        work = Path(tmp)
+        sims = Fleet(DEFAULT_FLEET, workdir=work, speed=1.0, stream_interval=1)
+        await sims.start()
+        server = envoy = None
+        try:
+            cfg = server_config(sims.profiles, profile="load-aware")
+            digest = hashlib.sha256(FLOOD_LIMITED_KEY.encode()).hexdigest()
+            cfg["ratelimit"] = {"enabled": True, "tenants": {"flood-limited": {"api_key_sha256": [digest], "tokens_per_minute": args.flood_tpm}}}
+            path = work / "server.yaml"
+            path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+            server = ExtProcServerProcess(path, workdir=work)
+            await server.start()
+            host_ports = [tuple(a.rsplit(":", 1)) for a in sims.addresses]
+            ecfg = rewrite_config(load_envoy_config("fail-open"), RunSettings(extproc=server.grpc_address, endpoints=[(h, int(p)) for h, p in host_ports]))
+            envoy = EnvoyProcess(ecfg, workdir=work, name="envoy")
+            await envoy.start()
+            rng = random.Random(1)
+            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+            results: dict[str, tuple[list[float], dict[str, int]]] = {}
+            async with httpx.AsyncClient(base_url=envoy.url, timeout=600, limits=limits, trust_env=False) as client:
+                await _steady(client, args.rate, 5, rng)  # warm-up
+                for phase, key in (("solo", None), ("flood, no limit", FLOOD_KEY), (f"flood, limit {args.flood_tpm} TPM", FLOOD_LIMITED_KEY)):
+                    await asyncio.sleep(args.cool_s)
+                    stop, counts = asyncio.Event(), {}
+                    flood = asyncio.create_task(_flood(client, key, stop, counts, args.concurrency)) if key else None
+                    if flood:
+                        await asyncio.sleep(5)  # the flood reaches its steady state
+                    ttfts = await _steady(client, args.rate, args.phase_s, rng)
+                    stop.set()
+                    if flood:
+                        await flood
+                    results[phase] = (ttfts, counts)
+                    print(f"{phase}: {len(ttfts)} steady requests, flood {counts}", flush=True)
+            solo50, solo99 = _pct(results["solo"][0], 0.5), _pct(results["solo"][0], 0.99)
+            print(f"\n## steady tenant's TTFT ({args.rate}/s, {args.phase_s:.0f} s per phase; flood: {args.concurrency} concurrent ~2.7k-token prompts, max_tokens 512)\n")
+            print("| phase | steady requests | TTFT p50 s | TTFT p99 s | p50 / solo | p99 / solo | mean s | flood answers |\n|---|---|---|---|---|---|---|---|")
+            for phase, (xs, counts) in results.items():
+                p50, p99 = _pct(xs, 0.5), _pct(xs, 0.99)
+                print(f"| {phase} | {len(xs)} | {p50:.3f} | {p99:.3f} | {p50 / solo50:.2f} | {p99 / solo99:.2f} | {statistics.mean(xs):.3f} | {counts or '-'} |")
+        finally:
+            if envoy is not None:
+                await envoy.aclose()
+            if server is not None:
+                await server.aclose()
+            await sims.aclose()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("micro")
+    m.add_argument("--decisions", type=int, default=5000)
+    m.add_argument("--requests", type=int, default=1000)
+    f = sub.add_parser("fleet")
+    f.add_argument("--phase-s", type=float, default=30.0)
+    f.add_argument("--cool-s", type=float, default=10.0)
+    f.add_argument("--rate", type=float, default=4.0, help="steady tenant's requests per second")
+    f.add_argument("--concurrency", type=int, default=48, help="flood tenant's concurrent requests")
+    f.add_argument("--flood-tpm", type=int, default=60_000, help="flood tenant's tokens per minute in the limited phase")
+    args = ap.parse_args()
+    asyncio.run(micro(args) if args.cmd == "micro" else fleet(args))
+
+
+if __name__ == "__main__":
+    main()
