@@ -7,8 +7,9 @@
             off / memory / Redis. Redis is a real redis-server on 127.0.0.1 (Debian package).
     fleet   a two-tenant run on the simulated fleet (4 engines) behind Envoy and
             `llm-extproc serve`: tenant "steady" sends streamed chats at a fixed rate; first alone,
-            then while tenant "flood" runs 48 concurrent long requests with no limit, then with a
-            token limit on "flood". Reports steady's TTFT (p50/p99) in each phase and the ratio
+            then while tenant "flood" (its own process) runs 48 concurrent long requests with no
+            limit, then with a token limit on "flood" (retrying refusals every 0.2 s, then
+            honouring retry-after). Reports steady's TTFT (p50/p99) in each phase and the ratio
             to its solo figure (target: within 10 %), and flood's admitted / refused counts.
             Run under `flock /tmp/bench.lock` (it starts a fleet and Envoy).
 
@@ -23,6 +24,7 @@ import asyncio
 import hashlib
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -188,7 +190,21 @@ async def _steady(client: httpx.AsyncClient, rate: float, duration_s: float, rng
     return ttfts
 
 
-async def _flood(client: httpx.AsyncClient, key: str, stop: asyncio.Event, counts: dict[str, int], concurrency: int) -> None:
+async def flood_main(args: argparse.Namespace) -> None:
+    """The flooding tenant, in its own process (its event loop must not delay the steady
+    client's clock): `concurrency` workers for `duration_s`, then its answer counts as JSON."""
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    counts: dict[str, int] = {}
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=args.url, timeout=600, limits=limits, trust_env=False) as client:
+        task = asyncio.create_task(_flood(client, args.key, stop, counts, args.concurrency, args.honor_retry_after))
+        await asyncio.sleep(args.duration_s)
+        stop.set()
+        await task
+    print(orjson.dumps(counts).decode(), flush=True)
+
+
+async def _flood(client: httpx.AsyncClient, key: str, stop: asyncio.Event, counts: dict[str, int], concurrency: int, honor: bool) -> None:
     prompt = "Review this long design document carefully. " * 300  # ~2.7k tokens
 
     async def worker(i: int) -> None:
@@ -200,8 +216,12 @@ async def _flood(client: httpx.AsyncClient, key: str, stop: asyncio.Event, count
                 counts["error"] = counts.get("error", 0) + 1
                 continue
             counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
-            if r.status_code == 429:  # a client that retries fast, ignoring retry-after
-                await asyncio.sleep(0.2)
+            if r.status_code == 429:  # retry-after honoured, or a fast retry that ignores it
+                delay = float(r.headers.get("retry-after", "1")) if honor else 0.2
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except TimeoutError:
+                    pass
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
@@ -229,16 +249,25 @@ async def fleet(args: argparse.Namespace) -> None:
             results: dict[str, tuple[list[float], dict[str, int]]] = {}
             async with httpx.AsyncClient(base_url=envoy.url, timeout=600, limits=limits, trust_env=False) as client:
                 await _steady(client, args.rate, 5, rng)  # warm-up
-                for phase, key in (("solo", None), ("flood, no limit", FLOOD_KEY), (f"flood, limit {args.flood_tpm} TPM", FLOOD_LIMITED_KEY)):
+                phases = (
+                    ("solo", None, False),
+                    ("flood, no limit", FLOOD_KEY, False),
+                    (f"flood, limit {args.flood_tpm} TPM, retries every 0.2 s", FLOOD_LIMITED_KEY, False),
+                    (f"flood, limit {args.flood_tpm} TPM, honours retry-after", FLOOD_LIMITED_KEY, True),
+                )
+                for phase, key, honor in phases:
                     await asyncio.sleep(args.cool_s)
-                    stop, counts = asyncio.Event(), {}
-                    flood = asyncio.create_task(_flood(client, key, stop, counts, args.concurrency)) if key else None
-                    if flood:
+                    flood = None
+                    if key:
+                        argv = [sys.executable, __file__, "flood", "--url", envoy.url, "--key", key,
+                                "--concurrency", str(args.concurrency), "--duration-s", str(args.phase_s + 5)]
+                        flood = await asyncio.create_subprocess_exec(*argv + (["--honor-retry-after"] if honor else []), stdout=asyncio.subprocess.PIPE)
                         await asyncio.sleep(5)  # the flood reaches its steady state
                     ttfts = await _steady(client, args.rate, args.phase_s, rng)
-                    stop.set()
+                    counts = {}
                     if flood:
-                        await flood
+                        out, _ = await flood.communicate()
+                        counts = orjson.loads(out.strip().splitlines()[-1])
                     results[phase] = (ttfts, counts)
                     print(f"{phase}: {len(ttfts)} steady requests, flood {counts}", flush=True)
             solo50, solo99 = _pct(results["solo"][0], 0.5), _pct(results["solo"][0], 0.99)
@@ -267,8 +296,14 @@ def main() -> None:
     f.add_argument("--rate", type=float, default=4.0, help="steady tenant's requests per second")
     f.add_argument("--concurrency", type=int, default=48, help="flood tenant's concurrent requests")
     f.add_argument("--flood-tpm", type=int, default=60_000, help="flood tenant's tokens per minute in the limited phase")
+    fl = sub.add_parser("flood", help="(internal) the flooding tenant's process")
+    fl.add_argument("--url", required=True)
+    fl.add_argument("--key", required=True)
+    fl.add_argument("--concurrency", type=int, default=48)
+    fl.add_argument("--duration-s", type=float, required=True)
+    fl.add_argument("--honor-retry-after", action="store_true")
     args = ap.parse_args()
-    asyncio.run(micro(args) if args.cmd == "micro" else fleet(args))
+    asyncio.run({"micro": micro, "fleet": fleet, "flood": flood_main}[args.cmd](args))
 
 
 if __name__ == "__main__":

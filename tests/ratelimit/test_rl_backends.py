@@ -98,3 +98,13 @@ async def test_check_answers_like_acquire_but_charges_nothing(backend):
     assert not d.admitted and d.refused_limit == "tokens" and d.retry_after_ms == 60_000 - 10
     assert (await backend.peek(lim, BASE + 10)).uses[0].tokens == 60
     assert (await backend.peek(lim, BASE + 10)).uses[0].requests == 1
+
+
+async def test_every_backend_offers_the_whole_interface(backend):
+    from extproc.ratelimit.backend import WindowBackend
+
+    wanted = {n for n in vars(WindowBackend) if not n.startswith("_")} - {"name", "local"}
+    assert wanted == {"acquire", "check", "settle", "peek", "aclose"}
+    for n in wanted:
+        assert callable(getattr(backend, n)), n
+    assert backend.name in ("memory", "redis") and backend.local == (backend.name == "memory")
