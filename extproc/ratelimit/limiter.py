@@ -188,8 +188,8 @@ class RateLimiter:
         except BackendUnavailable:
             return  # admit applies the failure policy
         if not decision.admitted:
-            self._metrics.requests.labels(tenant.label, f"refused_{decision.refused_limit}").inc()
-            self._metrics.tokens_refused.labels(tenant.label).inc(floor)
+            self._metrics.child(self._metrics.requests, tenant.label, f"refused_{decision.refused_limit}").inc()
+            self._metrics.child(self._metrics.tokens_refused, tenant.label).inc(floor)
             raise self._refusal(tenant, scopes, decision, floor, ratelimit_headers(scopes, decision.uses))
 
     async def admit(self, tenant: Tenant, request: LLMRequest) -> Admission | None:
@@ -208,31 +208,31 @@ class RateLimiter:
         m = self._metrics
         for s in scopes:
             if 0 <= s.tokens < cost:
-                m.requests.labels(tenant.label, "too_large").inc()
+                m.child(m.requests, tenant.label, "too_large").inc()
                 raise TooLargeForLimitError(self._too_large(tenant, request, s, cost), param="max_tokens")
         keys = tuple(s.key for s in scopes)
         start = time.perf_counter()
         try:
             decision = await self._acquire(scopes, cost)
         except BackendUnavailable as exc:
-            m.backend_errors.labels(self.backend.name, "acquire").inc()
+            m.child(m.backend_errors, self.backend.name, "acquire").inc()
             self._warn(f"rate-limit backend {self.backend.name} unavailable ({exc}); failing {self.config.redis.on_error}")
             if self.config.redis.on_error == "closed":
-                m.requests.labels(tenant.label, "backend_error_closed").inc()
+                m.child(m.requests, tenant.label, "backend_error_closed").inc()
                 raise NoEndpointError("the rate limiter is unavailable; retry later", code="rate_limiter_unavailable") from None
-            m.requests.labels(tenant.label, "backend_error_open").inc()
+            m.child(m.requests, tenant.label, "backend_error_open").inc()
             return Admission(tenant, keys, None, cost, request.prompt_tokens)
-        m.decision_seconds.labels(self.backend.name).observe(time.perf_counter() - start)
-        m.window_tokens.labels(tenant.label).set(decision.uses[0].tokens)
-        m.window_requests.labels(tenant.label).set(decision.uses[0].requests)
+        m.child(m.decision_seconds, self.backend.name).observe(time.perf_counter() - start)
+        m.child(m.window_tokens, tenant.label).set(decision.uses[0].tokens)
+        m.child(m.window_requests, tenant.label).set(decision.uses[0].requests)
         headers = ratelimit_headers(scopes, decision.uses)
         if not decision.admitted:
-            m.requests.labels(tenant.label, f"refused_{decision.refused_limit}").inc()
-            m.tokens_refused.labels(tenant.label).inc(cost)
+            m.child(m.requests, tenant.label, f"refused_{decision.refused_limit}").inc()
+            m.child(m.tokens_refused, tenant.label).inc(cost)
             self._refused_at[tenant.id] = self._clock()
             raise self._refusal(tenant, scopes, decision, cost, headers)
-        m.requests.labels(tenant.label, "admitted").inc()
-        m.tokens_charged.labels(tenant.label).inc(cost)
+        m.child(m.requests, tenant.label, "admitted").inc()
+        m.child(m.tokens_charged, tenant.label).inc(cost)
         return Admission(tenant, keys, decision.bucket, cost, request.prompt_tokens, headers, self.wants_usage(tenant))
 
     async def _acquire(self, scopes: list[ScopeLimit], cost: int) -> Decision:
@@ -313,7 +313,7 @@ class RateLimiter:
         if admission.bucket is None:
             return
         final = admission.charged if used is None else max(0, used)
-        self._metrics.tokens_settled.labels(admission.tenant.label).inc(final)
+        self._metrics.child(self._metrics.tokens_settled, admission.tenant.label).inc(final)
         delta = final - admission.charged
         if delta == 0:
             return
@@ -332,7 +332,7 @@ class RateLimiter:
         try:
             await self.backend.settle(keys, bucket, delta)
         except BackendUnavailable as exc:
-            self._metrics.backend_errors.labels(self.backend.name, "settle").inc()
+            self._metrics.child(self._metrics.backend_errors, self.backend.name, "settle").inc()
             self._warn(f"rate-limit backend {self.backend.name} unavailable at settlement ({exc}); the reservation stands")
 
     def _warn(self, message: str) -> None:

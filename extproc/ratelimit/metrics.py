@@ -3,15 +3,20 @@ never a key: `tenant.TenantResolver`)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from extproc.metrics import Metrics
 
 __all__ = ["RateLimitMetrics"]
 
 
 class RateLimitMetrics:
-    """Registered on the server's registry."""
+    """Registered on the server's registry; label children memoised by the server's `Metrics.child`
+    (tenant labels are bounded: configured names, `max_tenant_labels` short hashes, `other`)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, metrics: Metrics) -> None:
+        registry = metrics.registry
+        self.child = metrics.child
         self.requests = Counter(
             "llm_extproc_ratelimit_requests_total",
             "Rate-limit decisions per tenant: admitted, refused_tokens, refused_requests, too_large, "

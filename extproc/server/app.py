@@ -95,7 +95,7 @@ class ExtProcApp:
         self.ratelimit: RateLimiter | None = None
         if config.ratelimit.enabled:
             models = {m.name: (m.default_output_tokens, m.max_model_len) for m in config.models}
-            self.ratelimit = RateLimiter(config.ratelimit, build_backend(config.ratelimit), RateLimitMetrics(self.metrics.registry), models)
+            self.ratelimit = RateLimiter(config.ratelimit, build_backend(config.ratelimit), RateLimitMetrics(self.metrics), models)
         self._admin: AdminServer | None = None
         self._serving = False
         self.servicer: ExtProcServicer | None = None

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import NoEndpointError
+from extproc.metrics import Metrics
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.ratelimit.limiter import RateLimiter
 from extproc.ratelimit.memory import MemoryBackend
@@ -25,7 +26,7 @@ MODEL = "m"
 def _limiter(backend=None, registry=None, **cfg) -> RateLimiter:
     config = RateLimitConfig(enabled=True, **cfg)
     return RateLimiter(
-        config, backend or MemoryBackend(config.buckets), RateLimitMetrics(registry or CollectorRegistry()), {MODEL: (100, 1000)}
+        config, backend or MemoryBackend(config.buckets), RateLimitMetrics(Metrics(registry or CollectorRegistry())), {MODEL: (100, 1000)}
     )
 
 
@@ -221,7 +222,7 @@ async def test_precheck_refuses_what_cannot_fit_before_counting():
 async def test_remote_precheck_only_for_a_tenant_refused_within_a_second(redis_server):
     now = [100.0]
     config = RateLimitConfig(enabled=True, backend="redis", default={"tokens_per_minute": 1000})
-    lim = RateLimiter(config, redis_backend(redis_server), RateLimitMetrics(CollectorRegistry()), {MODEL: (100, 1000)}, clock=lambda: now[0])
+    lim = RateLimiter(config, redis_backend(redis_server), RateLimitMetrics(Metrics(CollectorRegistry())), {MODEL: (100, 1000)}, clock=lambda: now[0])
     t = lim.tenant({})
     try:
         await lim.admit(t, _req(100, max_tokens=500))

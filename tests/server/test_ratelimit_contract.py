@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import grpc
 import orjson
@@ -82,12 +83,12 @@ async def test_a_full_window_refuses_before_tokenizing(make_app):
         call = stub.Process()  # held open: keeps 10 + 900 tokens
         await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
         await call.read()
-        await call.write(body_msg(chat_body(max_tokens=900)))
+        await call.write(body_msg(chat_body(f"fresh text {uuid.uuid4().hex}", max_tokens=900)))
         assert (await call.read()).WhichOneof("response") == "request_body"
         before = app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0
         assert before > 0  # the first request was tokenized and counted
         _, r = await exchange(
-            stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body("a prompt never seen before " * 20, max_tokens=100))
+            stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(f"a prompt never seen before {uuid.uuid4().hex} " * 20, max_tokens=100))
         )
         status, body, _ = error_of(r)
         assert status == 429 and "Requested 101" in body["error"]["message"]  # the least cost: 1 + 100
