@@ -42,8 +42,11 @@ from extproc.bench.stacks import server_config
 from extproc.config.loader import config_from_mapping
 from extproc.pipeline.request import ModelRuntime
 from extproc.pipeline.tokens import TokenCounter
-from extproc.ratelimit.config import RedisConfig
+from extproc.metrics import Metrics
+from extproc.ratelimit.config import RateLimitConfig, RedisConfig
+from extproc.ratelimit.limiter import RateLimiter
 from extproc.ratelimit.memory import MemoryBackend
+from extproc.ratelimit.metrics import RateLimitMetrics
 from extproc.ratelimit.redis_backend import RedisBackend
 from extproc.ratelimit.window import ScopeLimit
 from extproc.server.app import ExtProcApp
@@ -51,6 +54,7 @@ from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, re
 from extproc.stack.fleet import DEFAULT_FLEET, Fleet
 from extproc.stack.redis import RedisProcess
 from extproc.stack.server import ExtProcServerProcess
+from extproc.types import LLMRequest, RequestKind, TokenCount
 
 MODEL = "Qwen/Qwen3-8B"
 
@@ -81,6 +85,25 @@ async def _backend_costs(backend, n: int) -> tuple[list[float], list[float]]:
         acq.append(t1 - t0)
         both.append(t2 - t0)
     return acq, both
+
+
+async def _limiter_path(backend, n: int) -> list[float]:
+    """Everything the server adds per request: tenant (hash), precheck, admit (metrics,
+    headers), settle."""
+    config = RateLimitConfig(enabled=True, default={"tokens_per_minute": 10**12, "requests_per_minute": 10**9})
+    lim = RateLimiter(config, backend, RateLimitMetrics(Metrics(CollectorRegistry())), {MODEL: (512, 8192)})
+    req = LLMRequest(kind=RequestKind.CHAT, model=MODEL, served_model=MODEL, prompt_tokens=TokenCount(100), max_tokens=16)
+    out = []
+    for i in range(n + 200):
+        t0 = time.perf_counter()
+        tenant = lim.tenant({"authorization": f"Bearer sk-{i % 10}"})
+        await lim.precheck(tenant, MODEL, 16, 1, 300)
+        adm = await lim.admit(tenant, req)
+        lim.settle(adm, 110)
+        if i >= 200:
+            out.append(time.perf_counter() - t0)
+    await lim.aclose()
+    return out
 
 
 def _headers(auth: bytes) -> pb.ProcessingRequest:
@@ -140,10 +163,14 @@ async def micro(args: argparse.Namespace) -> None:
             rb = RedisBackend(RedisConfig(url=redis.url, key_prefix="bench:", timeout_ms=200), 60)
             red_acq, red_both = await _backend_costs(rb, args.decisions)
             await rb.aclose()
+            mem_path = await _limiter_path(MemoryBackend(60), args.decisions)
+            red_path = await _limiter_path(RedisBackend(RedisConfig(url=redis.url, key_prefix="bench2:", timeout_ms=200), 60), args.decisions)
             print(f"## limiter cost per decision ({args.decisions} decisions, one scope)\n")
             print("| backend, call | p50 µs | p99 µs |\n|---|---|---|")
             for name, xs in (("memory acquire", mem_acq), ("memory acquire + settle", mem_both),
-                             ("redis acquire", red_acq), ("redis acquire + settle", red_both)):
+                             ("memory, whole path (tenant, precheck, admit, settle)", mem_path),
+                             ("redis acquire", red_acq), ("redis acquire + settle", red_both),
+                             ("redis, whole path (settle in a task, not awaited)", red_path)):
                 print(_row(name, xs))
             counter = TokenCounter.from_source("builtin:qwen3")
             limited = {"enabled": True, "default": {"tokens_per_minute": 10**12, "requests_per_minute": 10**9}}
