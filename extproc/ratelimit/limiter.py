@@ -37,6 +37,10 @@ __all__ = ["Admission", "RateLimiter", "build_backend"]
 
 log = logging.getLogger(__name__)
 
+REFUSED_MEMORY = 10_000
+"""Tenants whose latest refusal this process remembers (for the remote precheck); forgotten
+all at once past this, which only costs their next request a full decision."""
+
 
 def build_backend(config: RateLimitConfig) -> WindowBackend:
     """The configured backend (one new backend = one module + one line here)."""
@@ -229,6 +233,8 @@ class RateLimiter:
         if not decision.admitted:
             m.child(m.requests, tenant.label, f"refused_{decision.refused_limit}").inc()
             m.child(m.tokens_refused, tenant.label).inc(cost)
+            if len(self._refused_at) >= REFUSED_MEMORY:
+                self._refused_at.clear()  # bounded: a flood of one-off keys cannot grow it
             self._refused_at[tenant.id] = self._clock()
             raise self._refusal(tenant, scopes, decision, cost, headers)
         m.child(m.requests, tenant.label, "admitted").inc()
