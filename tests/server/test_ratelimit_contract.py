@@ -117,22 +117,27 @@ async def test_an_aborted_stream_settles_with_what_it_generated(make_app):
     assert await _used(app) == prompt + 3
 
 
-async def test_a_finished_stream_settles_with_its_usage(make_app):
-    app = await make_app(ratelimit=_limited(10_000))
+async def _finish_with_usage(app, usage: dict) -> dict[str, str]:
+    """One streamed request answered by a usage chunk, end of stream, clean close; its routing headers."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
         call = pb_grpc.ExternalProcessorStub(ch).Process()
         await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
-        await call.read()
+        assert (await call.read()).mode_override.response_body_mode == processing_mode_pb2.ProcessingMode.STREAMED
         await call.write(body_msg(chat_body(stream=True, max_tokens=500)))
-        await call.read()
+        routing = set_headers((await call.read()).request_body.response)
         await call.write(_sse_headers())
         await call.read()
-        usage = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
         await call.write(_chunk(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n", end=True))
         await call.read()
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
-    await wait_until(lambda: app.store.open_reservations == 0)
+    await wait_until(lambda: app.servicer.active_streams == 0)
+    return routing
+
+
+async def test_a_finished_stream_settles_with_its_usage(make_app):
+    app = await make_app(ratelimit=_limited(10_000))
+    await _finish_with_usage(app, {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15})
     assert await _used(app) == 15
 
 
@@ -184,3 +189,10 @@ async def test_admin_shows_each_tenants_window(make_app):
     # Closed before any response: settled to its prompt tokens (the engine may have prefilled it).
     assert window["tokens_per_minute"] == 1_000 and window["requests"] == 1 and 0 < window["tokens"] < 100
     assert SECRET not in str(data)
+
+
+async def test_tier_mode_settles_too(make_app):
+    app = await make_app(ratelimit=_limited(10_000), scheduling={"mode": "tier", "health_check": {"enabled": False}})
+    routing = await _finish_with_usage(app, {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11})
+    assert "x-llm-tier" in routing
+    assert await _used(app) == 11
