@@ -34,6 +34,9 @@ __all__ = [
     "ProfileConfig",
     "SAFE_FILTERS",
     "TierConfig",
+    "PrefixConfig",
+    "HotPrefixConfig",
+    "PrefillModelConfig",
     "AdmissionConfig",
     "KVAdmissionConfig",
     "PriorityConfig",
@@ -338,6 +341,72 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
 }
 
 
+class PrefillModelConfig(_Strict):
+    """The prior of each endpoint's learned TTFT fit, TTFT ≈ t0 + s · prefill tokens ahead
+    (`extproc.datastore.prefill_fit`, whose module doc gives the formula and the defaults'
+    sources).
+
+    Attributes:
+        prior_t0_s: fixed time to first token (seconds).
+        prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model).
+        prior_weight: how many samples the prior counts as (samples).
+        forget: per-sample decay of older samples (0.95 ≈ the last 20 first tokens).
+    """
+
+    prior_t0_s: float = Field(default=0.02, ge=0)
+    prior_s_per_token: float = Field(default=5e-5, gt=0)
+    prior_weight: float = Field(default=1.0, gt=0)
+    forget: float = Field(default=0.95, gt=0, le=1)
+
+
+class HotPrefixConfig(_Strict):
+    """Hot shared prefixes (design notes 3.3): counted over `window_s` seconds in `buckets`
+    buckets; `min_count` requests in the window make one hot (metrics, `/api/v1/endpoints`)."""
+
+    window_s: float = Field(default=60.0, gt=0)
+    buckets: int = Field(default=12, ge=1, le=600)
+    min_count: int = Field(default=8, ge=1)
+    max_tracked: int = Field(default=4096, ge=1)
+
+
+class PrefixConfig(_Strict):
+    """Prefix-cache affinity and session affinity (`extproc.prefix`).
+
+    Attributes:
+        enabled: hash prompts into blocks and keep the prefix index; off, no endpoint is
+            believed to hold anything (`ttft-estimate-scorer` counts whole prompts).
+        max_index_bytes: memory budget of the whole index (bytes; ~`BYTES_PER_ENTRY` = 200
+            bytes per (endpoint, block) entry, so the 64 MiB default holds ~335k blocks, 5.4M
+            tokens at 16 per block).
+        default_capacity_blocks: an endpoint's bound until its engine reports `num_gpu_blocks`
+            (blocks).
+        min_match_tokens: a cached prefix shorter than this counts as none (tokens). Saving a
+            few dozen tokens of prefill (~1 ms) is noise beside load, and a burst of identical
+            short prompts must spread like any other; 128 tokens is ~3–6 ms of prefill on the
+            simulator's profiles.
+        session_header: request header naming a session (lower case); "" for none.
+        session_from_user: use the OpenAI `user` field when the header is absent.
+        session_ttl_s: a session unused this long is forgotten (seconds).
+        max_sessions: most sessions remembered (count).
+        hot: hot-prefix tracking.
+    """
+
+    enabled: bool = True
+    max_index_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    default_capacity_blocks: int = Field(default=16384, ge=1)
+    min_match_tokens: int = Field(default=128, ge=0)
+    session_header: str = "x-session-id"
+    session_from_user: bool = True
+    session_ttl_s: float = Field(default=600.0, gt=0)
+    max_sessions: int = Field(default=100_000, ge=1)
+    hot: HotPrefixConfig = Field(default_factory=HotPrefixConfig)
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower_header(cls, v: str) -> str:
+        return v.lower()
+
+
 class TierConfig(_Strict):
     """Token-range tiers (design notes): < low_latency_below → `low-latency`,
     ≤ high_throughput_above → `balanced`, above → `high-throughput` (prompt tokens)."""
@@ -366,6 +435,8 @@ class SchedulingConfig(_Strict):
         health_check: active health checking. metrics: engine metrics scraping.
         outlier_detection: passive ejection of endpoints answering 5xx.
         tiers: tier boundaries (tier mode).
+        prefix: prefix-cache and session affinity (the prefix index).
+        prefill_model: the prior of each endpoint's learned TTFT fit.
         explain_header: add `x-llm-route-debug` (scores of the chosen endpoint and the
             runner-up) to the response; off by default since it reveals fleet internals.
     """
@@ -378,6 +449,8 @@ class SchedulingConfig(_Strict):
     outlier_detection: OutlierDetectionConfig = Field(default_factory=OutlierDetectionConfig)
     metrics: MetricsScrapeConfig = Field(default_factory=MetricsScrapeConfig)
     tiers: TierConfig = Field(default_factory=TierConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    prefill_model: PrefillModelConfig = Field(default_factory=PrefillModelConfig)
     explain_header: bool = False
 
     @model_validator(mode="after")

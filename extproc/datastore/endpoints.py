@@ -24,20 +24,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior
 from extproc.types import EndpointAddress
 
 if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT", "PREFILL_EWMA_ALPHA"]
+__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
 
 PREFILL_WEIGHT = 3
 """A request before its first token counts 3× in the FLOPs-weighted load (design notes)."""
 DECODE_WEIGHT = 1
 """A request after its first token counts 1×."""
-PREFILL_EWMA_ALPHA = 0.2
-"""Weight of the newest sample in `Endpoint.prefill_s_per_token` (an EWMA over ~5 first tokens)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -51,11 +50,12 @@ class Endpoint:
         healthy: result of the latest probes (True until probed otherwise when probing is off).
         inflight: requests routed here and not yet ended (count).
         prefill_inflight / decode_inflight: of those, before / after their first token (count).
-        prefill_tokens: prompt tokens of the requests in prefill (tokens).
-        prefill_s_per_token: learned time to first token per token of prefill backlog
-            (seconds per token, EWMA over observed first tokens; queueing, chunked-prefill
-            interference and the GPU's speed all show in it), None until observed.
-        prefill_sampled_at: `time.monotonic()` of its latest sample (seconds), None before.
+        prefill_tokens: uncached prompt tokens of the requests in prefill (tokens): the
+            prefill work still ahead on this endpoint by our own count (a prompt's prefix that
+            the prefix index believes cached there is not work).
+        prefill_fit: the learned fit TTFT ≈ t0 + s · prefill work ahead
+            (`extproc.datastore.prefill_fit`; queueing, chunked-prefill interference and the
+            GPU's speed all show in it).
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
         consecutive_5xx: generation answers in a row with a 5xx status (count).
@@ -85,8 +85,7 @@ class Endpoint:
     ejected_until: float = 0.0
     last_probe_error: str | None = None
     probed: bool = False
-    prefill_s_per_token: float | None = None
-    prefill_sampled_at: float | None = None
+    prefill_fit: PrefillFit = field(default_factory=PrefillFit)
     engine: Any = None
     scrape_errors: int = 0
     routed_total: int = 0
@@ -94,6 +93,16 @@ class Endpoint:
     node: Any = None
     stream_stats: Any = None
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """The fitted prefill speed (seconds per token), None until a first token was observed."""
+        return self.prefill_fit.s_per_token if self.prefill_fit.samples else None
+
+    @property
+    def prefill_sampled_at(self) -> float | None:
+        """`time.monotonic()` of the latest first-token sample (seconds), None before any."""
+        return self.prefill_fit.sampled_at
 
     @property
     def unseen(self) -> int:
@@ -141,7 +150,8 @@ class Reservation:
         store: the owning datastore.
         endpoint: where the request was routed.
         blocks: KV blocks reserved (blocks).
-        prompt_tokens: the request's prompt tokens (tokens), for token-weighted load.
+        prompt_tokens: the request's prefill work on this endpoint (tokens): its prompt less
+            the prefix believed cached there.
         settle_after_s: without an observed first token, settle on the first scrape taken this
             many seconds after the reservation (seconds).
     """
@@ -181,11 +191,8 @@ class Reservation:
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
         elapsed = self.first_token_at - self.created_at
-        if learn and self.backlog_tokens > 0 and elapsed > 0:
-            sample = elapsed / self.backlog_tokens
-            prev = ep.prefill_s_per_token
-            ep.prefill_s_per_token = sample if prev is None else prev + PREFILL_EWMA_ALPHA * (sample - prev)
-            ep.prefill_sampled_at = self.first_token_at
+        if learn and elapsed > 0:
+            ep.prefill_fit.add(self.backlog_tokens, elapsed, self.first_token_at)
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1
@@ -220,13 +227,14 @@ class Datastore:
 
     Args:
         endpoints: endpoint configurations.
+        prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
     """
 
-    def __init__(self, endpoints: Iterable[EndpointConfig]) -> None:
+    def __init__(self, endpoints: Iterable[EndpointConfig], prefill_prior: PrefillPrior | None = None) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         for cfg in endpoints:
-            ep = Endpoint(EndpointAddress(cfg.address), frozenset(cfg.models), dict(cfg.labels))
+            ep = Endpoint(EndpointAddress(cfg.address), frozenset(cfg.models), dict(cfg.labels), prefill_fit=PrefillFit(prefill_prior))
             self._by_addr[ep.address] = ep
             for m in cfg.models:
                 self._by_model.setdefault(m, []).append(ep)

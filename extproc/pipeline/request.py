@@ -33,6 +33,8 @@ from extproc.errors import (
 )
 from extproc.metrics import Metrics
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
+from extproc.prefix.match import PrefixMatch
+from extproc.prefix.tracker import PrefixTracker
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
@@ -93,6 +95,10 @@ class Routed:
         blocks: KV blocks to reserve on the endpoint (blocks; 0 when KV admission is off).
         result: the scheduling cycle (scores, for explanations), or None in tier mode.
         timings_s: seconds per phase (parse, tokenize, schedule, total).
+        prefix: the prefix index's view of the request (None without one).
+        session: the request's session key (None without one).
+        predicted_ttft_s: predicted seconds to first token per endpoint address (when the
+            profile has a TTFT estimate).
     """
 
     request: LLMRequest
@@ -101,6 +107,36 @@ class Routed:
     blocks: int
     result: ProfileResult | None
     timings_s: dict[str, float]
+    prefix: PrefixMatch | None = None
+    session: bytes | None = None
+    predicted_ttft_s: dict[str, float] | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The request's prefill work on its endpoint (tokens): its prompt less the prefix
+        believed cached there."""
+        if self.prefix is None or self.endpoint is None:
+            return self.request.prompt_tokens
+        return self.prefix.uncached_tokens(self.endpoint.address)
+
+    def explain(self) -> str:
+        """The route-debug line: the profile's scores for the chosen endpoint and the runner-up,
+        then per candidate its matched prefix blocks and predicted TTFT."""
+        if self.result is None:
+            return f"tier={self.tier}"
+        out = self.result.explain()
+        if self.result.pick is None:
+            return out
+        rows = []
+        for s in [self.result.pick.primary, *self.result.pick.fallbacks]:
+            addr = s.endpoint.address
+            part = addr
+            if self.prefix is not None:
+                part += f" matched={self.prefix.matched.get(addr, 0)}blk/{self.prefix.cached_tokens(addr)}tok"
+            if self.predicted_ttft_s and addr in self.predicted_ttft_s:
+                part += f" ttft={self.predicted_ttft_s[addr] * 1000:.1f}ms"
+            rows.append(part)
+        return out + "; candidates " + ", ".join(rows)
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -170,6 +206,7 @@ class RequestPipeline:
         metrics: metrics sink.
         executor: where long prompts are tokenized.
         rng: tie-break randomness (seeded in tests).
+        prefix: the prefix tracker (prefix index, sessions), or None for none.
     """
 
     def __init__(
@@ -180,8 +217,10 @@ class RequestPipeline:
         metrics: Metrics,
         executor: Executor | None = None,
         rng: random.Random | None = None,
+        prefix: PrefixTracker | None = None,
     ) -> None:
         self._config = config
+        self.prefix = prefix
         self._store = store
         self._models = dict(models)
         self._aliases: dict[str, str] = {}
@@ -227,13 +266,16 @@ class RequestPipeline:
             )
         return self._models[canonical]
 
-    async def route(self, kind: RequestKind, body: bytes, *, priority_header: str | None = None) -> Routed:
+    async def route(
+        self, kind: RequestKind, body: bytes, *, priority_header: str | None = None, session_header: str | None = None
+    ) -> Routed:
         """Decide for one request body (reserves nothing).
 
         Args:
             kind: chat or completion (from the path).
             body: the raw request body (bytes).
             priority_header: the value of the priority header, if sent.
+            session_header: the value of the session header (`scheduling.prefix.session_header`), if sent.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -304,6 +346,11 @@ class RequestPipeline:
             priority=priority,
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
         )
+        session = None
+        if self.prefix is not None:
+            session = self.prefix.session_of(session_header, parsed.user)
+            ctx.session_endpoint = self.prefix.session_endpoint(session)
+            ctx.prefix = self.prefix.lookup(req, healthy or pool, ctx.block_size)
         result = self.profile.run(ctx, pool)
         for plugin, seconds in result.timings_s.items():
             self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
@@ -312,7 +359,18 @@ class RequestPipeline:
         endpoint = result.pick.primary.endpoint
         blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
-        return Routed(req, endpoint, None, blocks, result, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0})
+        predicted = ctx.data.get("predicted_ttft_s")
+        return Routed(
+            req,
+            endpoint,
+            None,
+            blocks,
+            result,
+            {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0},
+            prefix=ctx.prefix,
+            session=session,
+            predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
+        )
 
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""
@@ -342,13 +400,19 @@ class RequestPipeline:
         return NoEndpointError(f"no endpoint for model `{r.served_model}` passed {by}", code="no_eligible_endpoint")
 
     def reserve(self, routed: Routed) -> Reservation | None:
-        """Hold the decision: an in-flight slot and the KV blocks on the chosen endpoint."""
-        if routed.endpoint is None:
+        """Hold the decision: an in-flight slot, the prefill work and the KV blocks on the chosen
+        endpoint, and the request's blocks in the prefix index (so the next identical prompt
+        follows it before this one is answered). Call with no await after `route`."""
+        ep = routed.endpoint
+        if ep is None:
             return None
+        if self.prefix is not None:
+            bs = ep.engine.block_size if ep.engine is not None and ep.engine.block_size else self._config.scheduling.block_size
+            self.prefix.on_pick(ep, bs, routed.prefix, routed.session)
         return self._store.reserve(
-            routed.endpoint,
+            ep,
             routed.blocks,
-            prompt_tokens=routed.request.prompt_tokens,
+            prompt_tokens=routed.prefill_tokens,
             settle_after_s=self._config.admission.kv.settle_after_s,
         )
 

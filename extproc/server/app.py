@@ -20,10 +20,12 @@ from extproc.config.schema import Config
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
+from extproc.datastore.prefill_fit import PrefillPrior
 from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
+from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.metrics import TelemetryMetrics
@@ -72,7 +74,12 @@ class ExtProcApp:
         self.telemetry = TelemetryMetrics(self.metrics.registry)
         # Response bodies are observed per endpoint; tier mode leaves the endpoint to Envoy.
         self._telemetry_on = config.telemetry.enabled and config.scheduling.mode == "endpoint"
-        self.store = Datastore(config.endpoints)
+        pm = config.scheduling.prefill_model
+        self.store = Datastore(
+            config.endpoints,
+            PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
+        )
+        self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry))
         for ep in self.store.all():
             # Read at scrape time: nothing to update on the request path.
             self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
@@ -102,6 +109,7 @@ class ExtProcApp:
         if ok:
             endpoint.scrape_errors = 0
             self.store.settle_scraped(endpoint, endpoint.engine.scraped_at)
+            self.prefix.on_scrape(endpoint)
         else:
             endpoint.scrape_errors += 1
             m.scrape_errors.labels(endpoint.address).inc()
@@ -120,11 +128,12 @@ class ExtProcApp:
         for ep in self.store.all():
             ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
+        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
         self.servicer = ExtProcServicer(
             pipeline,
             self.metrics,
             priority_header=cfg.admission.priority.header,
+            session_header=cfg.scheduling.prefix.session_header or None,
             explain_header=cfg.scheduling.explain_header,
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,

@@ -62,6 +62,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         pipeline: decides generation requests.
         metrics: metrics sink.
         priority_header: request header carrying the priority class (lower case).
+        session_header: request header naming a session for session affinity (lower case), or None.
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
@@ -74,6 +75,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         metrics: Metrics,
         *,
         priority_header: str = "x-llm-priority",
+        session_header: str | None = "x-session-id",
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
@@ -89,7 +91,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self._priority_header = priority_header
         self._explain = explain_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header))
+        self._session_header = session_header
+        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, *((session_header,) if session_header else ())))
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -217,7 +220,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         try:
-            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header))
+            routed = await self._pipeline.route(
+                kind,
+                body,
+                priority_header=hdrs.get(self._priority_header),
+                session_header=hdrs.get(self._session_header) if self._session_header else None,
+            )
         except ExtProcError as exc:
             err: ExtProcError = exc
         except Exception:
@@ -234,7 +242,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if address is not None:
                 m.child(m.endpoint_routed, address).inc()
             if routed.result is not None and log.isEnabledFor(logging.DEBUG):
-                log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.result.explain())
+                log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
             headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
             req = routed.request
             # An alias: the engines serve the model under its configured name.
@@ -290,5 +298,5 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             # leaves prefill here but teaches nothing about prefill speed.
             reservation.mark_first_token(learn=streamed)
         if self._explain and routed is not None:
-            extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
+            extra["x-llm-route-debug"] = routed.explain()
         return responses.response_headers(extra, remove)

@@ -1,29 +1,32 @@
 """`ttft-estimate-scorer`: prefer the endpoint expected to produce this request's first token
-soonest.
+soonest — the one cost in which prefix-cache affinity and queueing trade, in seconds.
 
-    predicted_ttft_i = (prefill backlog_i + this prompt) × prefill_s_per_token_i
+    predicted_ttft_i = t0_i + s_i × (prefill backlog_i + uncached_i)
 
-* prefill backlog_i: prompt tokens of the requests we routed to endpoint i that have not
-  produced their first token yet (`Endpoint.prefill_tokens`);
-* prefill_s_per_token_i: learned per endpoint from observed first tokens — the time each took
-  divided by the backlog it joined (`Endpoint.prefill_s_per_token`, an EWMA). It folds the GPU's
-  prefill speed, chunked-prefill interference from running decodes and queueing into one
-  number, so a mixed H100/A100 fleet sorts itself out without per-GPU configuration. Until an
-  endpoint has been observed it takes the fastest observed value (or `prior_s_per_token`):
-  optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic on an
-  idle fleet stayed on the first endpoint that looked fast and never learned the others (all
-  twenty requests of a new user's curl loop went to one A100 while both H100s sat idle). A
-  value learned more than `relearn_after_s` ago on an endpoint with nothing in prefill (long
-  decodes may still run there) counts as unobserved again: one slow first token (a cold start) must not keep an endpoint idle
-  forever, since only traffic can correct it.
+* prefill backlog_i: uncached prompt tokens of the requests we routed to endpoint i that have
+  not produced their first token yet (`Endpoint.prefill_tokens`), counted at pick time;
+* uncached_i: this request's prompt less the prefix endpoint i is believed to hold
+  (`SchedulingContext.prefix`, from the prefix index; the whole prompt without one). A warm
+  endpoint wins exactly while the prefill it saves outweighs its longer queue, and loses by
+  itself when its queue grows past that ("sticky until saturated", as llm-d's precise scheduler
+  and Dynamo's cost function trade it) — no separate affinity weight to tune;
+* t0_i, s_i: the endpoint's learned fit of TTFT against that work (`Endpoint.prefill_fit`, a
+  robust ridge fit towards a prior with forgetting; `extproc.datastore.prefill_fit`). It folds
+  the GPU's prefill speed, chunked-prefill interference from running decodes and queueing into
+  two numbers, so a mixed H100/A100 fleet sorts itself out without per-GPU configuration.
+
+Until an endpoint has been observed it is predicted with the fastest observed fit (or the
+prior): optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic
+on an idle fleet stayed on the first endpoint that looked fast and never learned the others. A
+fit last sampled more than `relearn_after_s` ago on an endpoint with nothing in prefill counts
+as unobserved again: one slow first token (a cold start) must not keep an endpoint idle forever.
 
 Score = min_j(predicted_j) / predicted_i: the fastest endpoint scores 1.0 and one predicted
-twice as slow 0.5 (proportional, unlike a min-max normalisation that would give it 0).
+twice as slow 0.5. Each endpoint's prediction is kept in `ctx.data["predicted_ttft_s"]` for the
+route-debug header.
 
 Parameters:
-    prior_s_per_token (float > 0, default 5e-5): seconds per backlog token before anything was
-        observed anywhere (≈ an A100 prefilling an 8B model).
-    relearn_after_s (float > 0, default 10): forget an idle endpoint's value this old (seconds).
+    relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from extproc.datastore.endpoints import Endpoint
+from extproc.datastore.prefill_fit import PrefillFit
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
@@ -42,39 +46,52 @@ __all__ = ["TTFTEstimateScorer", "predicted_ttft_s"]
 
 def predicted_ttft_s(
     endpoints: Sequence[Endpoint],
-    prompt_tokens: int,
-    prior_s_per_token: float,
+    work_tokens: Sequence[int],
     *,
     now: float | None = None,
     relearn_after_s: float = float("inf"),
 ) -> list[float]:
-    """Predicted seconds to first token on each endpoint for a prompt of `prompt_tokens`
-    (`now`: `time.monotonic()` seconds, to tell an idle endpoint's old value; see the module doc)."""
-    learned = [_learned(ep, now, relearn_after_s) for ep in endpoints]
-    known = [s for s in learned if s is not None]
-    fill = min(known) if known else prior_s_per_token
-    return [(ep.prefill_tokens + max(1, prompt_tokens)) * (fill if s is None else s) for ep, s in zip(endpoints, learned)]
+    """Predicted seconds to first token on each endpoint.
+
+    Args:
+        endpoints: the candidates.
+        work_tokens: the request's own prefill work on each endpoint (tokens, same order:
+            uncached prompt tokens).
+        now: `time.monotonic()` (seconds), to tell an idle endpoint's old fit.
+        relearn_after_s: a fit older than this on an idle endpoint counts as unobserved (seconds).
+    """
+    fits = [_learned(ep, now, relearn_after_s) for ep in endpoints]
+    known = [f for f in fits if f is not None]
+    out: list[float] = []
+    for ep, fit, own in zip(endpoints, fits, work_tokens):
+        x = ep.prefill_tokens + max(1, own)
+        if fit is not None:
+            out.append(fit.predict(x))
+        elif known:
+            out.append(min(f.predict(x) for f in known))
+        else:
+            out.append(ep.prefill_fit.predict(x))  # the prior
+    return out
 
 
-def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> float | None:
-    value = ep.prefill_s_per_token
-    if value is None or value <= 0:
+def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> PrefillFit | None:
+    fit = ep.prefill_fit
+    if not fit.samples:
         return None
-    if now is not None and ep.prefill_inflight == 0 and ep.prefill_sampled_at is not None and now - ep.prefill_sampled_at > relearn_after_s:
+    if now is not None and ep.prefill_inflight == 0 and fit.sampled_at is not None and now - fit.sampled_at > relearn_after_s:
         return None
-    return value
+    return fit
 
 
 @register("ttft-estimate-scorer")
 class TTFTEstimateScorer(Plugin):
     class Params(Params):
-        prior_s_per_token: float = Field(default=5e-5, gt=0)
         relearn_after_s: float = Field(default=10.0, gt=0)
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
-        p = self.params
         predicted = predicted_ttft_s(
-            endpoints, ctx.request.prompt_tokens, p.prior_s_per_token, now=ctx.now, relearn_after_s=p.relearn_after_s
+            endpoints, [ctx.uncached_tokens(ep) for ep in endpoints], now=ctx.now, relearn_after_s=self.params.relearn_after_s
         )
+        ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
         best = min(predicted)
         return [best / p if p > 0 else 1.0 for p in predicted]
