@@ -317,7 +317,9 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # prefill steps make its gaps uneven read as "heavy" and was held at 128 requests while
     # the A100s queued. The TTFT estimate outweighs the count balancers together (10 against
     # 6.5): they give a full point for one request fewer, which on a mixed fleet is the slower
-    # GPU (decision 0005, second addendum; docs/benchmarks.md).
+    # GPU (decision 0005, second addendum; docs/benchmarks.md). The TTFT estimate counts only
+    # the prompt's uncached tokens (the prefix index), so prefix affinity lives there, in
+    # seconds (decision 0007); a session's last endpoint gets one point.
     "load-aware": ProfileConfig(
         filters=[_p(name) for name in SAFE_FILTERS],
         scorers=[
@@ -328,6 +330,19 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("compute-aware-scorer", 1.0),
             _p("backpressure-scorer", 0.5),
             _p("inflight-scorer", 2.0),
+            _p("session-affinity-scorer", 1.0),
+        ],
+    ),
+    # GIE-style weighted prefix affinity (the inference extension's default shape: prefix 3,
+    # queue 1, KV utilisation 1), for comparison and for users who want it; the default profile
+    # trades the cached prefix against queueing inside the TTFT estimate instead.
+    "prefix": ProfileConfig(
+        filters=[_p(name) for name in SAFE_FILTERS],
+        scorers=[
+            _p("prefix-scorer", 3.0),
+            _p("queue-depth-scorer", 1.0),
+            _p("kv-utilization-scorer", 1.0),
+            _p("inflight-scorer", 1.0),
         ],
     ),
     # Issue-1 baseline: fewest in-flight requests counted by this server, random tie-break.
