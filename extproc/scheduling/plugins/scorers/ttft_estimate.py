@@ -21,12 +21,20 @@ on an idle fleet stayed on the first endpoint that looked fast and never learned
 fit last sampled more than `relearn_after_s` ago on an endpoint with nothing in prefill counts
 as unobserved again: one slow first token (a cold start) must not keep an endpoint idle forever.
 
-Score = min_j(predicted_j) / predicted_i: the fastest endpoint scores 1.0 and one predicted
-twice as slow 0.5. Each endpoint's prediction is kept in `ctx.data["predicted_ttft_s"]` for the
-route-debug header.
+The cost ranked is the request's own predicted TTFT plus the delay its prefill imposes on every
+request routed there after it, `work_weight × s_i × uncached_i` (seconds): without it, a second
+copy of a long prompt sent while the first is still in prefill ties between the warm endpoint
+(behind the first copy, then almost nothing to compute) and a cold one (nothing ahead, all to
+compute), and half the time the fleet prefills the prompt twice. With it the warm endpoint wins
+until its backlog exceeds the cold one's by about (1 + work_weight) × the tokens it saves.
+
+Score = min_j(cost_j) / cost_i: the cheapest endpoint scores 1.0 and one twice as costly 0.5.
+Each endpoint's predicted TTFT is kept in `ctx.data["predicted_ttft_s"]` for the route-debug
+header.
 
 Parameters:
     relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
+    work_weight (float ≥ 0, default 1): weight of the delay imposed on later requests.
 """
 
 from __future__ import annotations
@@ -41,7 +49,22 @@ from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["TTFTEstimateScorer", "predicted_ttft_s"]
+__all__ = ["TTFTEstimateScorer", "effective_fits", "predicted_ttft_s"]
+
+
+def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
+    """The fit each endpoint is predicted with: its own once observed (and not forgotten), else
+    the observed fit fastest for its work (`work_tokens`, own prefill tokens per endpoint), else
+    the prior."""
+    learned = [_learned(ep, now, relearn_after_s) for ep in endpoints]
+    known = [f for f in learned if f is not None]
+    out: list[PrefillFit] = []
+    for ep, fit, own in zip(endpoints, learned, work_tokens):
+        if fit is None:
+            x = ep.prefill_tokens + max(1, own)
+            fit = min(known, key=lambda f: f.predict(x)) if known else ep.prefill_fit
+        out.append(fit)
+    return out
 
 
 def predicted_ttft_s(
@@ -60,18 +83,8 @@ def predicted_ttft_s(
         now: `time.monotonic()` (seconds), to tell an idle endpoint's old fit.
         relearn_after_s: a fit older than this on an idle endpoint counts as unobserved (seconds).
     """
-    fits = [_learned(ep, now, relearn_after_s) for ep in endpoints]
-    known = [f for f in fits if f is not None]
-    out: list[float] = []
-    for ep, fit, own in zip(endpoints, fits, work_tokens):
-        x = ep.prefill_tokens + max(1, own)
-        if fit is not None:
-            out.append(fit.predict(x))
-        elif known:
-            out.append(min(f.predict(x) for f in known))
-        else:
-            out.append(ep.prefill_fit.predict(x))  # the prior
-    return out
+    fits = effective_fits(endpoints, work_tokens, now=now, relearn_after_s=relearn_after_s)
+    return [fit.predict(ep.prefill_tokens + max(1, own)) for ep, fit, own in zip(endpoints, fits, work_tokens)]
 
 
 def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> PrefillFit | None:
@@ -87,11 +100,14 @@ def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> Prefill
 class TTFTEstimateScorer(Plugin):
     class Params(Params):
         relearn_after_s: float = Field(default=10.0, gt=0)
+        work_weight: float = Field(default=1.0, ge=0)
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
-        predicted = predicted_ttft_s(
-            endpoints, [ctx.uncached_tokens(ep) for ep in endpoints], now=ctx.now, relearn_after_s=self.params.relearn_after_s
-        )
+        work = [ctx.uncached_tokens(ep) for ep in endpoints]
+        fits = effective_fits(endpoints, work, now=ctx.now, relearn_after_s=self.params.relearn_after_s)
+        predicted = [f.predict(ep.prefill_tokens + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
         ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
-        best = min(predicted)
-        return [best / p if p > 0 else 1.0 for p in predicted]
+        ww = self.params.work_weight
+        cost = [p + ww * f.s_per_token * w for f, p, w in zip(fits, predicted, work)]
+        best = min(cost)
+        return [best / c if c > 0 else 1.0 for c in cost]
