@@ -53,6 +53,8 @@ class Endpoint:
         prefill_tokens: uncached prompt tokens of the requests in prefill (tokens): the
             prefill work still ahead on this endpoint by our own count (a prompt's prefix that
             the prefix index believes cached there is not work).
+        context_tokens: decode context of the requests in flight (tokens; full prompts plus half
+            their expected outputs): what each decode step on the endpoint reads.
         prefill_fit: the learned fit TTFT ≈ t0 + s · prefill work ahead
             (`extproc.datastore.prefill_fit`; queueing, chunked-prefill interference and the
             GPU's speed all show in it).
@@ -78,6 +80,7 @@ class Endpoint:
     prefill_inflight: int = 0
     decode_inflight: int = 0
     prefill_tokens: int = 0
+    context_tokens: int = 0
     reserved_blocks: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -154,14 +157,20 @@ class Reservation:
             the prefix believed cached there.
         settle_after_s: without an observed first token, settle on the first scrape taken this
             many seconds after the reservation (seconds).
+        context_tokens: the request's whole context while it decodes (tokens): its full prompt,
+            cached part included, plus half its expected output — what its decode steps make
+            every other decode step on the endpoint read.
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
 
-    def __init__(self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float) -> None:
+    def __init__(
+        self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float, context_tokens: int = 0
+    ) -> None:
         self.endpoint = endpoint
         self.blocks = blocks
         self.prompt_tokens = prompt_tokens
+        self.context_tokens = context_tokens
         self.backlog_tokens = endpoint.prefill_tokens + prompt_tokens
         """Prefill tokens ahead of and including this request when it was routed (tokens)."""
         self.created_at = time.monotonic()
@@ -214,6 +223,7 @@ class Reservation:
         self._released = True
         ep = self.endpoint
         ep.inflight -= 1
+        ep.context_tokens -= self.context_tokens
         if self.in_prefill:
             ep.prefill_inflight -= 1
             ep.prefill_tokens -= self.prompt_tokens
@@ -251,11 +261,15 @@ class Datastore:
         """Endpoints serving a canonical model name (healthy or not)."""
         return self._by_model.get(model, [])
 
-    def reserve(self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0) -> Reservation:
-        """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks;
-        release the returned reservation when the request ends, however it ends."""
-        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s)
+    def reserve(
+        self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0, context_tokens: int = 0
+    ) -> Reservation:
+        """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks, with
+        `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens); release
+        the returned reservation when the request ends, however it ends."""
+        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens)
         endpoint.inflight += 1
+        endpoint.context_tokens += context_tokens
         endpoint.routed_total += 1
         endpoint.prefill_inflight += 1
         endpoint.prefill_tokens += prompt_tokens

@@ -95,6 +95,7 @@ class Routed:
         blocks: KV blocks to reserve on the endpoint (blocks; 0 when KV admission is off).
         result: the scheduling cycle (scores, for explanations), or None in tier mode.
         timings_s: seconds per phase (parse, tokenize, schedule, total).
+        expected_output_tokens: max_tokens, or the model's expectation without it (tokens).
         prefix: the prefix index's view of the request (None without one).
         session: the request's session key (None without one).
         predicted_ttft_s: predicted seconds to first token per endpoint address (when the
@@ -107,6 +108,7 @@ class Routed:
     blocks: int
     result: ProfileResult | None
     timings_s: dict[str, float]
+    expected_output_tokens: int = 0
     prefix: PrefixMatch | None = None
     session: bytes | None = None
     predicted_ttft_s: dict[str, float] | None = None
@@ -367,6 +369,7 @@ class RequestPipeline:
             blocks,
             result,
             {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0},
+            expected_output_tokens=expected,
             prefix=ctx.prefix,
             session=session,
             predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
@@ -414,6 +417,7 @@ class RequestPipeline:
             routed.blocks,
             prompt_tokens=routed.prefill_tokens,
             settle_after_s=self._config.admission.kv.settle_after_s,
+            context_tokens=routed.request.prompt_tokens + routed.expected_output_tokens * routed.request.n // 2,
         )
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:

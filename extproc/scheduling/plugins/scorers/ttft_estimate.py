@@ -28,6 +28,16 @@ copy of a long prompt sent while the first is still in prefill ties between the 
 compute), and half the time the fleet prefills the prompt twice. With it the warm endpoint wins
 until its backlog exceeds the cold one's by about (1 + work_weight) × the tokens it saves.
 
+The decode side is in the same cost: every decode step on an endpoint reads the KV of every
+sequence running there, `d` seconds per context token (vLLM's attention read; the calibration's
+d = 44 ns/token for an H100 serving an 8B model, 72 ns for an A100), so this request's own decode
+of `expected_output` tokens takes about `d × context_tokens_i × expected_output` seconds longer
+there than on an idle endpoint (`Endpoint.context_tokens`: full prompts plus half the expected
+outputs of what is in flight). Weighted by `decode_weight`, this keeps long streams spread (one
+engine dying must not take most of the fleet's streams with it) and stops a burst of identical
+prompts piling onto the endpoint that holds their prefix once its decode batch costs more than a
+cold prefill elsewhere.
+
 Score = min_j(cost_j) / cost_i: the cheapest endpoint scores 1.0 and one twice as costly 0.5.
 Each endpoint's predicted TTFT is kept in `ctx.data["predicted_ttft_s"]` for the route-debug
 header.
@@ -35,6 +45,9 @@ header.
 Parameters:
     relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
     work_weight (float ≥ 0, default 1): weight of the delay imposed on later requests.
+    decode_s_per_context_token (float ≥ 0, default 4.4e-8): `d` above (seconds per context
+        token per decode step).
+    decode_weight (float ≥ 0, default 1): weight of the decode term (0: TTFT alone).
 """
 
 from __future__ import annotations
@@ -101,13 +114,16 @@ class TTFTEstimateScorer(Plugin):
     class Params(Params):
         relearn_after_s: float = Field(default=10.0, gt=0)
         work_weight: float = Field(default=1.0, ge=0)
+        decode_s_per_context_token: float = Field(default=4.4e-8, ge=0)
+        decode_weight: float = Field(default=1.0, ge=0)
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
         work = [ctx.uncached_tokens(ep) for ep in endpoints]
         fits = effective_fits(endpoints, work, now=ctx.now, relearn_after_s=self.params.relearn_after_s)
         predicted = [f.predict(ep.prefill_tokens + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
         ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
-        ww = self.params.work_weight
-        cost = [p + ww * f.s_per_token * w for f, p, w in zip(fits, predicted, work)]
+        p = self.params
+        decode = p.decode_weight * p.decode_s_per_context_token * ctx.expected_output_tokens
+        cost = [t + p.work_weight * f.s_per_token * w + decode * ep.context_tokens for ep, f, t, w in zip(endpoints, fits, predicted, work)]
         best = min(cost)
         return [best / c if c > 0 else 1.0 for c in cost]

@@ -1,0 +1,121 @@
+"""Prefix- and session-affinity decisions against real simulated engines (in-process
+`SimServer`s scraped by a real `ExtProcApp`, decisions over a real gRPC ext_proc stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import httpx
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from .test_with_simulator import MODEL, stack  # noqa: F401 - the fixture
+from .test_with_simulator import until
+
+FOUR = ({"speed": 20},) * 4
+
+
+async def choose(stub, text: str, *, max_tokens: int = 16, session: str | None = None, hold: bool = False):
+    """One decision for a chat with `text` as its user message: the chosen endpoint (and the
+    open call when `hold`, so the request stays in flight)."""
+    hdrs = {":method": b"POST", ":path": b"/v1/chat/completions"}
+    if session:
+        hdrs["x-session-id"] = session.encode()
+    call = stub.Process()
+    await call.write(
+        pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hdrs.items()]))
+        )
+    )
+    await call.read()
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
+    await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    reply = await call.read()
+    chosen = {h.header.key: h.header.raw_value.decode() for h in reply.request_body.response.header_mutation.set_headers}["x-gateway-destination-endpoint"]
+    if hold:
+        return chosen, call
+    call.cancel()
+    return chosen
+
+
+def long_text(tokens: int, tag: str = "doc") -> str:
+    return f"{tag} " + " ".join(f"w{i % 97}" for i in range(tokens))
+
+
+async def test_second_identical_long_prompt_follows_the_first(stack):  # noqa: F811
+    app, sims, stub = await stack(*FOUR)
+    for trial in range(5):
+        text = long_text(4000, f"t{trial}")
+        first, call = await choose(stub, text, hold=True)
+        await asyncio.sleep(0.005)
+        second, call2 = await choose(stub, text, hold=True)
+        assert second == first
+        call.cancel()
+        call2.cancel()
+
+
+async def test_identical_short_prompts_spread(stack):  # noqa: F811
+    app, sims, stub = await stack(*FOUR)
+    counts = collections.Counter([await choose(stub, "hello there, how are you today?") for _ in range(200)])
+    assert len(counts) == 4 and min(counts.values()) >= 20, counts
+    assert app.prefix.index.match([1]) == {}
+
+
+async def test_burst_of_identical_long_prompts_spreads_once_the_warm_queue_costs_more(stack):  # noqa: F811
+    app, sims, stub = await stack(*FOUR)
+    text = long_text(3000, "burst")
+    held = await asyncio.gather(*(choose(stub, text, max_tokens=256, hold=True) for _ in range(50)))
+    counts = collections.Counter(addr for addr, _ in held)
+    assert len(counts) >= 3 and max(counts.values()) <= 25, counts
+    for _, call in held:
+        call.cancel()
+
+
+async def test_long_streams_spread_over_identical_engines(stack):  # noqa: F811
+    app, sims, stub = await stack(*FOUR)
+    held = []
+    for i in range(20):
+        held.append(await choose(stub, f"tell me a long story number {i}", max_tokens=3000, hold=True))
+        await asyncio.sleep(0.05)
+    counts = collections.Counter(addr for addr, _ in held)
+    assert max(counts.values()) <= 7, counts
+    for _, call in held:
+        call.cancel()
+
+
+async def test_a_restarted_engine_loses_its_affinity(stack):  # noqa: F811
+    app, sims, stub = await stack(*FOUR)
+    text = long_text(2000, "restart")
+    first = await choose(stub, text)
+    assert await choose(stub, text) == first
+    sim = next(s for s in sims if f"127.0.0.1:{s.port}" == first)
+    ep = app.store.get(first)
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+        # the engine serves the prompt (its prefix-cache counters move), then restarts
+        r = await c.post(f"{sim.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+        assert r.status_code == 200
+        await until(lambda: ep.engine is not None and ep.engine.prefix_queries > 0)
+        assert app.prefix.index.blocks(first) > 0
+        r = await c.post(f"{sim.url}/sim/faults", json={"restart": True})
+        assert r.status_code == 200
+    await until(lambda: app.prefix.index.blocks(first) == 0)
+    assert app.prefix.describe(ep)["resets"] == 1
+
+
+async def test_session_header_keeps_a_conversation_on_one_endpoint_while_load_allows(stack):  # noqa: F811
+    app, sims, stub = await stack(*FOUR)
+    turns = [await choose(stub, f"short turn {i}", session="conv-1") for i in range(10)]
+    assert len(set(turns)) == 1
+    bound = turns[0]
+    # load the bound endpoint far beyond the others: the session yields
+    ep = app.store.get(bound)
+    r = app.store.reserve(ep, prompt_tokens=200_000, context_tokens=200_000)
+    try:
+        moved = await choose(stub, "short turn 11", session="conv-1")
+        assert moved != bound
+        assert await choose(stub, "short turn 12", session="conv-1") == moved  # then it stays there
+    finally:
+        r.release()
