@@ -36,6 +36,7 @@ __all__ = [
     "TierConfig",
     "PrefixConfig",
     "HotPrefixConfig",
+    "WarmupConfig",
     "PrefillModelConfig",
     "AdmissionConfig",
     "KVAdmissionConfig",
@@ -384,6 +385,24 @@ class HotPrefixConfig(_Strict):
     max_tracked: int = Field(default=4096, ge=1)
 
 
+class WarmupConfig(_Strict):
+    """Warm-up of hot prefixes onto cold endpoints (`extproc.prefix.warmup`), off by default.
+
+    Attributes:
+        enabled: send warm-ups at all.
+        replicas: warm a hot prefix until this many endpoints hold it (count).
+        max_per_s: most warm-up requests per second, fleet-wide.
+        kv_watermark: never warm an endpoint whose KV usage is at or above this (0..1).
+        timeout_s: a warm-up's HTTP timeout (seconds).
+    """
+
+    enabled: bool = False
+    replicas: int = Field(default=2, ge=1)
+    max_per_s: float = Field(default=1.0, gt=0)
+    kv_watermark: float = Field(default=0.8, gt=0, le=1)
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
 class PrefixConfig(_Strict):
     """Prefix-cache affinity and session affinity (`extproc.prefix`).
 
@@ -404,6 +423,7 @@ class PrefixConfig(_Strict):
         session_ttl_s: a session unused this long is forgotten (seconds).
         max_sessions: most sessions remembered (count).
         hot: hot-prefix tracking.
+        warmup: warm-up requests carrying hot prefixes to cold endpoints (opt-in).
     """
 
     enabled: bool = True
@@ -415,6 +435,7 @@ class PrefixConfig(_Strict):
     session_ttl_s: float = Field(default=600.0, gt=0)
     max_sessions: int = Field(default=100_000, ge=1)
     hot: HotPrefixConfig = Field(default_factory=HotPrefixConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
 
     @field_validator("session_header")
     @classmethod

@@ -411,7 +411,16 @@ class RequestPipeline:
             return None
         if self.prefix is not None:
             bs = ep.engine.block_size if ep.engine is not None and ep.engine.block_size else self._config.scheduling.block_size
-            self.prefix.on_pick(ep, bs, routed.prefix, routed.session)
+            req = routed.request
+            self.prefix.on_pick(
+                ep,
+                bs,
+                routed.prefix,
+                routed.session,
+                candidates=self._store.for_model(req.served_model),
+                token_ids=req.token_ids,
+                model=req.served_model,
+            )
         return self._store.reserve(
             ep,
             routed.blocks,

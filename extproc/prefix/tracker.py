@@ -32,6 +32,7 @@ from extproc.prefix.hot import HotPrefixes
 from extproc.prefix.index import BYTES_PER_ENTRY, PrefixIndex
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.sessions import SessionTable, session_key
+from extproc.prefix.warmup import PrefixWarmer
 
 if TYPE_CHECKING:
     from extproc.config.schema import PrefixConfig
@@ -110,9 +111,16 @@ class PrefixTracker:
         config: `scheduling.prefix`.
         metrics: Prometheus series (None: a private registry, for tests).
         clock: monotonic seconds.
+        registry: where the warmer's metrics go (None: a private registry).
     """
 
-    def __init__(self, config: PrefixConfig, metrics: PrefixMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: PrefixConfig,
+        metrics: PrefixMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.enabled = config.enabled
         self.index = PrefixIndex(max(1, config.max_index_bytes // BYTES_PER_ENTRY), config.default_capacity_blocks)
@@ -126,6 +134,7 @@ class PrefixTracker:
         self.on_precise_pick: Callable[[str, list[int]], None] | None = None
         """Set by the KV-event source: called instead of `index.add` for precise endpoints."""
         self._clock = clock
+        self.warmer = PrefixWarmer(config.warmup, self.index, registry, clock)
         self.metrics.index_bytes.set_function(lambda: len(self.index) * BYTES_PER_ENTRY)
         self.metrics.sessions.set_function(lambda: len(self.sessions))
 
@@ -171,8 +180,20 @@ class PrefixTracker:
             del match.block_size[addr]
         return match
 
-    def on_pick(self, endpoint: Endpoint, block_size: int, match: PrefixMatch | None, session: bytes | None) -> None:
-        """Count the decision (call right after the pick, with no await before it)."""
+    def on_pick(
+        self,
+        endpoint: Endpoint,
+        block_size: int,
+        match: PrefixMatch | None,
+        session: bytes | None,
+        *,
+        candidates: Sequence[Endpoint] = (),
+        token_ids: Sequence[int] | None = None,
+        model: str = "",
+    ) -> None:
+        """Count the decision (call right after the pick, with no await before it). With
+        `candidates`, the prompt's `token_ids` and the served `model`, a hot prefix may be
+        warmed onto a cold endpoint (`scheduling.prefix.warmup`)."""
         now = self._clock()
         addr = endpoint.address
         if session is not None:
@@ -196,11 +217,16 @@ class PrefixTracker:
             shared = hashes[best - 1]
             hot_before = self.hot.is_hot(shared, now)
             self.hot.record(shared, best * block_size, now)
+            warm_here = match.matched.get(addr, 0) >= best
+            self.warmer.note_routed(addr, shared, warm_here)
             if hot_before:
-                if match.matched.get(addr, 0) >= best:
+                if warm_here:
                     m.hot_hits.inc()
                 else:
                     m.hot_seeded.inc()
+                if candidates and token_ids is not None:
+                    holders = {a for a, b in match.matched.items() if b >= best} | {addr}
+                    self.warmer.consider(candidates, sorted(holders), shared, hashes[:best], token_ids[: best * block_size], model)
         if not hashes:
             return
         if addr in self.precise and self.on_precise_pick is not None:
@@ -299,5 +325,6 @@ class PrefixTracker:
             "bytes": len(self.index) * BYTES_PER_ENTRY,
             "evictions": self.index.evictions,
             "sessions": len(self.sessions),
+            "warmups_in_flight": self.warmer.in_flight,
             "hot_prefixes": [{"hash": f"{h:016x}", "tokens": t, "requests": c} for h, t, c in self.hot.hottest(now)],
         }

@@ -79,7 +79,7 @@ class ExtProcApp:
             config.endpoints,
             PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
         )
-        self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry))
+        self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
         for ep in self.store.all():
             # Read at scrape time: nothing to update on the request path.
             self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
@@ -192,6 +192,7 @@ class ExtProcApp:
             self._grpc = None
         await self._checker.aclose()
         await self._agents.aclose()
+        await self.prefix.warmer.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()
         if self._admin is not None:

@@ -119,3 +119,27 @@ async def test_session_header_keeps_a_conversation_on_one_endpoint_while_load_al
         assert await choose(stub, "short turn 12", session="conv-1") == moved  # then it stays there
     finally:
         r.release()
+
+
+async def test_a_hot_prefix_is_warmed_onto_a_cold_endpoint(stack):  # noqa: F811
+    """Opt-in warm-up: once a shared prefix is hot and only one endpoint holds it, one cold
+    endpoint gets a max_tokens=1 request with the prefix, and then holds it (in its real
+    prefix cache and in the index)."""
+    app, sims, stub = await stack(
+        *FOUR,
+        scheduling={
+            "metrics": {"interval_s": 0.05, "timeout_s": 0.2, "stale_after_s": 0.5},
+            "health_check": {"interval_s": 0.2},
+            "prefix": {"hot": {"min_count": 3}, "warmup": {"enabled": True, "max_per_s": 5, "replicas": 2}},
+        },
+    )
+    system = long_text(1500, "system")
+    holders = {await choose(stub, system + f" question {i}") for i in range(6)}
+    assert len(holders) >= 1
+    metric = app.metrics.registry.get_sample_value
+    await until(lambda: (metric("llm_extproc_prefix_warmups_total", {"outcome": "ok"}) or 0) >= 1)
+    # (decisions alone send nothing to the engines: only the warm-up reached one)
+    warmed = [f"127.0.0.1:{s.port}" for s in sims if s.engine.pool.num_cached >= 90]
+    assert len(warmed) == 1 and warmed[0] not in holders  # it really prefilled the prefix on a cold engine
+    held = [f"127.0.0.1:{s.port}" for s in sims if app.prefix.index.blocks(f"127.0.0.1:{s.port}") >= 90]
+    assert warmed[0] in held and len(held) >= 2
