@@ -143,3 +143,24 @@ async def test_a_hot_prefix_is_warmed_onto_a_cold_endpoint(stack):  # noqa: F811
     assert len(warmed) == 1 and warmed[0] not in holders  # it really prefilled the prefix on a cold engine
     held = [f"127.0.0.1:{s.port}" for s in sims if app.prefix.index.blocks(f"127.0.0.1:{s.port}") >= 90]
     assert warmed[0] in held and len(held) >= 2
+
+
+async def test_decisions_explain_matched_blocks_and_the_admin_api_shows_the_index(stack):  # noqa: F811
+    from extproc.types import RequestKind
+
+    app, sims, stub = await stack(*FOUR[:2])
+    text = long_text(1000, "explain")
+    first = await choose(stub, text)
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8})
+    routed = await app.pipeline.route(RequestKind.CHAT, body)
+    line = routed.explain()
+    assert routed.endpoint.address == first
+    blocks = app.prefix.index.blocks(first)
+    assert f"{first} matched={blocks}blk/{blocks * 16}tok" in line and "ttft=" in line, line
+    async with httpx.AsyncClient(trust_env=False) as c:
+        shown = (await c.get(f"http://127.0.0.1:{app.admin_port}/api/v1/endpoints")).json()
+    assert shown["prefix_index"]["entries"] == blocks and shown["prefix_index"]["bytes"] > 0
+    by_addr = {e["address"]: e for e in shown["endpoints"]}
+    assert by_addr[first]["prefix"]["blocks"] == blocks and by_addr[first]["prefix"]["source"] == "approximate"
+    assert by_addr[first]["prefix"]["predicted_hit_rate"] == 0.0  # the first of that prompt hit nothing
+    assert by_addr[first]["prefill_fit"]["samples"] == 0
