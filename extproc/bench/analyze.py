@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from extproc.bench.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
-from extproc.bench.truncation import head_tail_split
+from extproc.pipeline.truncate import head_tail_split
 
 __all__ = [
     "TIER_EDGES",

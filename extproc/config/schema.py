@@ -34,6 +34,7 @@ __all__ = [
     "ProfileConfig",
     "SAFE_FILTERS",
     "TierConfig",
+    "TruncationConfig",
     "AdmissionConfig",
     "KVAdmissionConfig",
     "PriorityConfig",
@@ -140,6 +141,32 @@ class LimitsConfig(_Strict):
         return self
 
 
+class TruncationConfig(_Strict):
+    """Head + tail truncation of over-long prompts (`extproc.pipeline.truncate`).
+
+    A prompt is cut when its tokens plus the output budget (the request's `max_tokens`, else
+    `min_output_tokens`) exceed `max_model_len`; otherwise it gets vLLM's 400 as before.
+
+    Attributes:
+        mode: `off` — never cut (the `x-llm-truncate` header is ignored); `head-tail` — cut every
+            over-long prompt (a client may send `x-llm-truncate: off` to get the 400 instead);
+            `on-request` — cut only when the client sends `x-llm-truncate: head-tail`.
+        head_tokens: most leading tokens a cut text keeps (tokens; the design notes' 512): a
+            completions prompt keeps `min(head_tokens, n / 4)` tokens of its head, the rest of the
+            budget from its tail; a chat message cut inside keeps as much of its own head.
+        min_output_tokens: output room left when the request sets no `max_tokens` (tokens).
+    """
+
+    mode: Literal["off", "head-tail", "on-request"] = "off"
+    head_tokens: int = Field(default=512, ge=0)
+    min_output_tokens: int = Field(default=1024, ge=1)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+
 class ModelConfig(_Strict):
     """One served model.
 
@@ -154,6 +181,7 @@ class ModelConfig(_Strict):
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
+        truncation: head + tail truncation of over-long prompts (off by default).
     """
 
     name: str = Field(min_length=1)
@@ -163,6 +191,16 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(default=40960, ge=16)
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
+    truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+
+    @model_validator(mode="after")
+    def _output_room(self) -> ModelConfig:
+        if self.truncation.mode != "off" and self.truncation.min_output_tokens >= self.max_model_len:
+            raise ValueError(
+                f"truncation.min_output_tokens ({self.truncation.min_output_tokens}) must be below "
+                f"max_model_len ({self.max_model_len}): a cut prompt needs at least one token"
+            )
+        return self
 
 
 class EndpointConfig(_Strict):

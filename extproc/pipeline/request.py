@@ -1,6 +1,6 @@
 """The request pipeline for one generation request:
 
-    parse → resolve model → priority → count tokens → check context → estimate KV
+    parse → resolve model → priority → count tokens → truncate (opt-in) → check context → estimate KV
           → shed (priority under saturation) → filter → score → pick      (endpoint mode)
           → tier from the prompt length                                  (tier mode)
 
@@ -13,6 +13,7 @@ cancelled stream can never leave a reservation behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -33,6 +34,7 @@ from extproc.errors import (
 )
 from extproc.metrics import Metrics
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
+from extproc.pipeline.truncate import Truncated, Truncation, prompt_budget, truncate, wanted
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
@@ -92,7 +94,9 @@ class Routed:
         tier: the chosen tier (tier mode), else None.
         blocks: KV blocks to reserve on the endpoint (blocks; 0 when KV admission is off).
         result: the scheduling cycle (scores, for explanations), or None in tier mode.
-        timings_s: seconds per phase (parse, tokenize, schedule, total).
+        timings_s: seconds per phase (parse, tokenize, truncate when it ran, schedule, total).
+        body: the body to send instead of the client's (a truncated prompt), or None.
+        truncation: what truncation did, or None when the prompt was not cut.
     """
 
     request: LLMRequest
@@ -101,6 +105,8 @@ class Routed:
     blocks: int
     result: ProfileResult | None
     timings_s: dict[str, float]
+    body: bytes | None = None
+    truncation: Truncation | None = None
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -227,18 +233,23 @@ class RequestPipeline:
             )
         return self._models[canonical]
 
-    async def route(self, kind: RequestKind, body: bytes, *, priority_header: str | None = None) -> Routed:
+    async def route(
+        self, kind: RequestKind, body: bytes, *, priority_header: str | None = None, truncate_header: str | None = None
+    ) -> Routed:
         """Decide for one request body (reserves nothing).
 
         Args:
             kind: chat or completion (from the path).
             body: the raw request body (bytes).
             priority_header: the value of the priority header, if sent.
+            truncate_header: the value of `x-llm-truncate`, if sent (read only where the model's
+                truncation mode is not `off`).
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
             BadRequestError: malformed body, more than `limits.max_json_values` JSON values, bad
-                priority, or prompt + max_tokens over `max_model_len`.
+                priority or truncate header, or prompt + max_tokens over `max_model_len` (after
+                truncation, where the model allows it).
             NotFoundError: unknown model.
             RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
             NoEndpointError: no healthy endpoint (503), or no KV fit with `reject_status: 503`.
@@ -259,6 +270,7 @@ class RequestPipeline:
         )
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
+        may_truncate = wanted(runtime.config.truncation, truncate_header)
         t1 = time.perf_counter()
         model = runtime.config
         counted = self._count(parsed, runtime, len(body))
@@ -270,8 +282,14 @@ class RequestPipeline:
             budget_s = self._count_budget_s - (time.perf_counter() - t1)
             prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name, budget_s)
         t2 = time.perf_counter()
+        cut: Truncated | None = None
         if exact:
+            if may_truncate:
+                cut = await self._truncate(parsed, runtime, body, prompt_tokens)
+                if cut is not None:
+                    body, prompt_tokens, token_ids = cut.body, cut.prompt_tokens, cut.token_ids
             self._check_context(parsed, model, prompt_tokens)
+        t_cut = time.perf_counter() - t2
         total_prompt = sum(prompt_tokens)
         req = LLMRequest(
             kind=kind,
@@ -289,7 +307,8 @@ class RequestPipeline:
         if cfg.scheduling.mode == "tier":
             tiers = cfg.scheduling.tiers
             tier = tier_for(total_prompt, tiers.low_latency_below, tiers.high_throughput_above)
-            return Routed(req, None, tier, 0, None, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0})
+            timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
+            return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         pool = self._store.for_model(model.name)
         healthy = [ep for ep in pool if ep.healthy]
@@ -312,7 +331,42 @@ class RequestPipeline:
         endpoint = result.pick.primary.endpoint
         blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
-        return Routed(req, endpoint, None, blocks, result, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0})
+        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2 - t_cut, "total": t3 - t0}
+        return self._routed(Routed(req, endpoint, None, blocks, result, timings), cut, t_cut)
+
+    @staticmethod
+    def _routed(routed: Routed, cut: Truncated | None, seconds: float) -> Routed:
+        """`routed` carrying the truncated body, what was cut and how long cutting took."""
+        if cut is not None:
+            routed.body, routed.truncation = cut.body, cut.truncation
+            routed.timings_s["truncate"] = seconds
+        return routed
+
+    async def _truncate(
+        self, parsed: ParsedRequest, runtime: ModelRuntime, body: bytes, prompt_tokens: list[int]
+    ) -> Truncated | None:
+        """Head + tail truncation (`extproc.pipeline.truncate`) of a prompt over its budget, in
+        the executor (it re-renders templates and may re-tokenize a cut text); counted in the
+        truncation metrics. None when the prompt fits.
+
+        Raises:
+            ContextLengthError: the prompt cannot be made to fit.
+        """
+        model = runtime.config
+        if max(prompt_tokens) <= prompt_budget(model.max_model_len, parsed.max_tokens, model.truncation):
+            return None
+        work = functools.partial(
+            truncate, parsed, body, runtime.counter, prompt_tokens, max_model_len=model.max_model_len, policy=model.truncation
+        )
+        if self._executor is not None:
+            cut = await asyncio.get_running_loop().run_in_executor(self._executor, work)
+        else:
+            cut = work()
+        if cut is not None:
+            m = self._metrics
+            m.child(m.truncations, model.name).inc()
+            m.child(m.truncated_tokens, model.name).inc(cut.truncation.tokens_dropped)
+        return cut
 
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""

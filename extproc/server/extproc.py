@@ -10,10 +10,11 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
 2. request_body (BUFFERED, so it arrives whole) — run the pipeline; set
    `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
    `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
-   the JSON error.
+   the JSON error. A truncated prompt (`extproc.pipeline.truncate`) replaces the body.
 3. response_headers — telemetry on: the stream's observer sees status and content type (and
    asks for `content-length` to go when it will inject markers); telemetry off: a 2xx marks
-   the request's first token (prefill → decode). The explain header is added when configured.
+   the request's first token (prefill → decode). The explain header is added when configured,
+   `x-llm-truncated-tokens` when the prompt was cut.
 4. response_body (STREAMED, telemetry on) — each chunk feeds the observer (TTFT, inter-token
    gaps, usage); the first content event moves the request from prefill to decode; the chunk
    goes back unchanged, or with marker comment lines when markers are on.
@@ -42,6 +43,7 @@ from extproc.datastore.endpoints import Reservation
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
+from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.server import responses
 from extproc.telemetry.metrics import TelemetryMetrics
@@ -89,7 +91,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self._priority_header = priority_header
         self._explain = explain_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header))
+        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER))
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -217,7 +219,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         try:
-            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header))
+            routed = await self._pipeline.route(
+                kind, body, priority_header=hdrs.get(self._priority_header), truncate_header=hdrs.get(TRUNCATE_HEADER)
+            )
         except ExtProcError as exc:
             err: ExtProcError = exc
         except Exception:
@@ -237,8 +241,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.result.explain())
             headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
             req = routed.request
-            # An alias: the engines serve the model under its configured name.
-            rewritten = with_model(body, req.served_model) if req.model != req.served_model else None
+            # A truncated prompt's body; an alias: the engines serve the model under its configured name.
+            rewritten = routed.body
+            if req.model != req.served_model:
+                rewritten = with_model(rewritten or body, req.served_model)
             return responses.route_in_body(headers, rewritten), routed, reservation
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         return self._reject(err, hdrs), None, None
@@ -289,6 +295,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             # first content instead). A non-streamed answer starts with its last token: it
             # leaves prefill here but teaches nothing about prefill speed.
             reservation.mark_first_token(learn=streamed)
+        if routed is not None and routed.truncation is not None:
+            extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
         return responses.response_headers(extra, remove)

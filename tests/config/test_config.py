@@ -95,3 +95,25 @@ def test_new_profile_filters(filters, expected) -> None:
     spec = {"scorers": [{"type": "inflight-scorer"}]} | ({} if filters is None else {"filters": filters})
     cfg = config_from_mapping(minimal(scheduling={"profiles": {"mine": spec}}))
     assert [f.type for f in cfg.scheduling.all_profiles()["mine"].filters] == expected
+
+
+@pytest.mark.parametrize(
+    ("truncation", "needles"),
+    [
+        ({"mode": "middle"}, ["models[0].truncation.mode", "'middle'"]),
+        ({"mode": "head-tail", "min_output_tokens": 40960}, ["min_output_tokens (40960) must be below max_model_len (40960)"]),
+        ({"head": 5}, ["models[0].truncation.head: unknown key"]),
+    ],
+    ids=["unknown-mode", "no-room-left", "unknown-key"],
+)
+def test_truncation_errors_name_the_key(truncation, needles) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_mapping(minimal(models=[{"name": "m", "truncation": truncation}]))
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_truncation_mode_off_may_be_bare_yaml(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("models: [{name: m, truncation: {mode: off}}]\nendpoints: [{address: '10.0.0.1:8000', models: [m]}]\n")
+    assert load_config(path, env={}).models[0].truncation.mode == "off"
