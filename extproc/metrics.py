@@ -151,6 +151,12 @@ class Metrics:
             registry=registry,
         )
 
+        self.decision_log_dropped = Counter(
+            "llm_extproc_decision_log_dropped_total",
+            "Decision log lines dropped because the writer thread's queue was full.",
+            registry=registry,
+        )
+
     def child(self, metric: Any, *values: str) -> Any:
         """`metric.labels(*values)`, memoised. prometheus_client validates and locks on every
         `labels()` call (a few microseconds; a decision touches ~15 children), and every label

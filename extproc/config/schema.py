@@ -8,6 +8,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
     scheduling: {mode: endpoint, profile: load-aware, profiles: {...}, metrics: {...}, health_check: {...}}
     admission: {kv: {...}, priority: {...}}
+    decision_log: {path, max_bytes, backup_count, queue_size}
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "TierConfig",
     "TruncationConfig",
     "AdmissionConfig",
+    "DecisionLogConfig",
     "KVAdmissionConfig",
     "PriorityConfig",
     "BUILTIN_PROFILES",
@@ -518,6 +520,25 @@ class TelemetryConfig(_Strict):
     stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
 
 
+class DecisionLogConfig(_Strict):
+    """The decision log (`extproc.telemetry.decision_log`): one JSON line per decided
+    generation request — counts, model, endpoint, TTFT, outcome, truncation; never prompt text
+    or credentials — for `llm-extproc analyze`.
+
+    Attributes:
+        path: the log file; None (default) writes no log.
+        max_bytes: size at which the file rotates (bytes).
+        backup_count: rotated files kept (`path.1` … `path.N`).
+        queue_size: lines waiting for the writer thread; more are dropped and counted
+            (`llm_extproc_decision_log_dropped_total`) rather than slow the event loop.
+    """
+
+    path: str | None = None
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
+    backup_count: int = Field(default=5, ge=1)
+    queue_size: int = Field(default=10_000, ge=1)
+
+
 class Config(_Strict):
     """The whole configuration."""
 
@@ -529,6 +550,7 @@ class Config(_Strict):
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -40,6 +40,7 @@ from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
 from extproc.scheduling.registry import build
+from extproc.telemetry.decision_log import DecisionRecord
 from extproc.types import LLMRequest, RequestKind, TokenCount
 
 __all__ = [
@@ -234,7 +235,13 @@ class RequestPipeline:
         return self._models[canonical]
 
     async def route(
-        self, kind: RequestKind, body: bytes, *, priority_header: str | None = None, truncate_header: str | None = None
+        self,
+        kind: RequestKind,
+        body: bytes,
+        *,
+        priority_header: str | None = None,
+        truncate_header: str | None = None,
+        record: DecisionRecord | None = None,
     ) -> Routed:
         """Decide for one request body (reserves nothing).
 
@@ -244,6 +251,8 @@ class RequestPipeline:
             priority_header: the value of the priority header, if sent.
             truncate_header: the value of `x-llm-truncate`, if sent (read only where the model's
                 truncation mode is not `off`).
+            record: a decision-log record to fill with what is learnt (model, prompt tokens,
+                output budget, truncation), even when the request is refused later; or None.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -271,6 +280,8 @@ class RequestPipeline:
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
         may_truncate = wanted(runtime.config.truncation, truncate_header)
+        if record is not None:
+            record.model = runtime.config.name
         t1 = time.perf_counter()
         model = runtime.config
         counted = self._count(parsed, runtime, len(body))
@@ -283,11 +294,16 @@ class RequestPipeline:
             prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name, budget_s)
         t2 = time.perf_counter()
         cut: Truncated | None = None
+        if record is not None:
+            record.counted(prompt_tokens, parsed.max_tokens, model)
         if exact:
             if may_truncate:
                 cut = await self._truncate(parsed, runtime, body, prompt_tokens)
                 if cut is not None:
                     body, prompt_tokens, token_ids = cut.body, cut.prompt_tokens, cut.token_ids
+                    if record is not None:
+                        record.counted(prompt_tokens, parsed.max_tokens, model)
+                        record.truncation = cut.truncation
             self._check_context(parsed, model, prompt_tokens)
         t_cut = time.perf_counter() - t2
         total_prompt = sum(prompt_tokens)

@@ -46,6 +46,7 @@ from extproc.pipeline.request import RequestPipeline, Routed
 from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.server import responses
+from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -68,6 +69,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
+        decision_log: where to write one line per decided generation request, or None.
     """
 
     def __init__(
@@ -81,8 +83,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
         outlier_detection: OutlierDetectionConfig | None = None,
+        decision_log: DecisionLog | None = None,
     ) -> None:
         self._pipeline = pipeline
+        self._log = decision_log
         self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
@@ -111,6 +115,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         reservation: Reservation | None = None
         routed: Routed | None = None
         observer: StreamObserver | None = None
+        record: DecisionRecord | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
         start_ns = 0
@@ -153,7 +158,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if kind is None or routed is not None or reservation is not None:
                         yield responses.continue_for(phase)
                         continue
-                    response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs)
+                    if self._log is not None:
+                        record = DecisionRecord(time=time.time(), kind=kind.value)
+                    response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs, record)
                     if routed is not None and routed.endpoint is not None and observe:
                         observer = StreamObserver(
                             endpoint=routed.endpoint.address,
@@ -167,7 +174,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer)
+                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer, record)
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
@@ -187,6 +194,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     observer.on_end("complete")  # judged from what it saw, never the gRPC status
                 except Exception:
                     log.exception("stream observer failed at end of stream")
+            if record is not None and routed is not None and self._log is not None:
+                record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
+                self._log.write(record)
             if reservation is not None:
                 reservation.release()
             self.active_streams -= 1
@@ -210,7 +220,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return headers
 
     async def _decide(
-        self, body: bytes, kind: RequestKind, hdrs: dict[str, str]
+        self, body: bytes, kind: RequestKind, hdrs: dict[str, str], record: DecisionRecord | None = None
     ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None]:
         """Run the pipeline on a body; reserve the decision (no await in between).
 
@@ -220,7 +230,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         start = time.perf_counter()
         try:
             routed = await self._pipeline.route(
-                kind, body, priority_header=hdrs.get(self._priority_header), truncate_header=hdrs.get(TRUNCATE_HEADER)
+                kind,
+                body,
+                priority_header=hdrs.get(self._priority_header),
+                truncate_header=hdrs.get(TRUNCATE_HEADER),
+                record=record,
             )
         except ExtProcError as exc:
             err: ExtProcError = exc
@@ -228,6 +242,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("decision failed")
             err = ExtProcError("internal error while routing the request")
         else:
+            if record is not None:
+                record.decision_s, record.tier = time.perf_counter() - start, routed.tier
+                if routed.endpoint is not None:
+                    record.endpoint = routed.endpoint.address
+                    record.predict(routed.endpoint)  # before this request joins its backlog
             reservation = self._pipeline.reserve(routed)
             m = self._metrics
             for phase, seconds in routed.timings_s.items():
@@ -247,6 +266,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 rewritten = with_model(rewritten or body, req.served_model)
             return responses.route_in_body(headers, rewritten), routed, reservation
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
+        if record is not None and self._log is not None:
+            record.outcome, record.reason, record.status = "rejected", err.code, err.status
+            record.decision_s = time.perf_counter() - start
+            self._log.write(record)
         return self._reject(err, hdrs), None, None
 
     def _on_response_headers(
@@ -255,6 +278,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         routed: Routed | None,
         reservation: Reservation | None,
         observer: StreamObserver | None,
+        record: DecisionRecord | None = None,
     ) -> pb.ProcessingResponse:
         found: dict[str, str] = {}
         for h in msg.headers.headers:
@@ -264,6 +288,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             status = int(found.get(":status", "0"))
         except ValueError:
             status = 0
+        if record is not None and status:
+            record.status = status
         extra: dict[str, str] = {}
         remove: tuple[str, ...] = ()
         if observer is not None:
