@@ -183,7 +183,8 @@ class ModelConfig(_Strict):
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
-        truncation: head + tail truncation of over-long prompts (off by default).
+        truncation: head + tail truncation of over-long prompts (off by default); a mode alone
+            (`truncation: head-tail`) keeps the other settings' defaults.
     """
 
     name: str = Field(min_length=1)
@@ -194,6 +195,11 @@ class ModelConfig(_Strict):
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _mode_alone(cls, v: Any) -> Any:
+        return {"mode": v} if isinstance(v, str | bool) else v  # `truncation: head-tail`
 
     @model_validator(mode="after")
     def _output_room(self) -> ModelConfig:

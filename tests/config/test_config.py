@@ -113,7 +113,12 @@ def test_truncation_errors_name_the_key(truncation, needles) -> None:
         assert needle in str(err.value)
 
 
-def test_truncation_mode_off_may_be_bare_yaml(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("yaml_value", "mode"),
+    [("{mode: off}", "off"), ("off", "off"), ("head-tail", "head-tail"), ("{mode: on-request, head_tokens: 64}", "on-request")],
+    ids=["bare-off", "mode-alone-off", "mode-alone", "mapping"],
+)
+def test_truncation_yaml_forms(tmp_path, yaml_value: str, mode: str) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("models: [{name: m, truncation: {mode: off}}]\nendpoints: [{address: '10.0.0.1:8000', models: [m]}]\n")
-    assert load_config(path, env={}).models[0].truncation.mode == "off"
+    path.write_text(f"models: [{{name: m, truncation: {yaml_value}}}]\nendpoints: [{{address: '10.0.0.1:8000', models: [m]}}]\n")
+    assert load_config(path, env={}).models[0].truncation.mode == mode
