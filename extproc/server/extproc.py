@@ -159,6 +159,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield responses.continue_for(phase)
                         continue
                     if self._log is not None:
+                        # `tenant` stays None until requests carry one (set record.tenant; it is hashed when written).
                         record = DecisionRecord(time=time.time(), kind=kind.value)
                     response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs, record)
                     if routed is not None and routed.endpoint is not None and observe:
