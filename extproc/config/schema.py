@@ -8,6 +8,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
     scheduling: {mode: endpoint, profile: load-aware, profiles: {...}, metrics: {...}, health_check: {...}}
     admission: {kv: {...}, priority: {...}}
+    decision_log: {path, max_bytes, backup_count, queue_size}
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ __all__ = [
     "HotPrefixConfig",
     "WarmupConfig",
     "PrefillModelConfig",
+    "TruncationConfig",
     "AdmissionConfig",
+    "DecisionLogConfig",
     "KVAdmissionConfig",
     "PriorityConfig",
     "BUILTIN_PROFILES",
@@ -144,6 +147,32 @@ class LimitsConfig(_Strict):
         return self
 
 
+class TruncationConfig(_Strict):
+    """Head + tail truncation of over-long prompts (`extproc.pipeline.truncate`).
+
+    A prompt is cut when its tokens plus the output budget (the request's `max_tokens`, else
+    `min_output_tokens`) exceed `max_model_len`; otherwise it gets vLLM's 400 as before.
+
+    Attributes:
+        mode: `off` — never cut (the `x-llm-truncate` header is ignored); `head-tail` — cut every
+            over-long prompt (a client may send `x-llm-truncate: off` to get the 400 instead);
+            `on-request` — cut only when the client sends `x-llm-truncate: head-tail`.
+        head_tokens: most leading tokens a cut text keeps (tokens; the design notes' 512): a
+            completions prompt keeps `min(head_tokens, n / 4)` tokens of its head, the rest of the
+            budget from its tail; a chat message cut inside keeps as much of its own head.
+        min_output_tokens: output room left when the request sets no `max_tokens` (tokens).
+    """
+
+    mode: Literal["off", "head-tail", "on-request"] = "off"
+    head_tokens: int = Field(default=512, ge=0)
+    min_output_tokens: int = Field(default=1024, ge=1)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+
 class ModelConfig(_Strict):
     """One served model.
 
@@ -158,6 +187,8 @@ class ModelConfig(_Strict):
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
+        truncation: head + tail truncation of over-long prompts (off by default); a mode alone
+            (`truncation: head-tail`) keeps the other settings' defaults.
     """
 
     name: str = Field(min_length=1)
@@ -167,6 +198,21 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(default=40960, ge=16)
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
+    truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _mode_alone(cls, v: Any) -> Any:
+        return {"mode": v} if isinstance(v, str | bool) else v  # `truncation: head-tail`
+
+    @model_validator(mode="after")
+    def _output_room(self) -> ModelConfig:
+        if self.truncation.mode != "off" and self.truncation.min_output_tokens >= self.max_model_len:
+            raise ValueError(
+                f"truncation.min_output_tokens ({self.truncation.min_output_tokens}) must be below "
+                f"max_model_len ({self.max_model_len}): a cut prompt needs at least one token"
+            )
+        return self
 
 
 class EndpointConfig(_Strict):
@@ -589,6 +635,25 @@ class TelemetryConfig(_Strict):
     stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
 
 
+class DecisionLogConfig(_Strict):
+    """The decision log (`extproc.telemetry.decision_log`): one JSON line per decided
+    generation request — counts, model, endpoint, TTFT, outcome, truncation; never prompt text
+    or credentials — for `llm-extproc analyze`.
+
+    Attributes:
+        path: the log file; None (default) writes no log.
+        max_bytes: size at which the file rotates (bytes).
+        backup_count: rotated files kept (`path.1` … `path.N`).
+        queue_size: lines waiting for the writer thread; more are dropped and counted
+            (`llm_extproc_decision_log_dropped_total`) rather than slow the event loop.
+    """
+
+    path: str | None = None
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
+    backup_count: int = Field(default=5, ge=1)
+    queue_size: int = Field(default=10_000, ge=1)
+
+
 class Config(_Strict):
     """The whole configuration."""
 
@@ -600,6 +665,7 @@ class Config(_Strict):
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

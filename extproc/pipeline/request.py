@@ -1,6 +1,6 @@
 """The request pipeline for one generation request:
 
-    parse → resolve model → priority → count tokens → check context → estimate KV
+    parse → resolve model → priority → count tokens → truncate (opt-in) → check context → estimate KV
           → shed (priority under saturation) → filter → score → pick      (endpoint mode)
           → tier from the prompt length                                  (tier mode)
 
@@ -13,6 +13,7 @@ cancelled stream can never leave a reservation behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -35,11 +36,13 @@ from extproc.metrics import Metrics
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
+from extproc.pipeline.truncate import Truncated, Truncation, prompt_budget, truncate, wanted
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
 from extproc.scheduling.registry import build
+from extproc.telemetry.decision_log import DecisionRecord
 from extproc.types import LLMRequest, RequestKind, TokenCount
 
 __all__ = [
@@ -94,12 +97,14 @@ class Routed:
         tier: the chosen tier (tier mode), else None.
         blocks: KV blocks to reserve on the endpoint (blocks; 0 when KV admission is off).
         result: the scheduling cycle (scores, for explanations), or None in tier mode.
-        timings_s: seconds per phase (parse, tokenize, schedule, total).
+        timings_s: seconds per phase (parse, tokenize, truncate when it ran, schedule, total).
         expected_output_tokens: max_tokens, or the model's expectation without it (tokens).
         prefix: the prefix index's view of the request (None without one).
         session: the request's session key (None without one).
         predicted_ttft_s: predicted seconds to first token per endpoint address (when the
             profile has a TTFT estimate).
+        body: the body to send instead of the client's (a truncated prompt), or None.
+        truncation: what truncation did, or None when the prompt was not cut.
     """
 
     request: LLMRequest
@@ -112,6 +117,8 @@ class Routed:
     prefix: PrefixMatch | None = None
     session: bytes | None = None
     predicted_ttft_s: dict[str, float] | None = None
+    body: bytes | None = None
+    truncation: Truncation | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -269,7 +276,14 @@ class RequestPipeline:
         return self._models[canonical]
 
     async def route(
-        self, kind: RequestKind, body: bytes, *, priority_header: str | None = None, session_header: str | None = None
+        self,
+        kind: RequestKind,
+        body: bytes,
+        *,
+        priority_header: str | None = None,
+        session_header: str | None = None,
+        truncate_header: str | None = None,
+        record: DecisionRecord | None = None,
     ) -> Routed:
         """Decide for one request body (reserves nothing).
 
@@ -278,11 +292,16 @@ class RequestPipeline:
             body: the raw request body (bytes).
             priority_header: the value of the priority header, if sent.
             session_header: the value of the session header (`scheduling.prefix.session_header`), if sent.
+            truncate_header: the value of `x-llm-truncate`, if sent (read only where the model's
+                truncation mode is not `off`).
+            record: a decision-log record to fill with what is learnt (model, prompt tokens,
+                output budget, truncation), even when the request is refused later; or None.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
             BadRequestError: malformed body, more than `limits.max_json_values` JSON values, bad
-                priority, or prompt + max_tokens over `max_model_len`.
+                priority or truncate header, or prompt + max_tokens over `max_model_len` (after
+                truncation, where the model allows it).
             NotFoundError: unknown model.
             RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
             NoEndpointError: no healthy endpoint (503), or no KV fit with `reject_status: 503`.
@@ -303,6 +322,9 @@ class RequestPipeline:
         )
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
+        may_truncate = wanted(runtime.config.truncation, truncate_header)
+        if record is not None:
+            record.model = runtime.config.name
         t1 = time.perf_counter()
         model = runtime.config
         counted = self._count(parsed, runtime, len(body))
@@ -314,8 +336,19 @@ class RequestPipeline:
             budget_s = self._count_budget_s - (time.perf_counter() - t1)
             prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name, budget_s)
         t2 = time.perf_counter()
+        cut: Truncated | None = None
+        if record is not None:
+            record.counted(prompt_tokens, parsed.max_tokens, model)
         if exact:
+            if may_truncate:
+                cut = await self._truncate(parsed, runtime, body, prompt_tokens)
+                if cut is not None:
+                    body, prompt_tokens, token_ids = cut.body, cut.prompt_tokens, cut.token_ids
+                    if record is not None:
+                        record.counted(prompt_tokens, parsed.max_tokens, model)
+                        record.truncation = cut.truncation
             self._check_context(parsed, model, prompt_tokens)
+        t_cut = time.perf_counter() - t2
         total_prompt = sum(prompt_tokens)
         req = LLMRequest(
             kind=kind,
@@ -333,7 +366,8 @@ class RequestPipeline:
         if cfg.scheduling.mode == "tier":
             tiers = cfg.scheduling.tiers
             tier = tier_for(total_prompt, tiers.low_latency_below, tiers.high_throughput_above)
-            return Routed(req, None, tier, 0, None, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0})
+            timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
+            return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         pool = self._store.for_model(model.name)
         healthy = [ep for ep in pool if ep.healthy]
@@ -362,18 +396,54 @@ class RequestPipeline:
         blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
         predicted = ctx.data.get("predicted_ttft_s")
-        return Routed(
+        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2 - t_cut, "total": t3 - t0}
+        routed = Routed(
             req,
             endpoint,
             None,
             blocks,
             result,
-            {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0},
+            timings,
             expected_output_tokens=expected,
             prefix=ctx.prefix,
             session=session,
             predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
         )
+        return self._routed(routed, cut, t_cut)
+
+    @staticmethod
+    def _routed(routed: Routed, cut: Truncated | None, seconds: float) -> Routed:
+        """`routed` carrying the truncated body, what was cut and how long cutting took."""
+        if cut is not None:
+            routed.body, routed.truncation = cut.body, cut.truncation
+            routed.timings_s["truncate"] = seconds
+        return routed
+
+    async def _truncate(
+        self, parsed: ParsedRequest, runtime: ModelRuntime, body: bytes, prompt_tokens: list[int]
+    ) -> Truncated | None:
+        """Head + tail truncation (`extproc.pipeline.truncate`) of a prompt over its budget, in
+        the executor (it re-renders templates and may re-tokenize a cut text); counted in the
+        truncation metrics. None when the prompt fits.
+
+        Raises:
+            ContextLengthError: the prompt cannot be made to fit.
+        """
+        model = runtime.config
+        if max(prompt_tokens) <= prompt_budget(model.max_model_len, parsed.max_tokens, model.truncation):
+            return None
+        work = functools.partial(
+            truncate, parsed, body, runtime.counter, prompt_tokens, max_model_len=model.max_model_len, policy=model.truncation
+        )
+        if self._executor is not None:
+            cut = await asyncio.get_running_loop().run_in_executor(self._executor, work)
+        else:
+            cut = work()
+        if cut is not None:
+            m = self._metrics
+            m.child(m.truncations, model.name).inc()
+            m.child(m.truncated_tokens, model.name).inc(cut.truncation.tokens_dropped)
+        return cut
 
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""

@@ -28,6 +28,7 @@ from extproc.pipeline.tokens import TokenCounter
 from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
+from extproc.telemetry.decision_log import DecisionLog
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.stats import EndpointStreamStats
 
@@ -86,6 +87,7 @@ class ExtProcApp:
             self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
+        self._decision_log: DecisionLog | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.store, config.scheduling.health_check)
@@ -119,7 +121,7 @@ class ExtProcApp:
 
         Raises:
             TokenizerLoadError: a tokenizer cannot be loaded.
-            RuntimeError: a listen address cannot be bound.
+            RuntimeError: a listen address cannot be bound, or the decision log cannot be opened.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -127,6 +129,13 @@ class ExtProcApp:
             self._models = await loop.run_in_executor(None, load_models, cfg)
         for ep in self.store.all():
             ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
+        if cfg.decision_log.path is not None:
+            decision_log = DecisionLog(cfg.decision_log, self.metrics.decision_log_dropped)
+            try:
+                decision_log.start()
+            except OSError as exc:
+                raise RuntimeError(f"cannot open decision_log.path {cfg.decision_log.path}: {exc.strerror or exc}") from None
+            self._decision_log = decision_log
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
         self.servicer = ExtProcServicer(
@@ -139,6 +148,7 @@ class ExtProcApp:
             observer_options=cfg.telemetry.observer,
             sample_rate=cfg.telemetry.sample_rate,
             outlier_detection=cfg.scheduling.outlier_detection,
+            decision_log=self._decision_log,
         )
         self.pipeline = pipeline
         await self._checker.start()
@@ -201,3 +211,6 @@ class ExtProcApp:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._decision_log is not None:
+            self._decision_log.close()  # after the streams: their last lines are written
+            self._decision_log = None

@@ -10,10 +10,11 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
 2. request_body (BUFFERED, so it arrives whole) — run the pipeline; set
    `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
    `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
-   the JSON error.
+   the JSON error. A truncated prompt (`extproc.pipeline.truncate`) replaces the body.
 3. response_headers — telemetry on: the stream's observer sees status and content type (and
    asks for `content-length` to go when it will inject markers); telemetry off: a 2xx marks
-   the request's first token (prefill → decode). The explain header is added when configured.
+   the request's first token (prefill → decode). The explain header is added when configured,
+   `x-llm-truncated-tokens` when the prompt was cut.
 4. response_body (STREAMED, telemetry on) — each chunk feeds the observer (TTFT, inter-token
    gaps, usage); the first content event moves the request from prefill to decode; the chunk
    goes back unchanged, or with marker comment lines when markers are on.
@@ -42,8 +43,10 @@ from extproc.datastore.endpoints import Reservation
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
+from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.server import responses
+from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -67,6 +70,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
+        decision_log: where to write one line per decided generation request, or None.
     """
 
     def __init__(
@@ -81,8 +85,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
         outlier_detection: OutlierDetectionConfig | None = None,
+        decision_log: DecisionLog | None = None,
     ) -> None:
         self._pipeline = pipeline
+        self._log = decision_log
         self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
@@ -92,7 +98,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._priority_header = priority_header
         self._explain = explain_header
         self._session_header = session_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, *((session_header,) if session_header else ())))
+        self._wanted = frozenset(
+            (":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER, *((session_header,) if session_header else ()))
+        )
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -112,6 +120,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         reservation: Reservation | None = None
         routed: Routed | None = None
         observer: StreamObserver | None = None
+        record: DecisionRecord | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
         start_ns = 0
@@ -154,7 +163,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if kind is None or routed is not None or reservation is not None:
                         yield responses.continue_for(phase)
                         continue
-                    response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs)
+                    if self._log is not None:
+                        # `tenant` stays None until requests carry one (set record.tenant; it is hashed when written).
+                        record = DecisionRecord(time=time.time(), kind=kind.value)
+                    response, routed, reservation = await self._decide(msg.request_body.body, kind, hdrs, record)
                     if routed is not None and routed.endpoint is not None and observe:
                         observer = StreamObserver(
                             endpoint=routed.endpoint.address,
@@ -168,7 +180,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer)
+                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer, record)
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
@@ -188,6 +200,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     observer.on_end("complete")  # judged from what it saw, never the gRPC status
                 except Exception:
                     log.exception("stream observer failed at end of stream")
+            if record is not None and routed is not None and self._log is not None:
+                record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
+                self._log.write(record)
             if reservation is not None:
                 reservation.release()
             self.active_streams -= 1
@@ -211,7 +226,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return headers
 
     async def _decide(
-        self, body: bytes, kind: RequestKind, hdrs: dict[str, str]
+        self, body: bytes, kind: RequestKind, hdrs: dict[str, str], record: DecisionRecord | None = None
     ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None]:
         """Run the pipeline on a body; reserve the decision (no await in between).
 
@@ -225,6 +240,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 body,
                 priority_header=hdrs.get(self._priority_header),
                 session_header=hdrs.get(self._session_header) if self._session_header else None,
+                truncate_header=hdrs.get(TRUNCATE_HEADER),
+                record=record,
             )
         except ExtProcError as exc:
             err: ExtProcError = exc
@@ -232,6 +249,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("decision failed")
             err = ExtProcError("internal error while routing the request")
         else:
+            if record is not None:
+                record.decision_s, record.tier = time.perf_counter() - start, routed.tier
+                if routed.endpoint is not None:
+                    record.endpoint = routed.endpoint.address
+                    record.predict(routed)
             reservation = self._pipeline.reserve(routed)
             m = self._metrics
             for phase, seconds in routed.timings_s.items():
@@ -245,10 +267,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
             headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
             req = routed.request
-            # An alias: the engines serve the model under its configured name.
-            rewritten = with_model(body, req.served_model) if req.model != req.served_model else None
+            # A truncated prompt's body; an alias: the engines serve the model under its configured name.
+            rewritten = routed.body
+            if req.model != req.served_model:
+                rewritten = with_model(rewritten or body, req.served_model)
             return responses.route_in_body(headers, rewritten), routed, reservation
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
+        if record is not None and self._log is not None:
+            record.outcome, record.reason, record.status = "rejected", err.code, err.status
+            record.decision_s = time.perf_counter() - start
+            self._log.write(record)
         return self._reject(err, hdrs), None, None
 
     def _on_response_headers(
@@ -257,6 +285,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         routed: Routed | None,
         reservation: Reservation | None,
         observer: StreamObserver | None,
+        record: DecisionRecord | None = None,
     ) -> pb.ProcessingResponse:
         found: dict[str, str] = {}
         for h in msg.headers.headers:
@@ -266,6 +295,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             status = int(found.get(":status", "0"))
         except ValueError:
             status = 0
+        if record is not None and status:
+            record.status = status
         extra: dict[str, str] = {}
         remove: tuple[str, ...] = ()
         if observer is not None:
@@ -297,6 +328,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             # first content instead). A non-streamed answer starts with its last token: it
             # leaves prefill here but teaches nothing about prefill speed.
             reservation.mark_first_token(learn=streamed)
+        if routed is not None and routed.truncation is not None:
+            extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
         return responses.response_headers(extra, remove)
