@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Metrics", "DECISION_PHASES"]
 
-DECISION_PHASES = ("parse", "tokenize", "schedule", "total")
+DECISION_PHASES = ("parse", "tokenize", "truncate", "schedule", "total")
 
 # Decisions are sub-millisecond to tens of milliseconds (tokenizing long prompts).
 _DECISION_BUCKETS = (
@@ -95,7 +95,7 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "llm_extproc_decision_duration_seconds",
-            "Time to decide a request, by phase (parse, tokenize, schedule, total), in seconds.",
+            "Time to decide a request, by phase (parse, tokenize, truncate, schedule, total), in seconds.",
             ["phase"],
             buckets=_DECISION_BUCKETS,
             registry=registry,
@@ -135,6 +135,25 @@ class Metrics:
             "llm_extproc_tokenizer_cache_misses_total",
             "Prompt segments tokenized afresh.",
             ["model"],
+            registry=registry,
+        )
+
+        self.truncations = Counter(
+            "llm_extproc_truncation_requests_total",
+            "Requests whose over-long prompt was cut by head + tail truncation, per model.",
+            ["model"],
+            registry=registry,
+        )
+        self.truncated_tokens = Counter(
+            "llm_extproc_truncation_dropped_tokens_total",
+            "Prompt tokens removed by head + tail truncation, per model.",
+            ["model"],
+            registry=registry,
+        )
+
+        self.decision_log_dropped = Counter(
+            "llm_extproc_decision_log_dropped_total",
+            "Decision log lines dropped because the writer thread's queue was full.",
             registry=registry,
         )
 

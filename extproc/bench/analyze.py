@@ -5,7 +5,8 @@ What it computes from a list of `TraceRequest` (definitions as in
   - input and output lengths: count, mean, p50/p90/p99/p99.9 (numpy linear interpolation), max,
     share ≤ 512 tokens, and a histogram on power-of-two bins `[2^k, 2^(k+1))`;
   - the design notes' tier split: < 512 / 512–2048 / > 2048 input tokens (DESIGN section 9
-    item 9: low-latency / balanced / high-throughput);
+    item 9: low-latency / balanced / high-throughput), and tier boundaries suggested for this
+    traffic (`suggest_tiers`);
   - arrivals: span, mean rate (requests / span), peak 1-minute rate (busiest 60 s bin from the
     first arrival), and the index of dispersion of per-second counts (population variance /
     mean: ~1 for Poisson arrivals, above 1 for bursty ones);
@@ -25,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from extproc.bench.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
-from extproc.bench.truncation import head_tail_split
+from extproc.pipeline.truncate import head_tail_split
 
 __all__ = [
     "TIER_EDGES",
@@ -35,6 +36,7 @@ __all__ = [
     "log2_histogram",
     "prefix_reuse",
     "render_analysis",
+    "suggest_tiers",
     "tier_split",
     "truncation_stats",
 ]
@@ -76,9 +78,9 @@ def length_stats(values: np.ndarray) -> dict[str, Any]:
     }
 
 
-def tier_split(input_tokens: np.ndarray) -> dict[str, dict[str, float]]:
-    """Count and share of requests per tier (`<512`, `512-2048`, `>2048`)."""
-    low, high = TIER_EDGES
+def tier_split(input_tokens: np.ndarray, edges: tuple[int, int] = TIER_EDGES) -> dict[str, dict[str, float]]:
+    """Count and share of requests per tier (`<512`, `512-2048`, `>2048` for the default edges)."""
+    low, high = edges
     total = max(1, input_tokens.size)
     counts = {
         f"<{low}": int((input_tokens < low).sum()),
@@ -86,6 +88,30 @@ def tier_split(input_tokens: np.ndarray) -> dict[str, dict[str, float]]:
         f">{high}": int((input_tokens > high).sum()),
     }
     return {k: {"count": v, "share": v / total} for k, v in counts.items()}
+
+
+SUGGEST_QUANTILES = (68.0, 90.0)
+"""The design notes' edges sit at these percentiles of their traffic (68 % ≤ 512 tokens, P90
+2,048): `suggest_tiers` puts this traffic's edges at the same percentiles."""
+
+
+def _pow2(x: float) -> int:
+    return int(2 ** round(np.log2(max(1.0, x))))
+
+
+def suggest_tiers(input_tokens: np.ndarray) -> dict[str, Any]:
+    """Tier boundaries for this traffic: its P68 and P90 input lengths (`SUGGEST_QUANTILES`),
+    each rounded to the nearest power of two — on the design notes' distribution this gives
+    their 512 and 2,048. Keys: `low_latency_below`, `high_throughput_above` (tokens, as in
+    `scheduling.tiers`), `edges`, and the `split` those edges give."""
+    if input_tokens.size == 0:
+        low, high = TIER_EDGES
+    else:
+        p_low, p_high = np.percentile(input_tokens, SUGGEST_QUANTILES)
+        low, high = _pow2(p_low), _pow2(p_high)
+        high = max(high, low)
+    split = tier_split(input_tokens, (low, high))
+    return {"low_latency_below": low, "high_throughput_above": high, "edges": (low, high), "split": split}
 
 
 def arrival_stats(arrivals: np.ndarray) -> dict[str, float | None]:
@@ -176,6 +202,7 @@ def analyze_trace(trace: Trace, *, truncate: int | None = None) -> dict[str, Any
         "input_tokens": length_stats(inputs),
         "output_tokens": length_stats(outputs),
         "tiers": tier_split(inputs),
+        "suggested_tiers": suggest_tiers(inputs),
         "arrivals": arrival_stats(arrivals),
         "prefix_reuse": prefix_reuse(requests),
         "truncation": truncation_stats(inputs, truncate) if truncate is not None else None,
@@ -221,6 +248,13 @@ def render_analysis(analysis: dict[str, Any], console: Console) -> None:
     for name, t in analysis["tiers"].items():
         tiers.add_row(name, f"{t['count']:,}", f"{t['share']:.1%}")
     console.print(tiers)
+    sug = analysis["suggested_tiers"]
+    shares = " / ".join(f"{t['share']:.1%}" for t in sug["split"].values())
+    console.print(
+        f"Suggested tiers for this traffic (its P68 and P90, to the nearest power of two): "
+        f"scheduling.tiers.low_latency_below: {sug['low_latency_below']}, high_throughput_above: "
+        f"{sug['high_throughput_above']} (shares {shares})"
+    )
     a = analysis["arrivals"]
     note = " (synthesized, Poisson)" if analysis["synthesized_arrivals"] else ""
     console.print(

@@ -24,12 +24,13 @@ class TraceFormatChoice(str, enum.Enum):
     burstgpt = "burstgpt"
     sharegpt = "sharegpt"
     mtbench = "mtbench"
+    decisions = "decisions"
 
 
 def analyze(
     path: Path = typer.Argument(
         ..., help="trace file (Mooncake JSONL, Azure 2023 CSV, BurstGPT CSV, ShareGPT JSON, MT-Bench "
-        "question.jsonl), or 'synthetic' for the built-in workload"
+        "question.jsonl, llm-extproc's own decision log), or 'synthetic' for the built-in workload"
     ),
     format: TraceFormatChoice = typer.Option(TraceFormatChoice.auto, "--format", help="trace format; auto detects it from the content"),
     json_path: Path | None = typer.Option(None, "--json", help="also write the analysis as JSON to this file"),
@@ -45,7 +46,8 @@ def analyze(
     start_offset: float = typer.Option(0.0, "--start-offset", help="skip this many seconds of the trace"),
     seed: int = typer.Option(0, "--seed", help="seed of synthesized arrivals / the synthetic workload"),
 ) -> None:
-    """Token-length distribution, tiers, arrivals and prefix reuse of a trace."""
+    """Token-length distribution, tiers (and tier boundaries suggested for it), arrivals and prefix reuse of a
+    trace or of llm-extproc's decision log."""
     import orjson
     from rich.console import Console
 
@@ -80,7 +82,7 @@ def analyze(
         if plot is not None:
             from extproc.bench.plots import plot_trace
 
-            plot_trace(trace, plot)
+            plot_trace(trace, plot, tier_edges=analysis["suggested_tiers"]["edges"])
             console.print(f"wrote {plot}")
     except OSError as exc:
         raise _fail(f"cannot write: {exc}") from None

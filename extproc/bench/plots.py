@@ -94,8 +94,9 @@ def plot_runs(
     return _save(fig, path)
 
 
-def plot_trace(trace: Trace, path: str | Path) -> Path:
-    """Write length histograms and the arrival rate of `trace` to `path` (PNG); returns `path`."""
+def plot_trace(trace: Trace, path: str | Path, *, tier_edges: tuple[int, int] = (512, 2048)) -> Path:
+    """Write length histograms (log-spaced bins on a log axis, `tier_edges` in tokens dotted) and
+    the arrival rate of `trace` to `path` (PNG); returns `path`."""
     fig = Figure(figsize=(12, 4.5))
     lengths, rate = fig.subplots(1, 2)
     inputs = np.array([r.input_tokens for r in trace.requests], dtype=float)
@@ -106,10 +107,10 @@ def plot_trace(trace: Trace, path: str | Path) -> Path:
         lengths.hist(inputs, bins=bins, alpha=0.6, label="input")
         lengths.hist(outputs, bins=bins, alpha=0.6, label="output")
         lengths.set_xscale("log")
-        for edge in (512, 2048):
+        for edge in tier_edges:
             lengths.axvline(edge, color="grey", linestyle=":", linewidth=1)
         lengths.legend()
-    lengths.set_xlabel("tokens (tier edges 512 and 2,048 dotted)")
+    lengths.set_xlabel(f"tokens (tier edges {tier_edges[0]:,} and {tier_edges[1]:,} dotted)")
     lengths.set_ylabel("requests")
     lengths.set_title(f"{trace.path.name}: token lengths")
     arrivals = np.array([r.arrival_s for r in trace.requests], dtype=float)

@@ -9,6 +9,7 @@ Formats (see ../shared/data/traces/PROVENANCE.md for the sources):
 | `burstgpt` | CSV BurstGPT_1 (`Timestamp`, `Model`, `Request tokens`, ...) or BurstGPT_3 (adds `Session ID`, `Elapsed time`) | from the trace (s) | session (BurstGPT_3) |
 | `sharegpt` | JSON array (or JSONL) of `{"id", "conversations": [{"from", "value"}]}` | Poisson, synthesized | real text |
 | `mtbench`  | JSONL `{"question_id", "category", "turns": [t1, t2]}` | Poisson, synthesized | real text |
+| `decisions` | llm-extproc's own decision log (JSONL, `decision_log.path`): `time`, `prompt_tokens`, `output_budget`, ... | from the log | none |
 
 The two chat formats (real text, token counts from the real tokenizer) live in
 `extproc.bench.chat_traces`; `load_trace` dispatches to them.
@@ -51,7 +52,7 @@ __all__ = [
     "read_mooncake",
 ]
 
-FORMATS = ("mooncake", "azure", "burstgpt", "sharegpt", "mtbench")
+FORMATS = ("mooncake", "azure", "burstgpt", "sharegpt", "mtbench", "decisions")
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per Mooncake `hash_ids` block (Mooncake FAST'25 release README)."""
 
@@ -152,6 +153,10 @@ def detect_format(path: str | Path) -> str:
             return "mtbench"
         if "conversations" in keys:
             return "sharegpt"
+        from extproc.telemetry.decision_log import DETECT_KEYS
+
+        if DETECT_KEYS <= keys:
+            return "decisions"
         raise TraceFormatError(path, f"JSONL with unknown keys {sorted(keys)}: unknown format", line=1)
     header = {h.strip() for h in next(csv.reader([first_line]))}
     if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= header:
@@ -351,6 +356,10 @@ def _reader(fmt: str, counter: TokenCounter | None, rate: float, seed: int, mtbe
         return read_azure, False
     if fmt == "burstgpt":
         return read_burstgpt, False
+    if fmt == "decisions":
+        from extproc.telemetry.decision_log import read_decision_log
+
+        return read_decision_log, False
     from extproc.bench import chat_traces
 
     if fmt == "sharegpt":

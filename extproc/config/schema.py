@@ -9,6 +9,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     scheduling: {mode: endpoint, profile: load-aware, profiles: {...}, metrics: {...}, health_check: {...}}
     admission: {kv: {...}, priority: {...}}
     ratelimit: {enabled, backend, tenant_header, default, tenants: {...}, redis: {...}}
+    decision_log: {path, max_bytes, backup_count, queue_size}
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ __all__ = [
     "ProfileConfig",
     "SAFE_FILTERS",
     "TierConfig",
+    "PrefixConfig",
+    "HotPrefixConfig",
+    "WarmupConfig",
+    "PrefillModelConfig",
+    "TruncationConfig",
     "AdmissionConfig",
+    "DecisionLogConfig",
     "KVAdmissionConfig",
     "PriorityConfig",
     "BUILTIN_PROFILES",
@@ -142,6 +149,32 @@ class LimitsConfig(_Strict):
         return self
 
 
+class TruncationConfig(_Strict):
+    """Head + tail truncation of over-long prompts (`extproc.pipeline.truncate`).
+
+    A prompt is cut when its tokens plus the output budget (the request's `max_tokens`, else
+    `min_output_tokens`) exceed `max_model_len`; otherwise it gets vLLM's 400 as before.
+
+    Attributes:
+        mode: `off` — never cut (the `x-llm-truncate` header is ignored); `head-tail` — cut every
+            over-long prompt (a client may send `x-llm-truncate: off` to get the 400 instead);
+            `on-request` — cut only when the client sends `x-llm-truncate: head-tail`.
+        head_tokens: most leading tokens a cut text keeps (tokens; the design notes' 512): a
+            completions prompt keeps `min(head_tokens, n / 4)` tokens of its head, the rest of the
+            budget from its tail; a chat message cut inside keeps as much of its own head.
+        min_output_tokens: output room left when the request sets no `max_tokens` (tokens).
+    """
+
+    mode: Literal["off", "head-tail", "on-request"] = "off"
+    head_tokens: int = Field(default=512, ge=0)
+    min_output_tokens: int = Field(default=1024, ge=1)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+
 class ModelConfig(_Strict):
     """One served model.
 
@@ -156,6 +189,8 @@ class ModelConfig(_Strict):
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
+        truncation: head + tail truncation of over-long prompts (off by default); a mode alone
+            (`truncation: head-tail`) keeps the other settings' defaults.
     """
 
     name: str = Field(min_length=1)
@@ -165,6 +200,21 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(default=40960, ge=16)
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
+    truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _mode_alone(cls, v: Any) -> Any:
+        return {"mode": v} if isinstance(v, str | bool) else v  # `truncation: head-tail`
+
+    @model_validator(mode="after")
+    def _output_room(self) -> ModelConfig:
+        if self.truncation.mode != "off" and self.truncation.min_output_tokens >= self.max_model_len:
+            raise ValueError(
+                f"truncation.min_output_tokens ({self.truncation.min_output_tokens}) must be below "
+                f"max_model_len ({self.max_model_len}): a cut prompt needs at least one token"
+            )
+        return self
 
 
 class EndpointConfig(_Strict):
@@ -316,7 +366,9 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # prefill steps make its gaps uneven read as "heavy" and was held at 128 requests while
     # the A100s queued. The TTFT estimate outweighs the count balancers together (10 against
     # 6.5): they give a full point for one request fewer, which on a mixed fleet is the slower
-    # GPU (decision 0005, second addendum; docs/benchmarks.md).
+    # GPU (decision 0005, second addendum; docs/benchmarks.md). The TTFT estimate counts only
+    # the prompt's uncached tokens (the prefix index), so prefix affinity lives there, in
+    # seconds (decision 0007); a session's last endpoint gets one point.
     "load-aware": ProfileConfig(
         filters=[_p(name) for name in SAFE_FILTERS],
         scorers=[
@@ -327,6 +379,19 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("compute-aware-scorer", 1.0),
             _p("backpressure-scorer", 0.5),
             _p("inflight-scorer", 2.0),
+            _p("session-affinity-scorer", 1.0),
+        ],
+    ),
+    # GIE-style weighted prefix affinity (the inference extension's default shape: prefix 3,
+    # queue 1, KV utilisation 1), for comparison and for users who want it; the default profile
+    # trades the cached prefix against queueing inside the TTFT estimate instead.
+    "prefix": ProfileConfig(
+        filters=[_p(name) for name in SAFE_FILTERS],
+        scorers=[
+            _p("prefix-scorer", 3.0),
+            _p("queue-depth-scorer", 1.0),
+            _p("kv-utilization-scorer", 1.0),
+            _p("inflight-scorer", 1.0),
         ],
     ),
     # Issue-1 baseline: fewest in-flight requests counted by this server, random tie-break.
@@ -338,6 +403,92 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     ),
     "random": ProfileConfig(filters=[_p("healthy-filter")], picker=_p("random-picker")),
 }
+
+
+class PrefillModelConfig(_Strict):
+    """The prior of each endpoint's learned TTFT fit, TTFT ≈ t0 + s · prefill tokens ahead
+    (`extproc.datastore.prefill_fit`, whose module doc gives the formula and the defaults'
+    sources).
+
+    Attributes:
+        prior_t0_s: fixed time to first token (seconds).
+        prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model).
+        prior_weight: how many samples the prior counts as (samples).
+        forget: per-sample decay of older samples (0.95 ≈ the last 20 first tokens).
+    """
+
+    prior_t0_s: float = Field(default=0.02, ge=0)
+    prior_s_per_token: float = Field(default=5e-5, gt=0)
+    prior_weight: float = Field(default=1.0, gt=0)
+    forget: float = Field(default=0.95, gt=0, le=1)
+
+
+class HotPrefixConfig(_Strict):
+    """Hot shared prefixes (design notes 3.3): counted over `window_s` seconds in `buckets`
+    buckets; `min_count` requests in the window make one hot (metrics, `/api/v1/endpoints`)."""
+
+    window_s: float = Field(default=60.0, gt=0)
+    buckets: int = Field(default=12, ge=1, le=600)
+    min_count: int = Field(default=8, ge=1)
+    max_tracked: int = Field(default=4096, ge=1)
+
+
+class WarmupConfig(_Strict):
+    """Warm-up of hot prefixes onto cold endpoints (`extproc.prefix.warmup`), off by default.
+
+    Attributes:
+        enabled: send warm-ups at all.
+        replicas: warm a hot prefix until this many endpoints hold it (count).
+        max_per_s: most warm-up requests per second, fleet-wide.
+        kv_watermark: never warm an endpoint whose KV usage is at or above this (0..1).
+        timeout_s: a warm-up's HTTP timeout (seconds).
+    """
+
+    enabled: bool = False
+    replicas: int = Field(default=2, ge=1)
+    max_per_s: float = Field(default=1.0, gt=0)
+    kv_watermark: float = Field(default=0.8, gt=0, le=1)
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class PrefixConfig(_Strict):
+    """Prefix-cache affinity and session affinity (`extproc.prefix`).
+
+    Attributes:
+        enabled: hash prompts into blocks and keep the prefix index; off, no endpoint is
+            believed to hold anything (`ttft-estimate-scorer` counts whole prompts).
+        max_index_bytes: memory budget of the whole index (bytes; `BYTES_PER_ENTRY` = 128
+            bytes per (endpoint, block) entry, measured 104, so the 64 MiB default holds 524k
+            blocks, 8.4M tokens at 16 per block: the prefix caches of ~10 H100s serving 8B models).
+        default_capacity_blocks: an endpoint's bound until its engine reports `num_gpu_blocks`
+            (blocks).
+        min_match_tokens: a cached prefix shorter than this counts as none (tokens). Saving a
+            few dozen tokens of prefill (~1 ms) is noise beside load, and a burst of identical
+            short prompts must spread like any other; 128 tokens is ~3–6 ms of prefill on the
+            simulator's profiles.
+        session_header: request header naming a session (lower case); "" for none.
+        session_from_user: use the OpenAI `user` field when the header is absent.
+        session_ttl_s: a session unused this long is forgotten (seconds).
+        max_sessions: most sessions remembered (count).
+        hot: hot-prefix tracking.
+        warmup: warm-up requests carrying hot prefixes to cold endpoints (opt-in).
+    """
+
+    enabled: bool = True
+    max_index_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    default_capacity_blocks: int = Field(default=16384, ge=1)
+    min_match_tokens: int = Field(default=128, ge=0)
+    session_header: str = "x-session-id"
+    session_from_user: bool = True
+    session_ttl_s: float = Field(default=600.0, gt=0)
+    max_sessions: int = Field(default=100_000, ge=1)
+    hot: HotPrefixConfig = Field(default_factory=HotPrefixConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower_header(cls, v: str) -> str:
+        return v.lower()
 
 
 class TierConfig(_Strict):
@@ -368,6 +519,8 @@ class SchedulingConfig(_Strict):
         health_check: active health checking. metrics: engine metrics scraping.
         outlier_detection: passive ejection of endpoints answering 5xx.
         tiers: tier boundaries (tier mode).
+        prefix: prefix-cache and session affinity (the prefix index).
+        prefill_model: the prior of each endpoint's learned TTFT fit.
         explain_header: add `x-llm-route-debug` (scores of the chosen endpoint and the
             runner-up) to the response; off by default since it reveals fleet internals.
     """
@@ -380,6 +533,8 @@ class SchedulingConfig(_Strict):
     outlier_detection: OutlierDetectionConfig = Field(default_factory=OutlierDetectionConfig)
     metrics: MetricsScrapeConfig = Field(default_factory=MetricsScrapeConfig)
     tiers: TierConfig = Field(default_factory=TierConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    prefill_model: PrefillModelConfig = Field(default_factory=PrefillModelConfig)
     explain_header: bool = False
 
     @model_validator(mode="after")
@@ -482,6 +637,25 @@ class TelemetryConfig(_Strict):
     stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
 
 
+class DecisionLogConfig(_Strict):
+    """The decision log (`extproc.telemetry.decision_log`): one JSON line per decided
+    generation request — counts, model, endpoint, TTFT, outcome, truncation; never prompt text
+    or credentials — for `llm-extproc analyze`.
+
+    Attributes:
+        path: the log file; None (default) writes no log.
+        max_bytes: size at which the file rotates (bytes).
+        backup_count: rotated files kept (`path.1` … `path.N`).
+        queue_size: lines waiting for the writer thread; more are dropped and counted
+            (`llm_extproc_decision_log_dropped_total`) rather than slow the event loop.
+    """
+
+    path: str | None = None
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
+    backup_count: int = Field(default=5, ge=1)
+    queue_size: int = Field(default=10_000, ge=1)
+
+
 class Config(_Strict):
     """The whole configuration."""
 
@@ -494,6 +668,7 @@ class Config(_Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     ratelimit: RateLimitConfig = Field(default_factory=RateLimitConfig)
+    decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

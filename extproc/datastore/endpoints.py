@@ -24,20 +24,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior
 from extproc.types import EndpointAddress
 
 if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT", "PREFILL_EWMA_ALPHA"]
+__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
 
 PREFILL_WEIGHT = 3
 """A request before its first token counts 3× in the FLOPs-weighted load (design notes)."""
 DECODE_WEIGHT = 1
 """A request after its first token counts 1×."""
-PREFILL_EWMA_ALPHA = 0.2
-"""Weight of the newest sample in `Endpoint.prefill_s_per_token` (an EWMA over ~5 first tokens)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -51,11 +50,14 @@ class Endpoint:
         healthy: result of the latest probes (True until probed otherwise when probing is off).
         inflight: requests routed here and not yet ended (count).
         prefill_inflight / decode_inflight: of those, before / after their first token (count).
-        prefill_tokens: prompt tokens of the requests in prefill (tokens).
-        prefill_s_per_token: learned time to first token per token of prefill backlog
-            (seconds per token, EWMA over observed first tokens; queueing, chunked-prefill
-            interference and the GPU's speed all show in it), None until observed.
-        prefill_sampled_at: `time.monotonic()` of its latest sample (seconds), None before.
+        prefill_tokens: uncached prompt tokens of the requests in prefill (tokens): the
+            prefill work still ahead on this endpoint by our own count (a prompt's prefix that
+            the prefix index believes cached there is not work).
+        context_tokens: decode context of the requests in flight (tokens; full prompts plus half
+            their expected outputs): what each decode step on the endpoint reads.
+        prefill_fit: the learned fit TTFT ≈ t0 + s · prefill work ahead
+            (`extproc.datastore.prefill_fit`; queueing, chunked-prefill interference and the
+            GPU's speed all show in it).
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
         consecutive_5xx: generation answers in a row with a 5xx status (count).
@@ -78,6 +80,7 @@ class Endpoint:
     prefill_inflight: int = 0
     decode_inflight: int = 0
     prefill_tokens: int = 0
+    context_tokens: int = 0
     reserved_blocks: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -85,8 +88,7 @@ class Endpoint:
     ejected_until: float = 0.0
     last_probe_error: str | None = None
     probed: bool = False
-    prefill_s_per_token: float | None = None
-    prefill_sampled_at: float | None = None
+    prefill_fit: PrefillFit = field(default_factory=PrefillFit)
     engine: Any = None
     scrape_errors: int = 0
     routed_total: int = 0
@@ -94,6 +96,16 @@ class Endpoint:
     node: Any = None
     stream_stats: Any = None
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """The fitted prefill speed (seconds per token), None until a first token was observed."""
+        return self.prefill_fit.s_per_token if self.prefill_fit.samples else None
+
+    @property
+    def prefill_sampled_at(self) -> float | None:
+        """`time.monotonic()` of the latest first-token sample (seconds), None before any."""
+        return self.prefill_fit.sampled_at
 
     @property
     def unseen(self) -> int:
@@ -141,17 +153,24 @@ class Reservation:
         store: the owning datastore.
         endpoint: where the request was routed.
         blocks: KV blocks reserved (blocks).
-        prompt_tokens: the request's prompt tokens (tokens), for token-weighted load.
+        prompt_tokens: the request's prefill work on this endpoint (tokens): its prompt less
+            the prefix believed cached there.
         settle_after_s: without an observed first token, settle on the first scrape taken this
             many seconds after the reservation (seconds).
+        context_tokens: the request's whole context while it decodes (tokens): its full prompt,
+            cached part included, plus half its expected output — what its decode steps make
+            every other decode step on the endpoint read.
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
 
-    def __init__(self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float) -> None:
+    def __init__(
+        self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float, context_tokens: int = 0
+    ) -> None:
         self.endpoint = endpoint
         self.blocks = blocks
         self.prompt_tokens = prompt_tokens
+        self.context_tokens = context_tokens
         self.backlog_tokens = endpoint.prefill_tokens + prompt_tokens
         """Prefill tokens ahead of and including this request when it was routed (tokens)."""
         self.created_at = time.monotonic()
@@ -181,11 +200,8 @@ class Reservation:
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
         elapsed = self.first_token_at - self.created_at
-        if learn and self.backlog_tokens > 0 and elapsed > 0:
-            sample = elapsed / self.backlog_tokens
-            prev = ep.prefill_s_per_token
-            ep.prefill_s_per_token = sample if prev is None else prev + PREFILL_EWMA_ALPHA * (sample - prev)
-            ep.prefill_sampled_at = self.first_token_at
+        if learn and elapsed > 0:
+            ep.prefill_fit.add(self.backlog_tokens, elapsed, self.first_token_at)
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1
@@ -207,6 +223,7 @@ class Reservation:
         self._released = True
         ep = self.endpoint
         ep.inflight -= 1
+        ep.context_tokens -= self.context_tokens
         if self.in_prefill:
             ep.prefill_inflight -= 1
             ep.prefill_tokens -= self.prompt_tokens
@@ -220,13 +237,14 @@ class Datastore:
 
     Args:
         endpoints: endpoint configurations.
+        prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
     """
 
-    def __init__(self, endpoints: Iterable[EndpointConfig]) -> None:
+    def __init__(self, endpoints: Iterable[EndpointConfig], prefill_prior: PrefillPrior | None = None) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         for cfg in endpoints:
-            ep = Endpoint(EndpointAddress(cfg.address), frozenset(cfg.models), dict(cfg.labels))
+            ep = Endpoint(EndpointAddress(cfg.address), frozenset(cfg.models), dict(cfg.labels), prefill_fit=PrefillFit(prefill_prior))
             self._by_addr[ep.address] = ep
             for m in cfg.models:
                 self._by_model.setdefault(m, []).append(ep)
@@ -243,11 +261,15 @@ class Datastore:
         """Endpoints serving a canonical model name (healthy or not)."""
         return self._by_model.get(model, [])
 
-    def reserve(self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0) -> Reservation:
-        """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks;
-        release the returned reservation when the request ends, however it ends."""
-        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s)
+    def reserve(
+        self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0, context_tokens: int = 0
+    ) -> Reservation:
+        """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks, with
+        `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens); release
+        the returned reservation when the request ends, however it ends."""
+        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens)
         endpoint.inflight += 1
+        endpoint.context_tokens += context_tokens
         endpoint.routed_total += 1
         endpoint.prefill_inflight += 1
         endpoint.prefill_tokens += prompt_tokens

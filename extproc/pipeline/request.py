@@ -1,6 +1,6 @@
 """The request pipeline for one generation request:
 
-    parse → resolve model → priority → count tokens → check context → estimate KV
+    parse → resolve model → priority → count tokens → truncate (opt-in) → check context → estimate KV
           → shed (priority under saturation) → filter → score → pick      (endpoint mode)
           → tier from the prompt length                                  (tier mode)
 
@@ -13,6 +13,7 @@ cancelled stream can never leave a reservation behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -33,11 +34,15 @@ from extproc.errors import (
 )
 from extproc.metrics import Metrics
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
+from extproc.prefix.match import PrefixMatch
+from extproc.prefix.tracker import PrefixTracker
+from extproc.pipeline.truncate import Truncated, Truncation, prompt_budget, truncate, wanted
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
 from extproc.scheduling.registry import build
+from extproc.telemetry.decision_log import DecisionRecord
 from extproc.types import LLMRequest, RequestKind, TokenCount
 
 __all__ = [
@@ -92,7 +97,14 @@ class Routed:
         tier: the chosen tier (tier mode), else None.
         blocks: KV blocks to reserve on the endpoint (blocks; 0 when KV admission is off).
         result: the scheduling cycle (scores, for explanations), or None in tier mode.
-        timings_s: seconds per phase (parse, tokenize, schedule, total).
+        timings_s: seconds per phase (parse, tokenize, truncate when it ran, schedule, total).
+        expected_output_tokens: max_tokens, or the model's expectation without it (tokens).
+        prefix: the prefix index's view of the request (None without one).
+        session: the request's session key (None without one).
+        predicted_ttft_s: predicted seconds to first token per endpoint address (when the
+            profile has a TTFT estimate).
+        body: the body to send instead of the client's (a truncated prompt), or None.
+        truncation: what truncation did, or None when the prompt was not cut.
     """
 
     request: LLMRequest
@@ -101,6 +113,39 @@ class Routed:
     blocks: int
     result: ProfileResult | None
     timings_s: dict[str, float]
+    expected_output_tokens: int = 0
+    prefix: PrefixMatch | None = None
+    session: bytes | None = None
+    predicted_ttft_s: dict[str, float] | None = None
+    body: bytes | None = None
+    truncation: Truncation | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The request's prefill work on its endpoint (tokens): its prompt less the prefix
+        believed cached there."""
+        if self.prefix is None or self.endpoint is None:
+            return self.request.prompt_tokens
+        return self.prefix.uncached_tokens(self.endpoint.address)
+
+    def explain(self) -> str:
+        """The route-debug line: the profile's scores for the chosen endpoint and the runner-up,
+        then per candidate its matched prefix blocks and predicted TTFT."""
+        if self.result is None:
+            return f"tier={self.tier}"
+        out = self.result.explain()
+        if self.result.pick is None:
+            return out
+        rows = []
+        for s in [self.result.pick.primary, *self.result.pick.fallbacks]:
+            addr = s.endpoint.address
+            part = addr
+            if self.prefix is not None:
+                part += f" matched={self.prefix.matched.get(addr, 0)}blk/{self.prefix.cached_tokens(addr)}tok"
+            if self.predicted_ttft_s and addr in self.predicted_ttft_s:
+                part += f" ttft={self.predicted_ttft_s[addr] * 1000:.1f}ms"
+            rows.append(part)
+        return out + "; candidates " + ", ".join(rows)
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -170,6 +215,7 @@ class RequestPipeline:
         metrics: metrics sink.
         executor: where long prompts are tokenized.
         rng: tie-break randomness (seeded in tests).
+        prefix: the prefix tracker (prefix index, sessions), or None for none.
     """
 
     def __init__(
@@ -180,8 +226,10 @@ class RequestPipeline:
         metrics: Metrics,
         executor: Executor | None = None,
         rng: random.Random | None = None,
+        prefix: PrefixTracker | None = None,
     ) -> None:
         self._config = config
+        self.prefix = prefix
         self._store = store
         self._models = dict(models)
         self._aliases: dict[str, str] = {}
@@ -233,6 +281,9 @@ class RequestPipeline:
         body: bytes,
         *,
         priority_header: str | None = None,
+        session_header: str | None = None,
+        truncate_header: str | None = None,
+        record: DecisionRecord | None = None,
         before_count: Callable[[str, int | None, int, int], Awaitable[None]] | None = None,
     ) -> Routed:
         """Decide for one request body (reserves nothing).
@@ -241,6 +292,11 @@ class RequestPipeline:
             kind: chat or completion (from the path).
             body: the raw request body (bytes).
             priority_header: the value of the priority header, if sent.
+            session_header: the value of the session header (`scheduling.prefix.session_header`), if sent.
+            truncate_header: the value of `x-llm-truncate`, if sent (read only where the model's
+                truncation mode is not `off`).
+            record: a decision-log record to fill with what is learnt (model, prompt tokens,
+                output budget, truncation), even when the request is refused later; or None.
             before_count: awaited with (served model, max_tokens, n, body bytes) once the body is
                 parsed and before its tokens are counted; may raise an `ExtProcError` to refuse
                 cheaply (the rate limiter's precheck).
@@ -248,7 +304,8 @@ class RequestPipeline:
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
             BadRequestError: malformed body, more than `limits.max_json_values` JSON values, bad
-                priority, or prompt + max_tokens over `max_model_len`.
+                priority or truncate header, or prompt + max_tokens over `max_model_len` (after
+                truncation, where the model allows it).
             NotFoundError: unknown model.
             RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
             NoEndpointError: no healthy endpoint (503), or no KV fit with `reject_status: 503`.
@@ -269,6 +326,9 @@ class RequestPipeline:
         )
         runtime = self.resolve_model(parsed.model)
         priority = parse_priority(priority_header, cfg.admission.priority)
+        may_truncate = wanted(runtime.config.truncation, truncate_header)
+        if record is not None:
+            record.model = runtime.config.name
         if before_count is not None:
             await before_count(runtime.config.name, parsed.max_tokens, parsed.n, len(body))
         t1 = time.perf_counter()
@@ -282,8 +342,19 @@ class RequestPipeline:
             budget_s = self._count_budget_s - (time.perf_counter() - t1)
             prompt_tokens, token_ids, exact = await self._await_count(counted, parsed, model.name, budget_s)
         t2 = time.perf_counter()
+        cut: Truncated | None = None
+        if record is not None:
+            record.counted(prompt_tokens, parsed.max_tokens, model)
         if exact:
+            if may_truncate:
+                cut = await self._truncate(parsed, runtime, body, prompt_tokens)
+                if cut is not None:
+                    body, prompt_tokens, token_ids = cut.body, cut.prompt_tokens, cut.token_ids
+                    if record is not None:
+                        record.counted(prompt_tokens, parsed.max_tokens, model)
+                        record.truncation = cut.truncation
             self._check_context(parsed, model, prompt_tokens)
+        t_cut = time.perf_counter() - t2
         total_prompt = sum(prompt_tokens)
         req = LLMRequest(
             kind=kind,
@@ -301,7 +372,8 @@ class RequestPipeline:
         if cfg.scheduling.mode == "tier":
             tiers = cfg.scheduling.tiers
             tier = tier_for(total_prompt, tiers.low_latency_below, tiers.high_throughput_above)
-            return Routed(req, None, tier, 0, None, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0})
+            timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
+            return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         pool = self._store.for_model(model.name)
         healthy = [ep for ep in pool if ep.healthy]
@@ -316,6 +388,11 @@ class RequestPipeline:
             priority=priority,
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
         )
+        session = None
+        if self.prefix is not None:
+            session = self.prefix.session_of(session_header, parsed.user)
+            ctx.session_endpoint = self.prefix.session_endpoint(session)
+            ctx.prefix = self.prefix.lookup(req, healthy or pool, ctx.block_size)
         result = self.profile.run(ctx, pool)
         for plugin, seconds in result.timings_s.items():
             self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
@@ -324,7 +401,55 @@ class RequestPipeline:
         endpoint = result.pick.primary.endpoint
         blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
-        return Routed(req, endpoint, None, blocks, result, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0})
+        predicted = ctx.data.get("predicted_ttft_s")
+        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2 - t_cut, "total": t3 - t0}
+        routed = Routed(
+            req,
+            endpoint,
+            None,
+            blocks,
+            result,
+            timings,
+            expected_output_tokens=expected,
+            prefix=ctx.prefix,
+            session=session,
+            predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
+        )
+        return self._routed(routed, cut, t_cut)
+
+    @staticmethod
+    def _routed(routed: Routed, cut: Truncated | None, seconds: float) -> Routed:
+        """`routed` carrying the truncated body, what was cut and how long cutting took."""
+        if cut is not None:
+            routed.body, routed.truncation = cut.body, cut.truncation
+            routed.timings_s["truncate"] = seconds
+        return routed
+
+    async def _truncate(
+        self, parsed: ParsedRequest, runtime: ModelRuntime, body: bytes, prompt_tokens: list[int]
+    ) -> Truncated | None:
+        """Head + tail truncation (`extproc.pipeline.truncate`) of a prompt over its budget, in
+        the executor (it re-renders templates and may re-tokenize a cut text); counted in the
+        truncation metrics. None when the prompt fits.
+
+        Raises:
+            ContextLengthError: the prompt cannot be made to fit.
+        """
+        model = runtime.config
+        if max(prompt_tokens) <= prompt_budget(model.max_model_len, parsed.max_tokens, model.truncation):
+            return None
+        work = functools.partial(
+            truncate, parsed, body, runtime.counter, prompt_tokens, max_model_len=model.max_model_len, policy=model.truncation
+        )
+        if self._executor is not None:
+            cut = await asyncio.get_running_loop().run_in_executor(self._executor, work)
+        else:
+            cut = work()
+        if cut is not None:
+            m = self._metrics
+            m.child(m.truncations, model.name).inc()
+            m.child(m.truncated_tokens, model.name).inc(cut.truncation.tokens_dropped)
+        return cut
 
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""
@@ -354,14 +479,30 @@ class RequestPipeline:
         return NoEndpointError(f"no endpoint for model `{r.served_model}` passed {by}", code="no_eligible_endpoint")
 
     def reserve(self, routed: Routed) -> Reservation | None:
-        """Hold the decision: an in-flight slot and the KV blocks on the chosen endpoint."""
-        if routed.endpoint is None:
+        """Hold the decision: an in-flight slot, the prefill work and the KV blocks on the chosen
+        endpoint, and the request's blocks in the prefix index (so the next identical prompt
+        follows it before this one is answered). Call with no await after `route`."""
+        ep = routed.endpoint
+        if ep is None:
             return None
+        if self.prefix is not None:
+            bs = ep.engine.block_size if ep.engine is not None and ep.engine.block_size else self._config.scheduling.block_size
+            req = routed.request
+            self.prefix.on_pick(
+                ep,
+                bs,
+                routed.prefix,
+                routed.session,
+                candidates=self._store.for_model(req.served_model),
+                token_ids=req.token_ids,
+                model=req.served_model,
+            )
         return self._store.reserve(
-            routed.endpoint,
+            ep,
             routed.blocks,
-            prompt_tokens=routed.request.prompt_tokens,
+            prompt_tokens=routed.prefill_tokens,
             settle_after_s=self._config.admission.kv.settle_after_s,
+            context_tokens=routed.request.prompt_tokens + routed.expected_output_tokens * routed.request.n // 2,
         )
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:

@@ -269,6 +269,16 @@ class TokenCounter:
         """Token ids of `text`, using and filling the segment cache."""
         return self.complete(self.plan(text, add_special_tokens=add_special_tokens)).token_ids
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens kept and no clean-up (a byte-level BPE gives a
+        prompt's text back from its ids; a cut inside a character decodes to U+FFFD)."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=False)
+
+    def char_offsets(self, text: str) -> list[tuple[int, int]]:
+        """Each token's `(start, end)` character offsets in `text` (no special tokens added,
+        no cache: meant for short pieces)."""
+        return list(self._backend.encode(text, add_special_tokens=False).offsets)
+
     def count_chat(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -20,10 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from extproc.errors import InvalidJSONError, ValidationError
 from extproc.protocol.jsonlimits import check_json_values
+from extproc.protocol.jsonspans import object_members
 from extproc.types import RequestKind
 
 __all__ = [
     "with_model",
+    "content_text",
     "generation_path",
     "CHAT_PATH",
     "COMPLETIONS_PATH",
@@ -283,35 +285,22 @@ def with_model(body: bytes, model: str) -> bytes:
         ValueError: `body` is not a JSON object with a `model` member (parse_body rejects those).
     """
     text = body.decode("utf-8")
-    decoder = json.JSONDecoder()
-    i = _skip_ws(text, 0)
-    if text[i : i + 1] != "{":
-        raise ValueError("not a JSON object")
-    i = _skip_ws(text, i + 1)
-    span: tuple[int, int] | None = None
-    while text[i : i + 1] != "}":
-        if text[i : i + 1] != '"':
-            raise ValueError("malformed JSON object")
-        key, i = json.decoder.scanstring(text, i + 1)
-        i = _skip_ws(text, i)
-        if text[i : i + 1] != ":":
-            raise ValueError("malformed JSON object")
-        start = _skip_ws(text, i + 1)
-        _, end = decoder.raw_decode(text, start)
-        if key == "model":
-            span = (start, end)
-        i = _skip_ws(text, end)
-        if text[i : i + 1] == ",":
-            i = _skip_ws(text, i + 1)
-    if span is None:
+    members, _ = object_members(text)
+    spans = [(start, end) for key, start, end in members if key == "model"]
+    if not spans:
         raise ValueError("no model member")
-    return (text[: span[0]] + json.dumps(model, ensure_ascii=False) + text[span[1] :]).encode("utf-8")
+    start, end = spans[-1]
+    return (text[:start] + json.dumps(model, ensure_ascii=False) + text[end:]).encode("utf-8")
 
 
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\n\r":
-        i += 1
-    return i
+def content_text(content: Any, index: int) -> str:
+    """A chat message's content as its template sees it: text parts joined with "\\n" (vLLM's
+    string-format templates); `index` names the message in errors.
+
+    Raises:
+        ValidationError: a content part that is not text.
+    """
+    return _content_text(content, index)
 
 
 def parse_mapping(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from extproc.datastore.endpoints import Endpoint
+from extproc.prefix.match import PrefixMatch
 from extproc.types import LLMRequest
 
 __all__ = [
@@ -49,7 +50,10 @@ class SchedulingContext:
         rng: randomness for tie-breaks.
         priority: the request's priority class (critical / standard / sheddable).
         stale_after_s: engine metrics older than this are stale (seconds).
-        data: per-cycle scratch space shared by plugins (e.g. prefix hashes).
+        prefix: the prefix index's view of the request (blocks each endpoint holds), or None
+            when prefix tracking is off or the prompt has no full block.
+        session_endpoint: the endpoint the request's session was last routed to, or None.
+        data: per-cycle scratch space shared by plugins (e.g. predicted TTFT per endpoint).
     """
 
     request: LLMRequest
@@ -59,7 +63,16 @@ class SchedulingContext:
     rng: random.Random
     priority: str = "standard"
     stale_after_s: float = 2.0
+    prefix: PrefixMatch | None = None
+    session_endpoint: str | None = None
     data: dict[str, object] = field(default_factory=dict)
+
+    def uncached_tokens(self, ep: Endpoint) -> int:
+        """The request's prefill work on `ep` (tokens): its prompt less the prefix believed
+        cached there (at least 1)."""
+        if self.prefix is None:
+            return max(1, self.request.prompt_tokens)
+        return self.prefix.uncached_tokens(ep.address)
 
     def block_size(self, ep: Endpoint) -> int:
         """The endpoint's KV block size (tokens): from its metrics, else the configured default."""

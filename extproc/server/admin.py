@@ -122,8 +122,10 @@ class AdminServer:
         return web.json_response({"status": "ok", "endpoints_healthy": healthy, "endpoints": len(self._store.all())})
 
     async def _endpoints(self, request: web.Request) -> web.Response:
+        prefix = self._pipeline.prefix if self._pipeline is not None else None
         return web.json_response(
             {
+                "prefix_index": prefix.summary() if prefix is not None else None,
                 "endpoints": [
                     {
                         "address": ep.address,
@@ -133,6 +135,12 @@ class AdminServer:
                         "ejected_for_s": round(max(0.0, ep.ejected_until - time.monotonic()), 3),
                         "consecutive_5xx": ep.consecutive_5xx,
                         "prefill_s_per_token": ep.prefill_s_per_token,
+                        "prefill_fit": {
+                            "t0_s": ep.prefill_fit.t0_s,
+                            "s_per_token": ep.prefill_fit.s_per_token,
+                            "samples": ep.prefill_fit.samples,
+                        },
+                        "prefix": prefix.describe(ep) if prefix is not None else None,
                         "inflight": ep.inflight,
                         "prefill_inflight": ep.prefill_inflight,
                         "decode_inflight": ep.decode_inflight,
@@ -161,7 +169,7 @@ class AdminServer:
                         },
                     }
                     for ep in self._store.all()
-                ]
+                ],
             }
         )
 

@@ -20,14 +20,17 @@ from extproc.config.schema import Config
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
+from extproc.datastore.prefill_fit import PrefillPrior
 from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
 from extproc.ratelimit.limiter import RateLimiter, build_backend
 from extproc.ratelimit.metrics import RateLimitMetrics
+from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
+from extproc.telemetry.decision_log import DecisionLog
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.stats import EndpointStreamStats
 
@@ -74,13 +77,19 @@ class ExtProcApp:
         self.telemetry = TelemetryMetrics(self.metrics.registry)
         # Response bodies are observed per endpoint; tier mode leaves the endpoint to Envoy.
         self._telemetry_on = config.telemetry.enabled and config.scheduling.mode == "endpoint"
-        self.store = Datastore(config.endpoints)
+        pm = config.scheduling.prefill_model
+        self.store = Datastore(
+            config.endpoints,
+            PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
+        )
+        self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
         for ep in self.store.all():
             # Read at scrape time: nothing to update on the request path.
             self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
             self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
+        self._decision_log: DecisionLog | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.store, config.scheduling.health_check)
@@ -108,6 +117,7 @@ class ExtProcApp:
         if ok:
             endpoint.scrape_errors = 0
             self.store.settle_scraped(endpoint, endpoint.engine.scraped_at)
+            self.prefix.on_scrape(endpoint)
         else:
             endpoint.scrape_errors += 1
             m.scrape_errors.labels(endpoint.address).inc()
@@ -117,7 +127,7 @@ class ExtProcApp:
 
         Raises:
             TokenizerLoadError: a tokenizer cannot be loaded.
-            RuntimeError: a listen address cannot be bound.
+            RuntimeError: a listen address cannot be bound, or the decision log cannot be opened.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -125,18 +135,27 @@ class ExtProcApp:
             self._models = await loop.run_in_executor(None, load_models, cfg)
         for ep in self.store.all():
             ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
+        if cfg.decision_log.path is not None:
+            decision_log = DecisionLog(cfg.decision_log, self.metrics.decision_log_dropped)
+            try:
+                decision_log.start()
+            except OSError as exc:
+                raise RuntimeError(f"cannot open decision_log.path {cfg.decision_log.path}: {exc.strerror or exc}") from None
+            self._decision_log = decision_log
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
+        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
         self.servicer = ExtProcServicer(
             pipeline,
             self.metrics,
             priority_header=cfg.admission.priority.header,
+            session_header=cfg.scheduling.prefix.session_header or None,
             explain_header=cfg.scheduling.explain_header,
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,
             sample_rate=cfg.telemetry.sample_rate,
             outlier_detection=cfg.scheduling.outlier_detection,
             ratelimit=self.ratelimit,
+            decision_log=self._decision_log,
         )
         self.pipeline = pipeline
         await self._checker.start()
@@ -190,6 +209,7 @@ class ExtProcApp:
             self._grpc = None
         await self._checker.aclose()
         await self._agents.aclose()
+        await self.prefix.warmer.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()
         if self._admin is not None:
@@ -200,3 +220,6 @@ class ExtProcApp:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._decision_log is not None:
+            self._decision_log.close()  # after the streams: their last lines are written
+            self._decision_log = None

@@ -10,10 +10,11 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
 2. request_body (BUFFERED, so it arrives whole) — run the pipeline; set
    `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
    `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
-   the JSON error.
+   the JSON error. A truncated prompt (`extproc.pipeline.truncate`) replaces the body.
 3. response_headers — telemetry on: the stream's observer sees status and content type (and
    asks for `content-length` to go when it will inject markers); telemetry off: a 2xx marks
-   the request's first token (prefill → decode). The explain header is added when configured.
+   the request's first token (prefill → decode). The explain header is added when configured,
+   `x-llm-truncated-tokens` when the prompt was cut.
 4. response_body (STREAMED, telemetry on) — each chunk feeds the observer (TTFT, inter-token
    gaps, usage); the first content event moves the request from prefill to decode; the chunk
    goes back unchanged, or with marker comment lines when markers are on.
@@ -44,10 +45,12 @@ from extproc.datastore.endpoints import Reservation
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
+from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.ratelimit.limiter import Admission, RateLimiter
 from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
+from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -66,10 +69,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         pipeline: decides generation requests.
         metrics: metrics sink.
         priority_header: request header carrying the priority class (lower case).
+        session_header: request header naming a session for session affinity (lower case), or None.
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
+        decision_log: where to write one line per decided generation request, or None.
         ratelimit: tenants' rate limits, or None. A token-limited tenant's responses are always
             observed (for their usage) but only the sampled ones feed telemetry.
     """
@@ -80,15 +85,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         metrics: Metrics,
         *,
         priority_header: str = "x-llm-priority",
+        session_header: str | None = "x-session-id",
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
         outlier_detection: OutlierDetectionConfig | None = None,
+        decision_log: DecisionLog | None = None,
         ratelimit: RateLimiter | None = None,
     ) -> None:
         self._ratelimit = ratelimit
         self._pipeline = pipeline
+        self._log = decision_log
         self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
@@ -97,7 +105,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self._priority_header = priority_header
         self._explain = explain_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, *(ratelimit.headers if ratelimit else ())))
+        self._session_header = session_header
+        self._wanted = frozenset(
+            (":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER, *((session_header,) if session_header else ()),
+             *(ratelimit.headers if ratelimit else ()))
+        )
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -117,12 +129,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         reservation: Reservation | None = None
         routed: Routed | None = None
         observer: StreamObserver | None = None
+        record: DecisionRecord | None = None
+        tenant: Tenant | None = None
+        admission: Admission | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
         start_ns = 0
         observe = sampled = False
-        tenant: Tenant | None = None
-        admission: Admission | None = None
         self.active_streams += 1
         self._metrics.streams_active.inc()
         try:
@@ -165,7 +178,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if kind is None or routed is not None or reservation is not None:
                         yield responses.continue_for(phase)
                         continue
-                    response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, tenant)
+                    if self._log is not None:
+                        # The tenant's id (a configured name or a key's hash; hashed again when written).
+                        record = DecisionRecord(time=time.time(), kind=kind.value, tenant=tenant.id if tenant is not None else None)
+                    response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, record, tenant)
                     if routed is not None and observe and (routed.endpoint is not None or admission is not None):
                         observer = StreamObserver(
                             endpoint=routed.endpoint.address if routed.endpoint is not None else str(routed.tier),
@@ -180,7 +196,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     yield response
                 elif phase == "response_headers":
                     yield self._on_response_headers(
-                        msg.response_headers, routed, reservation, observer, admission.headers if admission is not None else None
+                        msg.response_headers, routed, reservation, observer, record, admission.headers if admission is not None else None
                     )
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
@@ -201,6 +217,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     observer.on_end("complete")  # judged from what it saw, never the gRPC status
                 except Exception:
                     log.exception("stream observer failed at end of stream")
+            if record is not None and routed is not None and self._log is not None:
+                record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
+                self._log.write(record)
             if admission is not None:
                 self._settle(admission, observer, routed)
             if reservation is not None:
@@ -237,7 +256,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return headers
 
     async def _decide(
-        self, body: bytes, kind: RequestKind, hdrs: dict[str, str], tenant: Tenant | None = None
+        self, body: bytes, kind: RequestKind, hdrs: dict[str, str], record: DecisionRecord | None = None, tenant: Tenant | None = None
     ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None, Admission | None]:
         """Run the pipeline on a body, charge the tenant's rate limit, reserve the decision.
 
@@ -250,8 +269,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         try:
-            precheck = functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None  # type: ignore[union-attr]
-            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header), before_count=precheck)
+            routed = await self._pipeline.route(
+                kind,
+                body,
+                priority_header=hdrs.get(self._priority_header),
+                session_header=hdrs.get(self._session_header) if self._session_header else None,
+                truncate_header=hdrs.get(TRUNCATE_HEADER),
+                record=record,
+                before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
+            )
             admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
         except ExtProcError as exc:
             err: ExtProcError = exc
@@ -259,6 +285,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("decision failed")
             err = ExtProcError("internal error while routing the request")
         else:
+            if record is not None:
+                record.decision_s, record.tier = time.perf_counter() - start, routed.tier
+                if routed.endpoint is not None:
+                    record.endpoint = routed.endpoint.address
+                    record.predict(routed)
             reservation = self._pipeline.reserve(routed)
             m = self._metrics
             for phase, seconds in routed.timings_s.items():
@@ -269,13 +300,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if address is not None:
                 m.child(m.endpoint_routed, address).inc()
             if routed.result is not None and log.isEnabledFor(logging.DEBUG):
-                log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.result.explain())
+                log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
             headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
             req = routed.request
-            # An alias: the engines serve the model under its configured name.
-            rewritten = with_model(body, req.served_model) if req.model != req.served_model else None
+            # A truncated prompt's body; an alias: the engines serve the model under its configured name.
+            rewritten = routed.body
+            if req.model != req.served_model:
+                rewritten = with_model(rewritten or body, req.served_model)
             return responses.route_in_body(headers, rewritten), routed, reservation, admission
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
+        if record is not None and self._log is not None:
+            record.outcome, record.reason, record.status = "rejected", err.code, err.status
+            record.decision_s = time.perf_counter() - start
+            self._log.write(record)
         return self._reject(err, hdrs), None, None, None
 
     def _on_response_headers(
@@ -284,6 +321,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         routed: Routed | None,
         reservation: Reservation | None,
         observer: StreamObserver | None,
+        record: DecisionRecord | None = None,
         ratelimit_headers: dict[str, str] | None = None,
     ) -> pb.ProcessingResponse:
         found: dict[str, str] = {}
@@ -294,6 +332,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             status = int(found.get(":status", "0"))
         except ValueError:
             status = 0
+        if record is not None and status:
+            record.status = status
         extra: dict[str, str] = dict(ratelimit_headers) if ratelimit_headers else {}
         remove: tuple[str, ...] = ()
         if observer is not None:
@@ -325,6 +365,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             # first content instead). A non-streamed answer starts with its last token: it
             # leaves prefill here but teaches nothing about prefill speed.
             reservation.mark_first_token(learn=streamed)
+        if routed is not None and routed.truncation is not None:
+            extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
-            extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
+            extra["x-llm-route-debug"] = routed.explain()
         return responses.response_headers(extra, remove)

@@ -95,3 +95,30 @@ def test_new_profile_filters(filters, expected) -> None:
     spec = {"scorers": [{"type": "inflight-scorer"}]} | ({} if filters is None else {"filters": filters})
     cfg = config_from_mapping(minimal(scheduling={"profiles": {"mine": spec}}))
     assert [f.type for f in cfg.scheduling.all_profiles()["mine"].filters] == expected
+
+
+@pytest.mark.parametrize(
+    ("truncation", "needles"),
+    [
+        ({"mode": "middle"}, ["models[0].truncation.mode", "'middle'"]),
+        ({"mode": "head-tail", "min_output_tokens": 40960}, ["min_output_tokens (40960) must be below max_model_len (40960)"]),
+        ({"head": 5}, ["models[0].truncation.head: unknown key"]),
+    ],
+    ids=["unknown-mode", "no-room-left", "unknown-key"],
+)
+def test_truncation_errors_name_the_key(truncation, needles) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_mapping(minimal(models=[{"name": "m", "truncation": truncation}]))
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("yaml_value", "mode"),
+    [("{mode: off}", "off"), ("off", "off"), ("head-tail", "head-tail"), ("{mode: on-request, head_tokens: 64}", "on-request")],
+    ids=["bare-off", "mode-alone-off", "mode-alone", "mapping"],
+)
+def test_truncation_yaml_forms(tmp_path, yaml_value: str, mode: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"models: [{{name: m, truncation: {yaml_value}}}]\nendpoints: [{{address: '10.0.0.1:8000', models: [m]}}]\n")
+    assert load_config(path, env={}).models[0].truncation.mode == mode

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from extproc.scheduling.framework import Filter, Picker, Scorer
+from extproc.scheduling.plugins.scorers.ttft_estimate import predicted_ttft_s
 from extproc.scheduling.registry import PluginConfigError, build, registered
 
 from .conftest import context, engine
@@ -208,19 +209,62 @@ def test_backpressure_cap_filter(store):
     assert f.filter(context(), [a]) == [a]  # everyone capped: keep all rather than refuse
 
 
-def test_ttft_estimate_learns_each_endpoints_prefill_speed(store):
-    a, b, c = store.all()
-    # a took 0.1 s for a 1,000-token backlog (1e-4 s/token), b 0.03 s (3e-5 s/token); c unseen.
-    for ep, ttft in ((a, 0.1), (b, 0.03)):
-        r = store.reserve(ep, prompt_tokens=1000)
+def _observe(store, ep, samples):
+    """Feed (prefill tokens, TTFT seconds) samples into `ep`'s fit through real reservations."""
+    for tokens, ttft in samples:
+        r = store.reserve(ep, prompt_tokens=tokens)
         r.mark_first_token(r.created_at + ttft)
         r.release()
-    assert a.prefill_s_per_token == pytest.approx(1e-4) and b.prefill_s_per_token == pytest.approx(3e-5)
+
+
+def test_ttft_estimate_learns_each_endpoints_prefill_speed(store):
+    a, b, c = store.all()
+    # a: TTFT = 1e-4 s/token, no fixed cost; b: 10 ms + 3e-5 s/token; c unseen.
+    _observe(store, a, [(x, 1e-4 * x) for x in (500, 1000, 4000, 2000) * 8])
+    _observe(store, b, [(x, 0.01 + 3e-5 * x) for x in (500, 1000, 4000, 2000) * 8])
+    assert a.prefill_s_per_token == pytest.approx(1e-4, rel=0.1) and b.prefill_s_per_token == pytest.approx(3e-5, rel=0.1)
+    assert b.prefill_fit.t0_s == pytest.approx(0.01, abs=0.003)
     store.reserve(b, prompt_tokens=3000)  # b is busy: 3,000 tokens of backlog
-    # 1,000-token prompt: a 1,000 × 1e-4 = 0.1 s; b 4,000 × 3e-5 = 0.12 s; c, not observed yet,
-    # is taken to be as fast as the fastest (3e-5): 0.03 s, so it is tried and learned
+    # 1,000-token prompt: a ≈ 0.1 s; b ≈ 0.01 + 4,000 × 3e-5 = 0.13 s; c, not observed yet, is
+    # predicted with the fastest fit for its own (empty) backlog: ≈ b's 0.04 s, so it is tried
+    predicted = dict(zip("abc", predicted_ttft_s([a, b, c], [1000] * 3)))
+    assert predicted["a"] == pytest.approx(0.1, rel=0.1) and predicted["b"] == pytest.approx(0.13, rel=0.1)
+    assert predicted["c"] == pytest.approx(0.04, rel=0.15)
     scores = build("ttft-estimate-scorer").score(context(prompt=1000), [a, b, c])
-    assert scores == pytest.approx([0.03 / 0.1, 0.03 / 0.12, 1.0])
+    assert scores[2] == 1.0 and max(scores[:2]) < 1.0
+
+
+def test_ttft_estimate_short_prompts_teach_the_fixed_cost_not_the_speed(store):
+    """Four identical engines seeing only short prompts with a fixed ~20 ms first-token cost and
+    noise: a ratio model learned speeds 3x apart from this; the fit agrees within a few percent
+    on what a long prompt costs."""
+    import random
+
+    rng = random.Random(7)
+    eps = store.all()
+    for ep in eps:
+        _observe(store, ep, [(n, 0.02 + 4e-5 * n + rng.uniform(-0.008, 0.008)) for n in (rng.randint(10, 60) for _ in range(30))])
+    long_prompt = [ep.prefill_fit.predict(4000) for ep in eps]
+    assert max(long_prompt) / min(long_prompt) < 1.15
+    scores = build("ttft-estimate-scorer").score(context(prompt=4000), eps)
+    assert min(scores) > 0.85
+
+
+def test_prefill_fit_down_weights_an_outlier_once_established(store):
+    a, _, _ = store.all()
+    _observe(store, a, [(x, 0.01 + 5e-5 * x) for x in (200, 1000, 3000) * 4])
+    before = a.prefill_fit.predict(2000)
+    _observe(store, a, [(1000, 30.0)])  # one request stuck behind a preemption
+    assert a.prefill_fit.predict(2000) < 3 * before
+
+
+def test_prefill_fit_ignores_bad_samples():
+    from extproc.datastore.prefill_fit import PrefillFit
+
+    fit = PrefillFit()
+    for x, y in ((100, 0.0), (100, -1.0), (-5, 0.1), (float("inf"), 0.1), (100, float("inf")), (100, float("nan"))):
+        fit.add(x, y, 0.0)
+    assert fit.samples == 0 and fit.t0_s == fit.prior.t0_s
 
 
 def test_ttft_estimate_learns_only_from_real_first_tokens(store):
@@ -235,30 +279,52 @@ def test_ttft_estimate_learns_only_from_real_first_tokens(store):
 
 def test_ttft_estimate_forgets_an_idle_endpoints_old_value(store):
     """One slow first token must not keep an endpoint idle forever: with nothing in flight and
-    its value older than relearn_after_s, it is tried again like an unobserved endpoint."""
+    its fit older than relearn_after_s, it is tried again like an unobserved endpoint."""
     a, b, _ = store.all()
-    for ep, ttft in ((a, 0.05), (b, 5.0)):  # b's one sample: a 100x slow cold start
-        r = store.reserve(ep, prompt_tokens=1000)
-        r.mark_first_token(r.created_at + ttft)
-        r.release()
+    _observe(store, a, [(1000, 0.05)])
+    _observe(store, b, [(1000, 5.0)])  # b's one sample: a 100x slow cold start
     scorer = build("ttft-estimate-scorer", {"relearn_after_s": 10})
     ctx = context(prompt=1000)
-    assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 0.01])
+    assert scorer.score(ctx, [a, b])[1] < 0.1
     ctx.now = b.prefill_sampled_at + 11
-    a.prefill_sampled_at = ctx.now  # a keeps being observed
+    a.prefill_fit.sampled_at = ctx.now  # a keeps being observed
     assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 1.0])  # b: as fast as the fastest, until re-measured
     decoding = store.reserve(b, prompt_tokens=10)
     decoding.mark_first_token(learn=False)  # a long decode still running there changes nothing
     assert scorer.score(ctx, [a, b]) == pytest.approx([1.0, 1.0])
-    store.reserve(b, prompt_tokens=1000)  # b has a request in prefill: its own value counts again
-    assert scorer.score(ctx, [a, b])[1] < 0.01
+    store.reserve(b, prompt_tokens=1000)  # b has a request in prefill: its own fit counts again
+    assert scorer.score(ctx, [a, b])[1] < 0.1
 
 
-def test_ttft_estimate_ewma_and_prior(store):
+def test_ttft_estimate_counts_only_uncached_tokens(store):
+    """A prefix believed cached on an endpoint is not prefill work there."""
+    from extproc.prefix.match import PrefixMatch
+
     a, b, _ = store.all()
-    assert build("ttft-estimate-scorer").score(context(prompt=100), [a, b]) == [1.0, 1.0]  # nothing known: equal
-    r = store.reserve(a, prompt_tokens=100)
-    r.mark_first_token(r.created_at + 0.01)  # 1e-4
-    r = store.reserve(a, prompt_tokens=100)
-    r.mark_first_token(r.created_at + 0.02)  # 2e-4 → EWMA 1e-4 + 0.2 × 1e-4
-    assert a.prefill_s_per_token == pytest.approx(1.2e-4)
+    for ep in (a, b):
+        _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
+    ctx = context(prompt=8000)
+    ctx.prefix = PrefixMatch(prompt_tokens=8000, matched={a.address: 400}, block_size={a.address: 16})
+    scores = build("ttft-estimate-scorer").score(ctx, [a, b])
+    # a prefills 8,000 − 6,400 = 1,600 tokens, b all 8,000; each also delays what follows it by
+    # its own prefill (work_weight 1)
+    assert scores[0] == 1.0 and scores[1] == pytest.approx((0.01 + 2 * 5e-5 * 1600) / (0.01 + 2 * 5e-5 * 8000), rel=0.1)
+    assert ctx.data["predicted_ttft_s"][a.address] == pytest.approx(0.01 + 5e-5 * 1600, rel=0.1)
+    store.reserve(a, prompt_tokens=9000)  # a's queue is longer but it still saves more: a stays
+    assert build("ttft-estimate-scorer").score(ctx, [a, b])[0] == 1.0
+    store.reserve(a, prompt_tokens=5000)  # past ~2 × the 6,400 tokens it saves: b wins by itself
+    scores = build("ttft-estimate-scorer").score(ctx, [a, b])
+    assert scores[1] == 1.0 and scores[0] < 1.0
+
+
+def test_prefix_and_session_scorers(store):
+    from extproc.prefix.match import PrefixMatch
+
+    a, b, c = store.all()
+    ctx = context(prompt=320)
+    assert build("prefix-scorer").score(ctx, [a, b]) == [0.0, 0.0]
+    ctx.prefix = PrefixMatch(prompt_tokens=320, matched={b.address: 10}, block_size={b.address: 16})
+    assert build("prefix-scorer").score(ctx, [a, b]) == [0.0, 0.5]
+    assert build("session-affinity-scorer").score(ctx, [a, b]) == [0.0, 0.0]
+    ctx.session_endpoint = c.address
+    assert build("session-affinity-scorer").score(ctx, [a, b, c]) == [0.0, 0.0, 1.0]

@@ -1,29 +1,53 @@
 """`ttft-estimate-scorer`: prefer the endpoint expected to produce this request's first token
-soonest.
+soonest — the one cost in which prefix-cache affinity and queueing trade, in seconds.
 
-    predicted_ttft_i = (prefill backlog_i + this prompt) × prefill_s_per_token_i
+    predicted_ttft_i = t0_i + s_i × (prefill backlog_i + uncached_i)
 
-* prefill backlog_i: prompt tokens of the requests we routed to endpoint i that have not
-  produced their first token yet (`Endpoint.prefill_tokens`);
-* prefill_s_per_token_i: learned per endpoint from observed first tokens — the time each took
-  divided by the backlog it joined (`Endpoint.prefill_s_per_token`, an EWMA). It folds the GPU's
-  prefill speed, chunked-prefill interference from running decodes and queueing into one
-  number, so a mixed H100/A100 fleet sorts itself out without per-GPU configuration. Until an
-  endpoint has been observed it takes the fastest observed value (or `prior_s_per_token`):
-  optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic on an
-  idle fleet stayed on the first endpoint that looked fast and never learned the others (all
-  twenty requests of a new user's curl loop went to one A100 while both H100s sat idle). A
-  value learned more than `relearn_after_s` ago on an endpoint with nothing in prefill (long
-  decodes may still run there) counts as unobserved again: one slow first token (a cold start) must not keep an endpoint idle
-  forever, since only traffic can correct it.
+* prefill backlog_i: uncached prompt tokens of the requests we routed to endpoint i that have
+  not produced their first token yet (`Endpoint.prefill_tokens`), counted at pick time;
+* uncached_i: this request's prompt less the prefix endpoint i is believed to hold
+  (`SchedulingContext.prefix`, from the prefix index; the whole prompt without one). A warm
+  endpoint wins exactly while the prefill it saves outweighs its longer queue, and loses by
+  itself when its queue grows past that ("sticky until saturated", as llm-d's precise scheduler
+  and Dynamo's cost function trade it) — no separate affinity weight to tune;
+* t0_i, s_i: the endpoint's learned fit of TTFT against that work (`Endpoint.prefill_fit`, a
+  robust ridge fit towards a prior with forgetting; `extproc.datastore.prefill_fit`). It folds
+  the GPU's prefill speed, chunked-prefill interference from running decodes and queueing into
+  two numbers, so a mixed H100/A100 fleet sorts itself out without per-GPU configuration.
 
-Score = min_j(predicted_j) / predicted_i: the fastest endpoint scores 1.0 and one predicted
-twice as slow 0.5 (proportional, unlike a min-max normalisation that would give it 0).
+Until an endpoint has been observed it is predicted with the fastest observed fit (or the
+prior): optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic
+on an idle fleet stayed on the first endpoint that looked fast and never learned the others. A
+fit last sampled more than `relearn_after_s` ago on an endpoint with nothing in prefill counts
+as unobserved again: one slow first token (a cold start) must not keep an endpoint idle forever.
+
+The cost ranked is the request's own predicted TTFT plus the delay its prefill imposes on every
+request routed there after it, `work_weight × s_i × uncached_i` (seconds): without it, a second
+copy of a long prompt sent while the first is still in prefill ties between the warm endpoint
+(behind the first copy, then almost nothing to compute) and a cold one (nothing ahead, all to
+compute), and half the time the fleet prefills the prompt twice. With it the warm endpoint wins
+until its backlog exceeds the cold one's by about (1 + work_weight) × the tokens it saves.
+
+The decode side is in the same cost: every decode step on an endpoint reads the KV of every
+sequence running there, `d` seconds per context token (vLLM's attention read; the calibration's
+d = 44 ns/token for an H100 serving an 8B model, 72 ns for an A100), so this request's own decode
+of `expected_output` tokens takes about `d × context_tokens_i × expected_output` seconds longer
+there than on an idle endpoint (`Endpoint.context_tokens`: full prompts plus half the expected
+outputs of what is in flight). Weighted by `decode_weight`, this keeps long streams spread (one
+engine dying must not take most of the fleet's streams with it) and stops a burst of identical
+prompts piling onto the endpoint that holds their prefix once its decode batch costs more than a
+cold prefill elsewhere.
+
+Score = min_j(cost_j) / cost_i: the cheapest endpoint scores 1.0 and one twice as costly 0.5.
+Each endpoint's predicted TTFT is kept in `ctx.data["predicted_ttft_s"]` for the route-debug
+header.
 
 Parameters:
-    prior_s_per_token (float > 0, default 5e-5): seconds per backlog token before anything was
-        observed anywhere (≈ an A100 prefilling an 8B model).
-    relearn_after_s (float > 0, default 10): forget an idle endpoint's value this old (seconds).
+    relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
+    work_weight (float ≥ 0, default 1): weight of the delay imposed on later requests.
+    decode_s_per_context_token (float ≥ 0, default 4.4e-8): `d` above (seconds per context
+        token per decode step).
+    decode_weight (float ≥ 0, default 1): weight of the decode term (0: TTFT alone).
 """
 
 from __future__ import annotations
@@ -33,48 +57,73 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from extproc.datastore.endpoints import Endpoint
+from extproc.datastore.prefill_fit import PrefillFit
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["TTFTEstimateScorer", "predicted_ttft_s"]
+__all__ = ["TTFTEstimateScorer", "effective_fits", "predicted_ttft_s"]
+
+
+def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
+    """The fit each endpoint is predicted with: its own once observed (and not forgotten), else
+    the observed fit fastest for its work (`work_tokens`, own prefill tokens per endpoint), else
+    the prior."""
+    learned = [_learned(ep, now, relearn_after_s) for ep in endpoints]
+    known = [f for f in learned if f is not None]
+    out: list[PrefillFit] = []
+    for ep, fit, own in zip(endpoints, learned, work_tokens):
+        if fit is None:
+            x = ep.prefill_tokens + max(1, own)
+            fit = min(known, key=lambda f: f.predict(x)) if known else ep.prefill_fit
+        out.append(fit)
+    return out
 
 
 def predicted_ttft_s(
     endpoints: Sequence[Endpoint],
-    prompt_tokens: int,
-    prior_s_per_token: float,
+    work_tokens: Sequence[int],
     *,
     now: float | None = None,
     relearn_after_s: float = float("inf"),
 ) -> list[float]:
-    """Predicted seconds to first token on each endpoint for a prompt of `prompt_tokens`
-    (`now`: `time.monotonic()` seconds, to tell an idle endpoint's old value; see the module doc)."""
-    learned = [_learned(ep, now, relearn_after_s) for ep in endpoints]
-    known = [s for s in learned if s is not None]
-    fill = min(known) if known else prior_s_per_token
-    return [(ep.prefill_tokens + max(1, prompt_tokens)) * (fill if s is None else s) for ep, s in zip(endpoints, learned)]
+    """Predicted seconds to first token on each endpoint.
+
+    Args:
+        endpoints: the candidates.
+        work_tokens: the request's own prefill work on each endpoint (tokens, same order:
+            uncached prompt tokens).
+        now: `time.monotonic()` (seconds), to tell an idle endpoint's old fit.
+        relearn_after_s: a fit older than this on an idle endpoint counts as unobserved (seconds).
+    """
+    fits = effective_fits(endpoints, work_tokens, now=now, relearn_after_s=relearn_after_s)
+    return [fit.predict(ep.prefill_tokens + max(1, own)) for ep, fit, own in zip(endpoints, fits, work_tokens)]
 
 
-def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> float | None:
-    value = ep.prefill_s_per_token
-    if value is None or value <= 0:
+def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> PrefillFit | None:
+    fit = ep.prefill_fit
+    if not fit.samples:
         return None
-    if now is not None and ep.prefill_inflight == 0 and ep.prefill_sampled_at is not None and now - ep.prefill_sampled_at > relearn_after_s:
+    if now is not None and ep.prefill_inflight == 0 and fit.sampled_at is not None and now - fit.sampled_at > relearn_after_s:
         return None
-    return value
+    return fit
 
 
 @register("ttft-estimate-scorer")
 class TTFTEstimateScorer(Plugin):
     class Params(Params):
-        prior_s_per_token: float = Field(default=5e-5, gt=0)
         relearn_after_s: float = Field(default=10.0, gt=0)
+        work_weight: float = Field(default=1.0, ge=0)
+        decode_s_per_context_token: float = Field(default=4.4e-8, ge=0)
+        decode_weight: float = Field(default=1.0, ge=0)
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
+        work = [ctx.uncached_tokens(ep) for ep in endpoints]
+        fits = effective_fits(endpoints, work, now=ctx.now, relearn_after_s=self.params.relearn_after_s)
+        predicted = [f.predict(ep.prefill_tokens + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
+        ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
         p = self.params
-        predicted = predicted_ttft_s(
-            endpoints, ctx.request.prompt_tokens, p.prior_s_per_token, now=ctx.now, relearn_after_s=p.relearn_after_s
-        )
-        best = min(predicted)
-        return [best / p if p > 0 else 1.0 for p in predicted]
+        decode = p.decode_weight * p.decode_s_per_context_token * ctx.expected_output_tokens
+        cost = [t + p.work_weight * f.s_per_token * w + decode * ep.context_tokens for ep, f, t, w in zip(endpoints, fits, predicted, work)]
+        best = min(cost)
+        return [best / c if c > 0 else 1.0 for c in cost]

@@ -1,0 +1,122 @@
+"""A per-endpoint fit of time to first token against the prefill work ahead of a request:
+
+    TTFT ≈ t0 + s · x        x = uncached prompt tokens in prefill on the endpoint when the
+                                 request was routed, its own uncached tokens included (tokens)
+
+`t0` (seconds) is what every request pays whatever its size (a scheduler step, sampling, the
+first detokenisation, the HTTP hops); `s` (seconds per token) is the prefill speed, with the
+queueing and chunked-prefill interference of running decodes folded in. A ratio model
+(TTFT / x, the previous estimator) reads a 20-token prompt's fixed cost as a slow GPU: identical
+simulators learned 0.17–0.59 ms/token that way and one of four identical engines drew 14 of 20
+long streams. With an intercept, short prompts inform `t0` and long ones `s`.
+
+The fit is ridge regression towards a prior (`t0_prior`, `s_prior`) with exponential
+forgetting: it minimises
+
+    Σ_i γ^(n−i) w_i (y_i − t0 − s·x_i)²  +  k · (t0 − t0_prior)²  +  k · x_ref² · (s − s_prior)²
+
+— the prior counts as `k` samples at `x_ref` tokens, so one sample moves the fit only part way
+and a fleet of short prompts never drives `s` to noise. `γ` (`forget`) keeps ~1/(1−γ) recent
+samples. Robustness: a sample whose residual exceeds the prediction itself (|y − ŷ| > ŷ) is
+down-weighted to w = ŷ / |y − ŷ| (a Huber-style weight), so one request stuck behind a
+preemption does not rewrite the endpoint's speed.
+
+Closed form: the 2×2 normal equations (solved directly; O(1) per sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PrefillFit", "PrefillPrior", "ROBUST_AFTER"]
+
+ROBUST_AFTER = 5
+"""Samples before outliers are down-weighted (count)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPrior:
+    """The fit's prior and forgetting.
+
+    Attributes:
+        t0_s: fixed time to first token (seconds). Default 0.02 s: a vLLM step plus the HTTP
+            hops of a short prompt on an idle engine (the simulator's H100/A100 profiles give
+            12–25 ms; docs/simulator.md).
+        s_per_token: prefill seconds per token. Default 5e-5 s (an A100 prefilling an 8B
+            model at ~20k tokens/s; ../shared/data/calibration.md, b ≈ 23–50 µs/token).
+        weight: how many samples the prior counts as (samples).
+        x_ref: the prompt size at which the slope prior weighs `weight` samples (tokens).
+        forget: per-sample decay of older samples, 0 < forget ≤ 1 (0.95 ≈ the last 20 samples).
+    """
+
+    t0_s: float = 0.02
+    s_per_token: float = 5e-5
+    weight: float = 1.0
+    x_ref: float = 2048.0
+    forget: float = 0.95
+
+
+class PrefillFit:
+    """Online ridge fit of TTFT = t0 + s·x for one endpoint (see the module doc).
+
+    Args:
+        prior: the prior and forgetting.
+    """
+
+    __slots__ = ("prior", "_w", "_sx", "_sy", "_sxx", "_sxy", "samples", "sampled_at", "t0_s", "s_per_token")
+
+    def __init__(self, prior: PrefillPrior | None = None) -> None:
+        self.prior = prior or PrefillPrior()
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.samples = 0
+        """Samples ever added (count)."""
+        self.sampled_at: float | None = None
+        """`time.monotonic()` of the latest sample (seconds), None before any."""
+        self.t0_s = self.prior.t0_s
+        """Fitted fixed time (seconds, ≥ 0)."""
+        self.s_per_token = self.prior.s_per_token
+        """Fitted prefill seconds per token (> 0)."""
+
+    def predict(self, x_tokens: float) -> float:
+        """Predicted time to first token (seconds) with `x_tokens` of prefill ahead, own included."""
+        return self.t0_s + self.s_per_token * max(0.0, x_tokens)
+
+    def add(self, x_tokens: float, ttft_s: float, now: float) -> None:
+        """Add one observation: `ttft_s` seconds to first token with `x_tokens` of prefill work
+        ahead when routed (tokens), observed at `now` (monotonic seconds). Non-positive or
+        non-finite values are ignored."""
+        if not (ttft_s > 0 and x_tokens >= 0) or ttft_s == float("inf") or x_tokens == float("inf"):
+            return
+        predicted = self.predict(x_tokens)
+        resid = abs(ttft_s - predicted)
+        w = 1.0 if self.samples < ROBUST_AFTER or resid <= 3 * predicted else 3 * predicted / resid
+        g = self.prior.forget
+        self._w = g * self._w + w
+        self._sx = g * self._sx + w * x_tokens
+        self._sy = g * self._sy + w * ttft_s
+        self._sxx = g * self._sxx + w * x_tokens * x_tokens
+        self._sxy = g * self._sxy + w * x_tokens * ttft_s
+        self.samples += 1
+        self.sampled_at = now
+        self._solve()
+
+    def _solve(self) -> None:
+        p = self.prior
+        k = p.weight
+        ks = k * p.x_ref * p.x_ref
+        a11 = self._w + k
+        a12 = self._sx
+        a22 = self._sxx + ks
+        b1 = self._sy + k * p.t0_s
+        b2 = self._sxy + ks * p.s_per_token
+        det = a11 * a22 - a12 * a12
+        if det <= 0:
+            return
+        t0 = (b1 * a22 - a12 * b2) / det
+        s = (a11 * b2 - a12 * b1) / det
+        floor_s = p.s_per_token * 1e-3
+        if t0 < 0:  # refit the slope alone with t0 = 0
+            t0 = 0.0
+            s = b2 / a22
+        self.t0_s = t0
+        self.s_per_token = max(s, floor_s)

@@ -1,0 +1,230 @@
+"""The decision log: one JSON line per decided generation request, for `llm-extproc analyze`.
+
+Optional (`decision_log.path`). A line is written when the request's ext_proc stream ends (a
+refusal: at once), so it can carry what the response showed. Fields:
+
+| field | meaning |
+|---|---|
+| `time` | when the request's body arrived (Unix seconds, wall clock) |
+| `kind` | `chat` or `completion` |
+| `model` | the configured model name it resolved to, or null (unknown model, unparsable body) |
+| `tenant` | a SHA-256 prefix (16 hex digits) of the request's tenant, or null (no tenants yet) |
+| `prompt_tokens` | prompt tokens the engine prefills, after truncation, or null when not counted |
+| `output_budget` | `max_tokens`, else the expected output (`default_output_tokens`) (tokens) |
+| `endpoint` / `tier` | where it went (endpoint or tier mode), or null |
+| `predicted_ttft_ms` | the TTFT the scheduler predicted for the chosen endpoint at the pick, cached prefix counted (ms) |
+| `observed_ttft_ms` | the TTFT seen on the response, when telemetry sampled it (ms), else null |
+| `status` | the HTTP status the client got (ours on a refusal, the engine's otherwise), or null |
+| `outcome` / `reason` | `routed` or `rejected`; the error code of a refusal |
+| `truncation` | null, or what head + tail truncation did (`Truncation.as_dict`) |
+| `decision_ms` | time to decide (ms) |
+
+Never prompt text, message content, headers or credentials: only counts, names from the
+configuration, addresses, and the tenant's hash.
+
+Writing is off the event loop: `write` puts the record on a bounded queue (a full queue drops
+the line and counts it) and the standard library's `QueueListener` thread serialises it and
+hands it to a `RotatingFileHandler`, which rotates by size (`max_bytes`, `backup_count` old
+files `path.1` … `path.N`). The reader (`read_decision_log`) turns a log into trace requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import logging.handlers
+import queue
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from extproc.scheduling.plugins.scorers.ttft_estimate import predicted_ttft_s
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter as PromCounter
+
+    from extproc.bench.traces import TraceRequest
+    from extproc.config.schema import DecisionLogConfig, ModelConfig
+    from extproc.pipeline.request import Routed
+    from extproc.pipeline.truncate import Truncation
+
+__all__ = ["DecisionLog", "DecisionRecord", "read_decision_log", "tenant_hash"]
+
+DETECT_KEYS = frozenset(("time", "kind", "prompt_tokens", "output_budget", "outcome"))
+"""Keys every decision-log line has: how `llm-extproc analyze` tells the format."""
+
+
+def tenant_hash(tenant: str | None) -> str | None:
+    """A stable, non-reversible tag of a tenant id: the first 16 hex digits of its SHA-256."""
+    if tenant is None:
+        return None
+    return hashlib.sha256(tenant.encode("utf-8")).hexdigest()[:16]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+@dataclass(slots=True)
+class DecisionRecord:
+    """What one decision log line says (see the module doc), filled as the request goes:
+    the pipeline sets what it counted, the server where it went and what came back.
+
+    `tenant` is the raw tenant id (hashed when written); the pipeline fills it once requests
+    carry one.
+    """
+
+    time: float
+    kind: str
+    model: str | None = None
+    tenant: str | None = None
+    prompt_tokens: int | None = None
+    output_budget: int | None = None
+    endpoint: str | None = None
+    tier: str | None = None
+    predicted_ttft_s: float | None = None
+    observed_ttft_s: float | None = None
+    status: int | None = None
+    outcome: str = "routed"
+    reason: str | None = None
+    truncation: Truncation | None = None
+    decision_s: float | None = None
+
+    def counted(self, prompt_tokens: list[int], max_tokens: int | None, model: ModelConfig) -> None:
+        """Record the prompt's tokens (summed over prompts) and the output budget: `max_tokens`,
+        else the model's expected output, as the KV estimate takes it."""
+        self.prompt_tokens = sum(prompt_tokens)
+        self.output_budget = max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
+
+    def predict(self, routed: Routed) -> None:
+        """Record the TTFT the scheduler predicted for the chosen endpoint (its prefix-aware
+        estimate, `ttft-estimate-scorer`); without one in the profile, the endpoint's fit for the
+        request's prefill work and the backlog it joins."""
+        ep = routed.endpoint
+        if ep is None:
+            return
+        if routed.predicted_ttft_s and ep.address in routed.predicted_ttft_s:
+            self.predicted_ttft_s = routed.predicted_ttft_s[ep.address]
+        else:
+            self.predicted_ttft_s = predicted_ttft_s([ep], [routed.prefill_tokens])[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON line's fields."""
+        return {
+            "time": round(self.time, 6),
+            "kind": self.kind,
+            "model": self.model,
+            "tenant": tenant_hash(self.tenant),
+            "prompt_tokens": self.prompt_tokens,
+            "output_budget": self.output_budget,
+            "endpoint": self.endpoint,
+            "tier": self.tier,
+            "predicted_ttft_ms": _ms(self.predicted_ttft_s),
+            "observed_ttft_ms": _ms(self.observed_ttft_s),
+            "status": self.status,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "truncation": None if self.truncation is None else self.truncation.as_dict(),
+            "decision_ms": _ms(self.decision_s),
+        }
+
+
+class _JSONLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return orjson.dumps(record.msg).decode()
+
+
+class _Listener(logging.handlers.QueueListener):
+    """Turns queued records into lines in the listener's thread: the event loop only enqueues."""
+
+    def prepare(self, record: Any) -> logging.LogRecord:
+        return logging.makeLogRecord({"msg": record.as_dict(), "levelno": logging.INFO, "levelname": "INFO"})
+
+
+class DecisionLog:
+    """Writes decision records as JSON lines, rotated by size, from a background thread.
+
+    Args:
+        config: path, rotation and queue bound.
+        dropped: counter of lines dropped because the queue was full (or None).
+    """
+
+    def __init__(self, config: DecisionLogConfig, dropped: PromCounter | None = None) -> None:
+        if config.path is None:
+            raise ValueError("decision_log.path is not set")
+        self.path = Path(config.path)
+        self._config = config
+        self._dropped = dropped
+        self._queue: queue.Queue[DecisionRecord] = queue.Queue(maxsize=config.queue_size)
+        self._listener: _Listener | None = None
+        self._handler: logging.handlers.RotatingFileHandler | None = None
+
+    def start(self) -> None:
+        """Open the file (creating its directory) and start the writer thread.
+
+        Raises:
+            OSError: the file cannot be opened.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(
+            self.path, maxBytes=self._config.max_bytes, backupCount=self._config.backup_count, encoding="utf-8"
+        )
+        handler.setFormatter(_JSONLines())
+        self._handler = handler
+        self._listener = _Listener(self._queue, handler)  # type: ignore[arg-type]
+        self._listener.start()
+
+    def write(self, record: DecisionRecord) -> None:
+        """Queue one record (never blocks; a full queue drops it and counts the drop)."""
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            if self._dropped is not None:
+                self._dropped.inc()
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread, close the file."""
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
+        if self._handler is not None:
+            self._handler.close()
+            self._handler = None
+
+
+def read_decision_log(path: str | Path, skipped: Counter | None = None) -> Iterator[TraceRequest]:
+    """Requests of a decision log as trace requests, for `llm-extproc analyze`.
+
+    `input_tokens` is the prompt as the client sent it (before truncation), `output_tokens` the
+    output budget, `arrival_s` the decision time. Lines without a prompt count (refused before
+    counting) are skipped and counted as `not_counted`.
+
+    Raises:
+        TraceFormatError: a line is not a JSON object or a field is malformed (names the line).
+    """
+    from extproc.bench.traces import TraceFormatError, TraceRequest, iter_jsonl
+
+    path = Path(path)
+    skipped = Counter() if skipped is None else skipped
+    for number, row in iter_jsonl(path):
+        if not isinstance(row, dict) or not DETECT_KEYS <= set(row):
+            raise TraceFormatError(path, f"not a decision-log line (needs {sorted(DETECT_KEYS)})", line=number)
+        prompt = row["prompt_tokens"]
+        cut = row.get("truncation")
+        if isinstance(cut, dict) and isinstance(cut.get("tokens_before"), int):
+            prompt = cut["tokens_before"]
+        if prompt is None:
+            skipped["not_counted"] += 1
+            continue
+        budget = row["output_budget"]
+        when = row["time"]
+        for key, value in (("prompt_tokens", prompt), ("output_budget", budget)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TraceFormatError(path, f"{key!r} must be a positive integer, got {value!r}", line=number)
+        if not isinstance(when, int | float) or isinstance(when, bool) or when < 0:
+            raise TraceFormatError(path, f"'time' must be a non-negative number, got {when!r}", line=number)
+        yield TraceRequest(arrival_s=float(when), input_tokens=prompt, output_tokens=budget)
