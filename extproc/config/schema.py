@@ -424,10 +424,20 @@ class PriorityConfig(_Strict):
     mean waiting requests / `queue_saturation_depth`) over the model's healthy endpoints (0..1+).
     Sheddable requests are refused at `shed_sheddable_at`, standard ones at
     `shed_standard_at`; critical ones only when no endpoint can fit them.
+
+    A client claims a class by `header` only within `claimable` (default standard and sheddable:
+    a client-sent `critical` must not jump the queue); a higher claim is downgraded to the
+    highest claimable class below it (`on_unclaimable: downgrade`) or refused with a 400
+    (`reject`), counted in `llm_extproc_priority_claims_bounded_total`. `trusted_header`, when
+    set, names a header that may carry any class: set it only in a trusted layer before Envoy's
+    ext_proc filter (an auth filter) and strip client copies there.
     """
 
     header: str = "x-llm-priority"
     default: Literal["critical", "standard", "sheddable"] = "standard"
+    claimable: tuple[Literal["critical", "standard", "sheddable"], ...] = ("standard", "sheddable")
+    on_unclaimable: Literal["downgrade", "reject"] = "downgrade"
+    trusted_header: str | None = None
     shed_sheddable_at: float = Field(default=0.8, gt=0)
     shed_standard_at: float = Field(default=1.0, gt=0)
     queue_saturation_depth: int = Field(default=32, ge=1)
@@ -442,10 +452,16 @@ class PriorityConfig(_Strict):
             )
         return self
 
-    @field_validator("header")
+    @field_validator("header", "trusted_header")
     @classmethod
-    def _lower(cls, v: str) -> str:
-        return v.lower()
+    def _lower(cls, v: str | None) -> str | None:
+        return v.lower() if v is not None else None
+
+    @model_validator(mode="after")
+    def _trusted_differs(self) -> PriorityConfig:
+        if self.trusted_header is not None and self.trusted_header == self.header:
+            raise ValueError(f"trusted_header must differ from header ({self.header!r}): clients set that one")
+        return self
 
 
 class AdmissionConfig(_Strict):

@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.admission.priority import check_shedding, fleet_saturation, parse_priority
+from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
 from extproc.errors import (
@@ -227,13 +227,17 @@ class RequestPipeline:
             )
         return self._models[canonical]
 
-    async def route(self, kind: RequestKind, body: bytes, *, priority_header: str | None = None) -> Routed:
+    async def route(
+        self, kind: RequestKind, body: bytes, *, priority_header: str | None = None, trusted_priority: str | None = None
+    ) -> Routed:
         """Decide for one request body (reserves nothing).
 
         Args:
             kind: chat or completion (from the path).
             body: the raw request body (bytes).
-            priority_header: the value of the priority header, if sent.
+            priority_header: the value of the priority header, if sent (bounded by
+                `admission.priority.claimable`).
+            trusted_priority: the value of `admission.priority.trusted_header`, if configured and sent.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -258,7 +262,7 @@ class RequestPipeline:
             kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
         )
         runtime = self.resolve_model(parsed.model)
-        priority = parse_priority(priority_header, cfg.admission.priority)
+        priority = self._priority(priority_header, trusted_priority)
         t1 = time.perf_counter()
         model = runtime.config
         counted = self._count(parsed, runtime, len(body))
@@ -351,6 +355,23 @@ class RequestPipeline:
             prompt_tokens=routed.request.prompt_tokens,
             settle_after_s=self._config.admission.kv.settle_after_s,
         )
+
+    def _priority(self, value: str | None, trusted: str | None) -> str:
+        """The request's class after the claim bounds (`claim_priority`), a bounded claim counted.
+
+        Raises:
+            ValidationError: not a class, or a claim above the bound with `on_unclaimable: reject`.
+        """
+        cfg = self._config.admission.priority
+        try:
+            claim = claim_priority(value, cfg, trusted_value=trusted)
+        except ValidationError as err:
+            if err.code == "priority_not_allowed":
+                self._metrics.child(self._metrics.priority_claims_bounded, parse_priority(value, cfg), "rejected").inc()
+            raise
+        if claim.downgraded and claim.claimed is not None:
+            self._metrics.child(self._metrics.priority_claims_bounded, claim.claimed, "downgraded").inc()
+        return claim.priority
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:
         """Hold an in-flight slot for a request that is not a generation (no KV)."""

@@ -125,6 +125,7 @@ class ExtProcApp:
             pipeline,
             self.metrics,
             priority_header=cfg.admission.priority.header,
+            trusted_priority_header=cfg.admission.priority.trusted_header,
             explain_header=cfg.scheduling.explain_header,
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,

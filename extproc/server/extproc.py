@@ -62,6 +62,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         pipeline: decides generation requests.
         metrics: metrics sink.
         priority_header: request header carrying the priority class (lower case).
+        trusted_priority_header: header a trusted layer sets with any class (lower case), or None.
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
@@ -74,6 +75,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         metrics: Metrics,
         *,
         priority_header: str = "x-llm-priority",
+        trusted_priority_header: str | None = None,
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
@@ -89,7 +91,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self._priority_header = priority_header
         self._explain = explain_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header))
+        self._trusted_priority_header = trusted_priority_header
+        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, trusted_priority_header or ":method"))
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -217,7 +220,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         try:
-            routed = await self._pipeline.route(kind, body, priority_header=hdrs.get(self._priority_header))
+            routed = await self._pipeline.route(
+                kind,
+                body,
+                priority_header=hdrs.get(self._priority_header),
+                trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
+            )
         except ExtProcError as exc:
             err: ExtProcError = exc
         except Exception:
