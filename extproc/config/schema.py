@@ -227,19 +227,33 @@ class OutlierDetectionConfig(_Strict):
     which its `ORIGINAL_DST` cluster does not offer, in the picker instead).
 
     An endpoint whose last `consecutive_5xx` answers were 5xx is left out by `healthy-filter`
-    for `ejection_s` seconds, then tried again (one more 5xx ejects it again at once). Probes
+    for `ejection_s` × its ejections so far (at most `max_ejection_s`), then tried again (one
+    more 5xx ejects it again at once), unless `max_ejected_share` of the endpoints are out
+    already; only answers to requests routed after an ejection began count against or for it
+    (`extproc.datastore.outliers`). Probes
     cannot see this failure: an engine may pass `/health` and still fail every generation,
     and one that fails fast never produces a first token, so it would look idle and fast.
 
     Attributes:
         enabled: eject at all.
         consecutive_5xx: 5xx answers in a row that eject (count).
-        ejection_s: how long an ejection lasts (seconds).
+        ejection_s: how long a first ejection lasts (seconds); the n-th lasts n times as long.
+        max_ejection_s: the longest ejection (seconds; Envoy's max_ejection_time default).
+        max_ejected_share: no new ejection while this share of the endpoints is ejected
+            (0..1; Envoy's max_ejection_percent, here 50 %).
     """
 
     enabled: bool = True
     consecutive_5xx: int = Field(default=5, ge=1)
     ejection_s: float = Field(default=10.0, gt=0)
+    max_ejection_s: float = Field(default=300.0, gt=0)
+    max_ejected_share: float = Field(default=0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _max_above_base(self) -> OutlierDetectionConfig:
+        if self.max_ejection_s < self.ejection_s:
+            raise ValueError(f"max_ejection_s ({self.max_ejection_s}) must be >= ejection_s ({self.ejection_s})")
+        return self
 
 
 class MetricsScrapeConfig(_Strict):

@@ -128,6 +128,7 @@ class AdminServer:
                         "healthy": ep.healthy,
                         "ejected_for_s": round(max(0.0, ep.ejected_until - time.monotonic()), 3),
                         "consecutive_5xx": ep.consecutive_5xx,
+                        "ejections": ep.ejections,
                         "prefill_s_per_token": ep.prefill_s_per_token,
                         "inflight": ep.inflight,
                         "prefill_inflight": ep.prefill_inflight,

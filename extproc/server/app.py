@@ -20,6 +20,7 @@ from extproc.config.schema import Config
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
+from extproc.datastore.outliers import OutlierDetector
 from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
@@ -121,6 +122,7 @@ class ExtProcApp:
             ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor)
+        od = cfg.scheduling.outlier_detection
         self.servicer = ExtProcServicer(
             pipeline,
             self.metrics,
@@ -130,7 +132,7 @@ class ExtProcApp:
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,
             sample_rate=cfg.telemetry.sample_rate,
-            outlier_detection=cfg.scheduling.outlier_detection,
+            outlier_detection=OutlierDetector(self.store, od) if od.enabled else None,
         )
         self.pipeline = pipeline
         await self._checker.start()

@@ -37,8 +37,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.config.schema import OutlierDetectionConfig
-from extproc.datastore.endpoints import Reservation
+from extproc.datastore.endpoints import Endpoint, Reservation
+from extproc.datastore.outliers import OutlierDetector
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
@@ -67,6 +67,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
+        outlier_detection: ejects endpoints answering 5xx, or None for no ejection.
     """
 
     def __init__(
@@ -80,10 +81,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
-        outlier_detection: OutlierDetectionConfig | None = None,
+        outlier_detection: OutlierDetector | None = None,
     ) -> None:
         self._pipeline = pipeline
-        self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
+        self._outliers = outlier_detection
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
         self._sample_rate = sample_rate if telemetry is not None else 0.0
@@ -251,6 +252,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         return self._reject(err, hdrs), None, None
 
+    def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
+        """Feed one answer's status to outlier detection; count and log an ejection."""
+        assert self._outliers is not None
+        seconds = self._outliers.record(endpoint, status, routed_at, time.monotonic())
+        if seconds is not None:
+            self._metrics.child(self._metrics.endpoint_ejections, endpoint.address).inc()
+            log.warning(
+                "endpoint %s ejected for %.0f s (ejection %d): %d answers in a row with a 5xx status",
+                endpoint.address, seconds, endpoint.ejections, self._outliers.threshold,
+            )  # fmt: skip
+
     def _on_response_headers(
         self,
         msg: pb.HttpHeaders,
@@ -282,14 +294,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        if self._outliers is not None and routed is not None and routed.endpoint is not None and status:
-            od = self._outliers
-            if routed.endpoint.record_status(status, time.monotonic(), consecutive_5xx=od.consecutive_5xx, ejection_s=od.ejection_s):
-                self._metrics.child(self._metrics.endpoint_ejections, routed.endpoint.address).inc()
-                log.warning(
-                    "endpoint %s ejected for %.0f s: %d answers in a row with a 5xx status",
-                    routed.endpoint.address, od.ejection_s, od.consecutive_5xx,
-                )
+        if self._outliers is not None and routed is not None and routed.endpoint is not None and reservation is not None and status:
+            self._record_outcome(routed.endpoint, status, reservation.created_at)
         streamed = routed is not None and routed.request.stream
         if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
             # Without body telemetry, a stream's headers are our best signal that prefill is
