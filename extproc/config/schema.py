@@ -211,7 +211,14 @@ class HealthCheckConfig(_Strict):
         enabled: probe endpoints; when off every configured endpoint counts as healthy.
         path: probe path.
         interval_s: probe period (seconds). timeout_s: per-probe timeout (seconds).
-        unhealthy_threshold / healthy_threshold: consecutive failures / successes to flip.
+        unhealthy_threshold / healthy_threshold: consecutive failures (refused, non-2xx) /
+            successes to flip.
+        timeout_threshold: consecutive probes that only timed out before the endpoint counts
+            as down (a slow engine is not a dead one; count; the larger of it and
+            unhealthy_threshold applies).
+        panic_threshold: when fewer than this share of a model's endpoints is healthy, route
+            among every live one (healthy or only timing out), as Envoy's
+            healthy_panic_threshold does (0..1; 0 turns panic off).
     """
 
     enabled: bool = True
@@ -220,6 +227,8 @@ class HealthCheckConfig(_Strict):
     timeout_s: float = Field(default=0.5, gt=0)
     unhealthy_threshold: int = Field(default=2, ge=1)
     healthy_threshold: int = Field(default=1, ge=1)
+    timeout_threshold: int = Field(default=5, ge=1)
+    panic_threshold: float = Field(default=0.5, ge=0, le=1)
 
 
 class OutlierDetectionConfig(_Strict):

@@ -13,6 +13,7 @@ cancelled stream can never leave a reservation behind.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,7 +39,9 @@ from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
 from extproc.scheduling.registry import build
-from extproc.types import LLMRequest, RequestKind, TokenCount
+from extproc.types import HEALTH_PANIC, LLMRequest, RequestKind, TokenCount
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ModelRuntime",
@@ -207,6 +210,7 @@ class RequestPipeline:
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
         self._passthrough = self.profiles["least-inflight"]
+        self._in_panic = False
 
     @property
     def served_models(self) -> list[str]:
@@ -307,8 +311,10 @@ class RequestPipeline:
             rng=self._rng,
             priority=priority,
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
+            panic_threshold=cfg.scheduling.health_check.panic_threshold,
         )
         result = self.profile.run(ctx, pool)
+        self._note_panic(ctx)
         for plugin, seconds in result.timings_s.items():
             self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
         if result.pick is None:
@@ -317,6 +323,24 @@ class RequestPipeline:
         blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
         return Routed(req, endpoint, None, blocks, result, {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2, "total": t3 - t0})
+
+    def _note_panic(self, ctx: SchedulingContext) -> None:
+        """Track health panic (`healthy-filter` routed among live but unhealthy endpoints):
+        the `llm_extproc_health_panic` gauge, a counter and one log line per change."""
+        panic = HEALTH_PANIC in ctx.data
+        if panic == self._in_panic:
+            return
+        self._in_panic = panic
+        self._metrics.health_panic.set(1 if panic else 0)
+        if panic:
+            self._metrics.health_panic_entered.inc()
+            log.warning(
+                "health panic: fewer than %.0f %% of the endpoints pass their probes; routing among every live "
+                "endpoint (probes timing out) until they recover",
+                100 * self._config.scheduling.health_check.panic_threshold,
+            )
+        else:
+            log.info("health panic over: routing only to endpoints that pass their probes")
 
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""
@@ -391,8 +415,10 @@ class RequestPipeline:
             default_block_size=self._config.scheduling.block_size,
             now=time.monotonic(),
             rng=self._rng,
+            panic_threshold=self._config.scheduling.health_check.panic_threshold,
         )
         result = self._passthrough.run(ctx, pool)
+        self._note_panic(ctx)
         if result.pick is None:
             raise NoEndpointError(f"no healthy endpoint for this request ({len(pool)} configured, 0 healthy)")
         return result.pick.primary.endpoint

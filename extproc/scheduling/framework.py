@@ -49,6 +49,8 @@ class SchedulingContext:
         rng: randomness for tie-breaks.
         priority: the request's priority class (critical / standard / sheddable).
         stale_after_s: engine metrics older than this are stale (seconds).
+        panic_threshold: below this share of healthy endpoints `healthy-filter` keeps every
+            live one (0..1; `scheduling.health_check.panic_threshold`).
         data: per-cycle scratch space shared by plugins (e.g. prefix hashes).
     """
 
@@ -59,6 +61,7 @@ class SchedulingContext:
     rng: random.Random
     priority: str = "standard"
     stale_after_s: float = 2.0
+    panic_threshold: float = 0.5
     data: dict[str, object] = field(default_factory=dict)
 
     def block_size(self, ep: Endpoint) -> int:
