@@ -10,6 +10,7 @@ from extproc.config.schema import EndpointConfig, HealthCheckConfig
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
 from extproc.stack.ports import free_port
+from .conftest import serve_get
 
 
 async def test_timeouts_flip_after_timeout_threshold_refusals_after_unhealthy_threshold():
@@ -19,13 +20,7 @@ async def test_timeouts_flip_after_timeout_threshold_refusals_after_unhealthy_th
         await asyncio.sleep(delay["s"])
         return web.Response(text="ok")
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_get("/health", health)
     store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"]), EndpointConfig(address=f"127.0.0.1:{free_port()}", models=["m"])])
     slow, dead = store.all()
     checker = HealthChecker(store, HealthCheckConfig(interval_s=60, timeout_s=0.05, unhealthy_threshold=2, timeout_threshold=4))
