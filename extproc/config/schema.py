@@ -2,7 +2,7 @@
 
 Shape (see `deploy/config.example.yaml` for a commented example)::
 
-    listen:    {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
+    listen:    {grpc: "127.0.0.1:9002", admin: "127.0.0.1:9090", reuse_port: true, grpc_tls: null}
     limits:    {max_body_bytes: 4194304, decision_timeout_ms: 1500, ...}
     models:    [{name, aliases, tokenizer, architecture, max_model_len, dtype, ...}]
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
@@ -13,6 +13,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,6 +28,8 @@ __all__ = [
     "HealthCheckConfig",
     "LimitsConfig",
     "ListenConfig",
+    "TLSConfig",
+    "is_loopback",
     "ModelConfig",
     "SchedulingConfig",
     "MetricsScrapeConfig",
@@ -67,11 +70,58 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ListenConfig(_Strict):
-    """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS."""
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback IP literals (127.0.0.0/8, ::1); False for anything else,
+    wildcards (`0.0.0.0`, `::`, `*`) and names included."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    grpc: str = "0.0.0.0:9002"
-    admin: str = "0.0.0.0:9090"
+
+class TLSConfig(_Strict):
+    """TLS on the gRPC port (Envoy's `llm_extproc` cluster then needs its transport_socket:
+    see the commented block in envoy/*.yaml).
+
+    Attributes:
+        cert_file / key_file: the server's PEM certificate chain and private key (paths).
+        client_ca_file: PEM CA bundle (path); when set, clients must present a certificate it
+            signed (mTLS) — only an Envoy holding such a certificate can hold reservations.
+    """
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    @field_validator("cert_file", "key_file", "client_ca_file")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None and not os.access(v, os.R_OK):
+            raise ValueError(f"cannot read {v!r}")
+        return v
+
+
+class ListenConfig(_Strict):
+    """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS.
+
+    Both default to loopback (a sidecar beside Envoy): any client that reaches the gRPC port can
+    hold reservations, and the admin port shows the fleet. A non-loopback gRPC address without
+    `grpc_tls` is allowed but logged as a warning at start.
+
+    Attributes:
+        grpc / admin: `host:port` of the ext_proc gRPC server and the admin HTTP server.
+        reuse_port: bind both with SO_REUSEPORT, so a replacement process can start and get
+            ready while the old one still serves and drains (docs/decisions/0140-restarts-
+            without-an-outage.md); Linux lets only processes of the same user share a port.
+        grpc_tls: serve gRPC over TLS (mTLS with `client_ca_file`), or None for plaintext.
+    """
+
+    grpc: str = "127.0.0.1:9002"
+    admin: str = "127.0.0.1:9090"
+    reuse_port: bool = True
+    grpc_tls: TLSConfig | None = None
 
     @field_validator("grpc", "admin")
     @classmethod

@@ -67,7 +67,8 @@ class ExtProcServerProcess(ChildHandle):
 
 
     async def start(self, timeout_s: float = 60.0) -> None:
-        """Start the server; return once its admin `/healthz` answers 200.
+        """Start the server; return once its admin `/healthz` answers 200 with this child's pid
+        (a replacement may share the ports with the process it replaces).
 
         Raises:
             ProcessError: it exited or was not healthy within `timeout_s` seconds (with its log).
@@ -90,7 +91,10 @@ class ExtProcServerProcess(ChildHandle):
             async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
 
                 async def healthy() -> bool:
-                    return (await client.get(f"{self.admin_url}/healthz")).status_code == 200
+                    # This child, not an old process still sharing the port (SO_REUSEPORT) while
+                    # it drains: /healthz names its pid.
+                    r = await client.get(f"{self.admin_url}/healthz")
+                    return r.status_code == 200 and r.json().get("pid") == self._proc.pid
 
                 await wait_until(healthy, proc=self._proc, what="healthy", timeout_s=timeout_s)
         except BaseException:
