@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.server import ExtProcServerProcess
 from tests.e2e.fake_engines import Backend
 
-__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "start_envoy"]
+__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "start_envoy", "start_server"]
 
 MODEL = "Qwen/Qwen3-8B"
 ALIAS = "qwen3-8b"
@@ -71,6 +72,16 @@ async def start_envoy(
     envoy = EnvoyProcess(cfg, workdir=workdir, name=label)
     await envoy.start()
     return envoy
+
+
+async def start_server(workdir: Path, config: dict[str, Any], name: str, **kw: Any) -> ExtProcServerProcess:
+    """A started `llm-extproc serve` on `config` (written to `<workdir>/<name>.yaml`); `kw` goes
+    to `ExtProcServerProcess` (fixed ports, log level). Stop it with `aclose()`."""
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    server = ExtProcServerProcess(path, workdir=workdir, name=name, **kw)
+    await server.start()
+    return server
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:

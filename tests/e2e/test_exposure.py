@@ -15,13 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-import yaml
 
 from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.ports import free_port
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import assert_openai_error
+from tests.e2e.e2e_helpers import assert_openai_error, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -46,10 +45,7 @@ async def sims(qwen_counter) -> AsyncIterator[list[SimServer]]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(workdir: Path, sims: list[SimServer]) -> AsyncIterator[ExtProcServerProcess]:
     config = {"models": [{"name": MODEL}], "endpoints": [{"address": f"127.0.0.1:{s.port}", "models": [MODEL]} for s in sims]}
-    path = workdir / "exposure.yaml"
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    proc = ExtProcServerProcess(path, workdir=workdir, name="exposure-server")
-    await proc.start()
+    proc = await start_server(workdir, config, "exposure-server")
     try:
         yield proc
     finally:

@@ -10,12 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-import yaml
 
 from extproc.stack.envoy import EnvoyProcess, ExtProcTLS, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.server import ExtProcServerProcess
 from tests.e2e.certs import Certs, make_certs
-from tests.e2e.e2e_helpers import MODEL, Engines, assert_openai_error, chat
+from tests.e2e.e2e_helpers import MODEL, Engines, assert_openai_error, chat, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,10 +31,7 @@ async def tls_server(workdir: Path, engines: Engines, certs: Certs) -> AsyncIter
         "models": [{"name": MODEL, "aliases": ["qwen3-8b"]}],
         "endpoints": [{"address": e.address, "models": [MODEL]} for e in engines.serving],
     }
-    path = workdir / "tls.yaml"
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    server = ExtProcServerProcess(path, workdir=workdir, name="tls-server")
-    await server.start()
+    server = await start_server(workdir, config, "tls-server")
     try:
         yield server
     finally:
