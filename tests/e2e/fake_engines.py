@@ -68,6 +68,7 @@ class Backend:
         self.name = name
         self.received: list[Received] = []
         self.failing_health = False
+        self.health_delay_s = 0.0  # GET /health answers after this long (a slow, starved engine)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -108,6 +109,8 @@ class Backend:
         return body
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(text="ok", headers=self._headers())
 
     async def _healthz(self, request: web.Request) -> web.Response:
