@@ -88,7 +88,9 @@ class ExtProcServerProcess(ChildHandle):
         self._proc = ManagedProcess(argv, name=self.name, log_path=self.workdir / f"{self.name}.log", env=env)
         self._proc.spawn()
         try:
-            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            # A fresh connection per probe: a kept-alive one may belong to the old process.
+            no_keepalive = httpx.Limits(max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False, limits=no_keepalive) as client:
 
                 async def healthy() -> bool:
                     # This child, not an old process still sharing the port (SO_REUSEPORT) while
