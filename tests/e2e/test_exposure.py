@@ -20,7 +20,7 @@ from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.ports import free_port
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import assert_openai_error, start_server
+from tests.e2e.e2e_helpers import assert_openai_error, in_process_sims, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -30,16 +30,8 @@ ADMIN_ROUTES = [("GET", "/metrics"), ("POST", "/sim/faults"), ("GET", "/sim/faul
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def sims(qwen_counter) -> AsyncIterator[list[SimServer]]:
-    started: list[SimServer] = []
-    try:
-        for _ in range(2):
-            sim = SimServer(tokenizer=qwen_counter, speed=50.0)
-            await sim.start()
-            started.append(sim)
+    async with in_process_sims(qwen_counter, 2, speed=50.0) as started:
         yield started
-    finally:
-        for sim in started:
-            await sim.aclose()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -25,7 +25,7 @@ import pytest_asyncio
 from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import start_server
+from tests.e2e.e2e_helpers import in_process_sims, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -38,16 +38,8 @@ LONG_TOKENS = 1000  # ~7 s at the simulated H100's ~7 ms per token: outlives the
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def sims(qwen_counter) -> AsyncIterator[list[SimServer]]:
-    started: list[SimServer] = []
-    try:
-        for _ in range(2):
-            sim = SimServer(tokenizer=qwen_counter, speed=1.0)
-            await sim.start()
-            started.append(sim)
+    async with in_process_sims(qwen_counter, 2, speed=1.0) as started:
         yield started
-    finally:
-        for sim in started:
-            await sim.aclose()
 
 
 class Rollout:
