@@ -93,7 +93,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._priority_header = priority_header
         self._explain = explain_header
         self._trusted_priority_header = trusted_priority_header
-        self._wanted = frozenset((":method", ":path", "x-request-id", priority_header, trusted_priority_header or ":method"))
+        wanted = {":method", ":path", "x-request-id", priority_header}
+        if trusted_priority_header is not None:
+            wanted.add(trusted_priority_header)
+        self._wanted = frozenset(wanted)
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
