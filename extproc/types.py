@@ -17,7 +17,14 @@ __all__ = [
     "EndpointAddress",
     "RequestKind",
     "LLMRequest",
+    "PROBE_TIMEOUT",
+    "HEALTH_PANIC",
 ]
+
+PROBE_TIMEOUT = "timeout"
+"""`Endpoint.last_probe_error` of a health probe that got no answer in time: slow, not down."""
+HEALTH_PANIC = "health_panic"
+"""`SchedulingContext.data` key `healthy-filter` sets when it routed in panic."""
 
 TokenCount = NewType("TokenCount", int)
 ByteCount = NewType("ByteCount", int)

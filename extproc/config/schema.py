@@ -2,7 +2,7 @@
 
 Shape (see `deploy/config.example.yaml` for a commented example)::
 
-    listen:    {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
+    listen:    {grpc: "127.0.0.1:9002", admin: "127.0.0.1:9090", reuse_port: true, grpc_tls: null}
     limits:    {max_body_bytes: 4194304, decision_timeout_ms: 1500, ...}
     models:    [{name, aliases, tokenizer, architecture, max_model_len, dtype, ...}]
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
@@ -14,6 +14,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -28,6 +29,8 @@ __all__ = [
     "HealthCheckConfig",
     "LimitsConfig",
     "ListenConfig",
+    "TLSConfig",
+    "is_loopback",
     "ModelConfig",
     "SchedulingConfig",
     "MetricsScrapeConfig",
@@ -74,11 +77,58 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ListenConfig(_Strict):
-    """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS."""
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback IP literals (127.0.0.0/8, ::1); False for anything else,
+    wildcards (`0.0.0.0`, `::`, `*`) and names included."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    grpc: str = "0.0.0.0:9002"
-    admin: str = "0.0.0.0:9090"
+
+class TLSConfig(_Strict):
+    """TLS on the gRPC port (Envoy's `llm_extproc` cluster then needs its transport_socket:
+    see the commented block in envoy/*.yaml).
+
+    Attributes:
+        cert_file / key_file: the server's PEM certificate chain and private key (paths).
+        client_ca_file: PEM CA bundle (path); when set, clients must present a certificate it
+            signed (mTLS) — only an Envoy holding such a certificate can hold reservations.
+    """
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    @field_validator("cert_file", "key_file", "client_ca_file")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None and not os.access(v, os.R_OK):
+            raise ValueError(f"cannot read {v!r}")
+        return v
+
+
+class ListenConfig(_Strict):
+    """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS.
+
+    Both default to loopback (a sidecar beside Envoy): any client that reaches the gRPC port can
+    hold reservations, and the admin port shows the fleet. A non-loopback gRPC address without
+    `grpc_tls` is allowed but logged as a warning at start.
+
+    Attributes:
+        grpc / admin: `host:port` of the ext_proc gRPC server and the admin HTTP server.
+        reuse_port: bind both with SO_REUSEPORT, so a replacement process can start and get
+            ready while the old one still serves and drains (docs/decisions/0140-restarts-
+            without-an-outage.md); Linux lets only processes of the same user share a port.
+        grpc_tls: serve gRPC over TLS (mTLS with `client_ca_file`), or None for plaintext.
+    """
+
+    grpc: str = "127.0.0.1:9002"
+    admin: str = "127.0.0.1:9090"
+    reuse_port: bool = True
+    grpc_tls: TLSConfig | None = None
 
     @field_validator("grpc", "admin")
     @classmethod
@@ -261,7 +311,14 @@ class HealthCheckConfig(_Strict):
         enabled: probe endpoints; when off every configured endpoint counts as healthy.
         path: probe path.
         interval_s: probe period (seconds). timeout_s: per-probe timeout (seconds).
-        unhealthy_threshold / healthy_threshold: consecutive failures / successes to flip.
+        unhealthy_threshold / healthy_threshold: consecutive failures (refused, non-2xx) /
+            successes to flip.
+        timeout_threshold: consecutive probes that only timed out before the endpoint counts
+            as down (a slow engine is not a dead one; count; the larger of it and
+            unhealthy_threshold applies).
+        panic_threshold: when fewer than this share of a model's endpoints is healthy, route
+            among every live one (healthy or only timing out), as Envoy's
+            healthy_panic_threshold does (0..1; 0 turns panic off).
     """
 
     enabled: bool = True
@@ -270,6 +327,8 @@ class HealthCheckConfig(_Strict):
     timeout_s: float = Field(default=0.5, gt=0)
     unhealthy_threshold: int = Field(default=2, ge=1)
     healthy_threshold: int = Field(default=1, ge=1)
+    timeout_threshold: int = Field(default=5, ge=1)
+    panic_threshold: float = Field(default=0.5, ge=0, le=1)
 
 
 class OutlierDetectionConfig(_Strict):
@@ -277,19 +336,33 @@ class OutlierDetectionConfig(_Strict):
     which its `ORIGINAL_DST` cluster does not offer, in the picker instead).
 
     An endpoint whose last `consecutive_5xx` answers were 5xx is left out by `healthy-filter`
-    for `ejection_s` seconds, then tried again (one more 5xx ejects it again at once). Probes
+    for `ejection_s` × its ejections so far (at most `max_ejection_s`), then tried again (one
+    more 5xx ejects it again at once), unless `max_ejected_share` of the endpoints are out
+    already; only answers to requests routed after an ejection began count against or for it
+    (`extproc.datastore.outliers`). Probes
     cannot see this failure: an engine may pass `/health` and still fail every generation,
     and one that fails fast never produces a first token, so it would look idle and fast.
 
     Attributes:
         enabled: eject at all.
         consecutive_5xx: 5xx answers in a row that eject (count).
-        ejection_s: how long an ejection lasts (seconds).
+        ejection_s: how long a first ejection lasts (seconds); the n-th lasts n times as long.
+        max_ejection_s: the longest ejection (seconds; Envoy's max_ejection_time default).
+        max_ejected_share: no new ejection while this share of the endpoints is ejected
+            (0..1; Envoy's max_ejection_percent, here 50 %).
     """
 
     enabled: bool = True
     consecutive_5xx: int = Field(default=5, ge=1)
     ejection_s: float = Field(default=10.0, gt=0)
+    max_ejection_s: float = Field(default=300.0, gt=0)
+    max_ejected_share: float = Field(default=0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _max_above_base(self) -> OutlierDetectionConfig:
+        if self.max_ejection_s < self.ejection_s:
+            raise ValueError(f"max_ejection_s ({self.max_ejection_s}) must be >= ejection_s ({self.ejection_s})")
+        return self
 
 
 class MetricsScrapeConfig(_Strict):
@@ -579,10 +652,20 @@ class PriorityConfig(_Strict):
     mean waiting requests / `queue_saturation_depth`) over the model's healthy endpoints (0..1+).
     Sheddable requests are refused at `shed_sheddable_at`, standard ones at
     `shed_standard_at`; critical ones only when no endpoint can fit them.
+
+    A client claims a class by `header` only within `claimable` (default standard and sheddable:
+    a client-sent `critical` must not jump the queue); a higher claim is downgraded to the
+    highest claimable class below it (`on_unclaimable: downgrade`) or refused with a 400
+    (`reject`), counted in `llm_extproc_priority_claims_bounded_total`. `trusted_header`, when
+    set, names a header that may carry any class: set it only in a trusted layer before Envoy's
+    ext_proc filter (an auth filter) and strip client copies there.
     """
 
     header: str = "x-llm-priority"
     default: Literal["critical", "standard", "sheddable"] = "standard"
+    claimable: tuple[Literal["critical", "standard", "sheddable"], ...] = ("standard", "sheddable")
+    on_unclaimable: Literal["downgrade", "reject"] = "downgrade"
+    trusted_header: str | None = None
     shed_sheddable_at: float = Field(default=0.8, gt=0)
     shed_standard_at: float = Field(default=1.0, gt=0)
     queue_saturation_depth: int = Field(default=32, ge=1)
@@ -597,10 +680,16 @@ class PriorityConfig(_Strict):
             )
         return self
 
-    @field_validator("header")
+    @field_validator("header", "trusted_header")
     @classmethod
-    def _lower(cls, v: str) -> str:
-        return v.lower()
+    def _lower(cls, v: str | None) -> str | None:
+        return v.lower() if v is not None else None
+
+    @model_validator(mode="after")
+    def _trusted_differs(self) -> PriorityConfig:
+        if self.trusted_header is not None and self.trusted_header == self.header:
+            raise ValueError(f"trusted_header must differ from header ({self.header!r}): clients set that one")
+        return self
 
 
 class AdmissionConfig(_Strict):

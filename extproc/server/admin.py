@@ -9,6 +9,7 @@ reserved KV blocks. Nothing here echoes request content, user ids or credentials
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -68,7 +69,9 @@ class AdminServer:
         host: str,
         port: int,
         pipeline: RequestPipeline | None = None,
+        reuse_port: bool = False,
     ) -> None:
+        self._reuse_port = reuse_port
         self._pipeline = pipeline
         self._metrics = metrics
         self._store = store
@@ -92,7 +95,7 @@ class AdminServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        self._runner, self.port = await start_site(self._app(), self._host, self._port)
+        self._runner, self.port = await start_site(self._app(), self._host, self._port, reuse_port=self._reuse_port)
 
     async def aclose(self) -> None:
         if self._runner is not None:
@@ -113,9 +116,10 @@ class AdminServer:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         if not self._is_serving():
-            return web.json_response({"status": "shutting_down"}, status=503)
+            return web.json_response({"status": "shutting_down", "pid": os.getpid()}, status=503)
         healthy = sum(1 for ep in self._store.all() if ep.healthy)
-        return web.json_response({"status": "ok", "endpoints_healthy": healthy, "endpoints": len(self._store.all())})
+        # The pid tells a replacement process sharing the port (SO_REUSEPORT) from the old one.
+        return web.json_response({"status": "ok", "endpoints_healthy": healthy, "endpoints": len(self._store.all()), "pid": os.getpid()})
 
     async def _endpoints(self, request: web.Request) -> web.Response:
         prefix = self._pipeline.prefix if self._pipeline is not None else None
@@ -130,6 +134,7 @@ class AdminServer:
                         "healthy": ep.healthy,
                         "ejected_for_s": round(max(0.0, ep.ejected_until - time.monotonic()), 3),
                         "consecutive_5xx": ep.consecutive_5xx,
+                        "ejections": ep.ejections,
                         "prefill_s_per_token": ep.prefill_s_per_token,
                         "prefill_fit": {
                             "t0_s": ep.prefill_fit.t0_s,

@@ -38,8 +38,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.config.schema import OutlierDetectionConfig
-from extproc.datastore.endpoints import Reservation
+from extproc.datastore.endpoints import Endpoint, Reservation
+from extproc.datastore.outliers import OutlierDetector
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
@@ -66,11 +66,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         metrics: metrics sink.
         priority_header: request header carrying the priority class (lower case).
         session_header: request header naming a session for session affinity (lower case), or None.
+        trusted_priority_header: header a trusted layer sets with any class (lower case), or None.
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
         decision_log: where to write one line per decided generation request, or None.
+        outlier_detection: ejects endpoints answering 5xx, or None for no ejection.
     """
 
     def __init__(
@@ -80,16 +82,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         *,
         priority_header: str = "x-llm-priority",
         session_header: str | None = "x-session-id",
+        trusted_priority_header: str | None = None,
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
-        outlier_detection: OutlierDetectionConfig | None = None,
+        outlier_detection: OutlierDetector | None = None,
         decision_log: DecisionLog | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._log = decision_log
-        self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
+        self._outliers = outlier_detection
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
         self._sample_rate = sample_rate if telemetry is not None else 0.0
@@ -98,9 +101,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._priority_header = priority_header
         self._explain = explain_header
         self._session_header = session_header
-        self._wanted = frozenset(
-            (":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER, *((session_header,) if session_header else ()))
-        )
+        self._trusted_priority_header = trusted_priority_header
+        wanted = {":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER}
+        if session_header:
+            wanted.add(session_header)
+        if trusted_priority_header is not None:
+            wanted.add(trusted_priority_header)
+        self._wanted = frozenset(wanted)
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -242,6 +249,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 session_header=hdrs.get(self._session_header) if self._session_header else None,
                 truncate_header=hdrs.get(TRUNCATE_HEADER),
                 record=record,
+                trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
             )
         except ExtProcError as exc:
             err: ExtProcError = exc
@@ -279,6 +287,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._log.write(record)
         return self._reject(err, hdrs), None, None
 
+    def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
+        """Feed one answer's status to outlier detection; count and log an ejection."""
+        assert self._outliers is not None
+        seconds = self._outliers.record(endpoint, status, routed_at, time.monotonic())
+        if seconds is not None:
+            self._metrics.child(self._metrics.endpoint_ejections, endpoint.address).inc()
+            log.warning(
+                "endpoint %s ejected for %.0f s (ejection %d): %d answers in a row with a 5xx status",
+                endpoint.address, seconds, endpoint.ejections, self._outliers.threshold,
+            )  # fmt: skip
+
     def _on_response_headers(
         self,
         msg: pb.HttpHeaders,
@@ -313,14 +332,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        if self._outliers is not None and routed is not None and routed.endpoint is not None and status:
-            od = self._outliers
-            if routed.endpoint.record_status(status, time.monotonic(), consecutive_5xx=od.consecutive_5xx, ejection_s=od.ejection_s):
-                self._metrics.child(self._metrics.endpoint_ejections, routed.endpoint.address).inc()
-                log.warning(
-                    "endpoint %s ejected for %.0f s: %d answers in a row with a 5xx status",
-                    routed.endpoint.address, od.ejection_s, od.consecutive_5xx,
-                )
+        if self._outliers is not None and routed is not None and routed.endpoint is not None and reservation is not None and status:
+            self._record_outcome(routed.endpoint, status, reservation.created_at)
         streamed = routed is not None and routed.request.stream
         if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
             # Without body telemetry, a stream's headers are our best signal that prefill is

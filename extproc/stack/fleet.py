@@ -45,6 +45,8 @@ class SimProcess(ChildHandle):
         stream_interval: output tokens per streamed chunk (vLLM `--stream-interval`).
         seed: the simulator's seed.
         load_shape: `/get_load` body shape (`sglang` or `vllm-router`).
+        port: the port to listen on; 0 lets the simulator pick (a restart on the same port
+            passes the previous run's `port`).
 
     Raises:
         ValueError: unknown profile, or speed / stream_interval out of range.
@@ -62,6 +64,7 @@ class SimProcess(ChildHandle):
         stream_interval: int = 1,
         seed: int = 0,
         load_shape: str = "sglang",
+        port: int = 0,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"unknown simulator profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -76,6 +79,7 @@ class SimProcess(ChildHandle):
         self.stream_interval = stream_interval
         self.seed = seed
         self.load_shape = load_shape
+        self._listen_port = port
         self.port: int | None = None
         self._proc: ManagedProcess | None = None
 
@@ -95,7 +99,7 @@ class SimProcess(ChildHandle):
         """The child's command line."""
         return [
             sys.executable, "-m", "extproc", "sim",
-            "--host", "127.0.0.1", "--port", "0",
+            "--host", "127.0.0.1", "--port", str(self._listen_port),
             "--profile", self.profile,
             "--speed", repr(float(self.speed)),
             "--stream-interval", str(self.stream_interval),
