@@ -44,6 +44,7 @@ from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.server import responses
+from extproc.server.engine_errors import is_client_error, openai_error_body
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -111,6 +112,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         observer: StreamObserver | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
+        error_status = 0  # the engine's error status whose body is being rewritten
         start_ns = 0
         observe = False
         self.active_streams += 1
@@ -165,7 +167,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer)
+                    reply, error_status = self._on_response_headers(msg.response_headers, routed, reservation, observer)
+                    yield reply
+                elif phase == "response_body" and error_status:
+                    body = msg.response_body
+                    if observer is not None:
+                        observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
+                    yield responses.response_body(openai_error_body(error_status, body.body))
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
@@ -249,7 +257,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         routed: Routed | None,
         reservation: Reservation | None,
         observer: StreamObserver | None,
-    ) -> pb.ProcessingResponse:
+    ) -> tuple[pb.ProcessingResponse, int]:
+        """The reply to a generation response's headers, and the status when the body must be
+        rewritten to the gateway's error shape (0 otherwise)."""
         found: dict[str, str] = {}
         for h in msg.headers.headers:
             if h.key in _RESPONSE_HEADERS:
@@ -274,7 +284,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        if self._outliers is not None and routed is not None and routed.endpoint is not None and status:
+        # A 4xx to the client's own request (a field the engine refused) says nothing about the
+        # endpoint: it neither counts toward nor ends a streak of 5xx answers.
+        if self._outliers is not None and routed is not None and routed.endpoint is not None and status and not is_client_error(status):
             od = self._outliers
             if routed.endpoint.record_status(status, time.monotonic(), consecutive_5xx=od.consecutive_5xx, ejection_s=od.ejection_s):
                 self._metrics.child(self._metrics.endpoint_ejections, routed.endpoint.address).inc()
@@ -291,4 +303,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             reservation.mark_first_token(learn=streamed)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
-        return responses.response_headers(extra, remove)
+        if routed is not None and status >= 400 and found.get("content-encoding") in (None, "identity"):
+            # The engine's own error shape (vLLM's {"object": "error", ...}, a text/plain 404):
+            # take the body whole and answer it in the gateway's shape.
+            extra["content-type"] = "application/json"
+            remove = (*remove, "content-length")
+            return responses.response_headers(extra, remove, mode=responses.ERROR_BODY_MODE), status
+        return responses.response_headers(extra, remove), 0
