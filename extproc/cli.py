@@ -21,6 +21,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: wraps to the terminal (80 columns stay readable), shows a flag as a
+    # flag (no `<bool>` type column) and numbers and defaults in full.
+    rich_markup_mode=None,
 )
 
 
