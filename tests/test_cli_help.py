@@ -26,3 +26,11 @@ def test_help_fits_80_columns_without_type_noise(command: str):
     assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
     assert "<bool>" not in result.output
     assert "…" not in result.output  # nothing cut short
+
+
+def test_bench_help_lists_each_policy_unbroken_at_80_columns():
+    from extproc.bench.policies import POLICIES
+
+    result = CliRunner().invoke(app, ["bench", "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    for name in POLICIES:
+        assert f"  {name}: " in result.output  # one per line, never cut at a hyphen
