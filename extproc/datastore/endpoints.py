@@ -55,6 +55,7 @@ class Endpoint:
         prefill_s_per_token: learned time to first token per token of prefill backlog
             (seconds per token, EWMA over observed first tokens; queueing, chunked-prefill
             interference and the GPU's speed all show in it), None until observed.
+        prefill_samples: first tokens it learned from (count).
         prefill_sampled_at: `time.monotonic()` of its latest sample (seconds), None before.
         reserved_blocks: KV blocks reserved by unsettled reservations (blocks).
         consecutive_failures / consecutive_successes: probe streaks.
@@ -86,6 +87,7 @@ class Endpoint:
     last_probe_error: str | None = None
     probed: bool = False
     prefill_s_per_token: float | None = None
+    prefill_samples: int = 0
     prefill_sampled_at: float | None = None
     engine: Any = None
     scrape_errors: int = 0
@@ -186,6 +188,7 @@ class Reservation:
             prev = ep.prefill_s_per_token
             ep.prefill_s_per_token = sample if prev is None else prev + PREFILL_EWMA_ALPHA * (sample - prev)
             ep.prefill_sampled_at = self.first_token_at
+            ep.prefill_samples += 1
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1

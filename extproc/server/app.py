@@ -164,7 +164,8 @@ class ExtProcApp:
             from extproc.config.schema import parse_host_port
 
             host, aport = parse_host_port(cfg.listen.admin)
-            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline)
+            rate = cfg.telemetry.sample_rate if cfg.telemetry.enabled else None
+            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline, sample_rate=rate)
             try:
                 await self._admin.start()
             except OSError as exc:

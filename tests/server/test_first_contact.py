@@ -171,3 +171,49 @@ async def test_an_engine_4xx_is_the_clients_error_not_the_endpoints(make_app):
     reg = app.metrics.registry
     assert reg.get_sample_value("llm_extproc_stream_errors_total", {"reason": "client_error"}) == 1
     assert reg.get_sample_value("llm_extproc_stream_errors_total", {"reason": "backend_error"}) == 5
+
+
+async def _admin(app, path: str):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{app.admin_port}{path}") as resp:
+        return await (resp.json() if path.startswith("/api") else resp.text())
+
+
+async def test_weights_page_shows_each_scorers_weight_beside_its_score(app):
+    body = await _admin(app, "/api/v1/weights")
+    weights = {s.scorer.name: s.weight for s in app.pipeline.profile.scorers}
+    for row in body["endpoints"]:
+        assert set(row["scores"]) == set(weights)
+        for name, part in row["scores"].items():
+            assert part["weight"] == weights[name] and part["weighted"] == pytest.approx(part["score"] * weights[name], abs=1e-3)
+        assert row["weight"] == pytest.approx(sum(p["weighted"] for p in row["scores"].values()), abs=1e-3)
+
+
+async def test_endpoints_page_says_what_learned_values_rest_on(app, stub):
+    """A streamed first token teaches the prefill speed: the page counts the samples, and says at
+    which rate responses feed the stream statistics."""
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions"))
+    await call.read()
+    await call.write(body_msg(chat_body(stream=True)))
+    await call.read()
+    hdrs = [base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")]
+    await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hdrs))))
+    await call.read()
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=True)))
+    await call.read()
+    await call.done_writing()
+    await call.read()
+    body = await _admin(app, "/api/v1/endpoints")
+    assert body["telemetry_sample_rate"] == 1.0
+    learned = [e for e in body["endpoints"] if e["prefill_s_per_token"] is not None]
+    assert [e["prefill_samples"] for e in learned] == [1]
+    assert {"ttft_samples", "itl_samples"} <= set(learned[0]["stream"])  # counts (snapshots are cached briefly)
+
+
+async def test_metrics_have_no_created_series(app, stub):
+    await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body()))
+    text = await _admin(app, "/metrics")
+    assert "llm_extproc_requests_total{" in text and "_created" not in text
