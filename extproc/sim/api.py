@@ -115,7 +115,8 @@ class GenerationParams(BaseModel):
     Attributes:
         model: requested model name (None: the served model, as vLLM allows).
         messages: chat messages (chat only).
-        prompt: completions prompt: text, or token ids.
+        prompt: completions prompt: text, token ids, or a batch of either (each prompt its own
+            engine requests; choice `i * n + j` is prompt i's j-th, as vLLM numbers them).
         max_tokens: output cap (tokens); `max_completion_tokens` is accepted as an alias.
         min_tokens: vLLM extension: do not stop before this many tokens.
         ignore_eos: vLLM extension: generate until max_tokens.
@@ -129,7 +130,7 @@ class GenerationParams(BaseModel):
 
     model: str | None = None
     messages: list[dict[str, Any]] | None = None
-    prompt: str | list[int] | list[str] | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)
@@ -245,10 +246,6 @@ def parse_generation(raw: bytes, kind: Literal["chat", "completion"]) -> Generat
     if kind == "completion":
         if params.prompt is None or params.prompt == [] or params.prompt == "":
             raise SimAPIError(400, "prompt: field required and must not be empty", param="prompt")
-        if isinstance(params.prompt, list) and params.prompt and isinstance(params.prompt[0], str):
-            if len(params.prompt) != 1:
-                raise SimAPIError(400, "batched prompts are not supported by the simulator", param="prompt")
-            params.prompt = params.prompt[0]
     return params
 
 

@@ -94,6 +94,21 @@ def shared_token_counter() -> TokenCounter:
 _ARCH_CLASSES = {"qwen3": ("qwen3", "Qwen3ForCausalLM"), "llama": ("llama", "LlamaForCausalLM")}
 
 
+@web.middleware
+async def _fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route or method answered as vLLM's FastAPI does: `{"detail": "Not Found"}`
+    (JSON), not aiohttp's text/plain `404: Not Found`."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        return web.json_response({"detail": exc.reason}, status=exc.status)
+
+
+def _prompt_tokens(reqs: list[SimRequest], n: int) -> int:
+    """Usage's prompt tokens: each prompt once, however many (`n`) choices it has."""
+    return sum(r.prompt_len for r in reqs[::n])
+
+
 class SimServer:
     """A simulated vLLM server.
 
@@ -212,7 +227,7 @@ class SimServer:
         self._wall0 = loop.time()
         self._sim0 = self.engine.now
         self._fault_changed = asyncio.Event()
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_fastapi_errors])
         app.on_response_prepare.append(self._add_speed_header)
         self._routes(app)
         # handler_cancellation: a client that disconnects cancels its handler, whose `finally`
@@ -413,22 +428,26 @@ class SimServer:
         if model is not None and model != self.model:
             raise model_not_found(model)
 
-    async def _token_ids(self, params: Any, kind: str) -> list[int]:
+    async def _prompts(self, params: Any, kind: str) -> list[list[int]]:
+        """The token ids of each prompt: one for chat; one per prompt of a completions batch."""
         counter = self._tokenizer
         assert counter is not None
         try:
             if kind == "chat":
-                return counter.count_chat(
+                return [counter.count_chat(
                     params.messages, tools=params.tools, chat_template_kwargs=params.chat_template_kwargs
-                ).token_ids
-            if isinstance(params.prompt, str):
-                return counter.count_text(params.prompt).token_ids
+                ).token_ids]  # fmt: skip
+            prompt = params.prompt
+            batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+            out = []
+            for p in batch:
+                ids = counter.count_text(p).token_ids if isinstance(p, str) else list(p)
+                if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                    raise SimAPIError(400, "prompt: token ids must be non-negative integers, at least one", param="prompt")
+                out.append(ids)
+            return out
         except BadRequestError as exc:
             raise SimAPIError(400, exc.message, param=exc.param) from None
-        ids = list(params.prompt)
-        if any(not isinstance(t, int) or t < 0 for t in ids):
-            raise SimAPIError(400, "prompt: token ids must be non-negative integers", param="prompt")
-        return ids
 
     async def _generate(self, request: web.Request, *, kind: Literal["chat", "completion"]) -> web.StreamResponse:
         try:
@@ -441,13 +460,13 @@ class SimServer:
         async with self._tracked(reqs) as event:
             if params.stream:
                 try:
-                    return await self._stream(request, reqs, event, kind, rid, created, params.include_usage)
+                    return await self._stream(request, reqs, params.n, event, kind, rid, created, params.include_usage)
                 except ConnectionResetError:  # the client went away mid-stream
                     return web.Response(status=499)
             if not await self._wait_all(reqs, event):
                 return self._die(request)
             choices = [(output_text(r.uid, 0, r.num_output), r.finish_reason or "stop") for r in reqs]
-            body = completion_body(kind, rid, created, self.model, choices, reqs[0].prompt_len, sum(r.num_output for r in reqs))
+            body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs))
             return web.Response(body=body, content_type="application/json")
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
@@ -488,10 +507,11 @@ class SimServer:
         self._check_model(params.model)
         if self._faults.error_rate and self._rng.random() < self._faults.error_rate:
             raise SimAPIError(500, "Simulated internal server error (fault injection: error_rate)")
-        ids = await self._token_ids(params, kind)
+        prompts = await self._prompts(params, kind)
         max_len = self.config.max_model_len
-        if len(ids) >= max_len or (params.max_tokens is not None and len(ids) + params.max_tokens > max_len):
-            raise context_length_error(max_len, len(ids), params.max_tokens)
+        for ids in prompts:
+            if len(ids) >= max_len or (params.max_tokens is not None and len(ids) + params.max_tokens > max_len):
+                raise context_length_error(max_len, len(ids), params.max_tokens)
         eng = self._engine
         if self.max_waiting is not None and eng.num_waiting >= self.max_waiting:
             raise SimAPIError(
@@ -500,18 +520,19 @@ class SimServer:
             )
         rng = random.Random(params.seed if params.seed is not None else self._rng.getrandbits(64))
         reqs = []
-        for _ in range(params.n):
-            n_out, reason = choose_output_len(
-                rng,
-                cap=params.max_tokens if params.max_tokens is not None else max_len - len(ids),
-                max_tokens=params.max_tokens,
-                min_tokens=params.min_tokens,
-                ignore_eos=params.ignore_eos,
-            )
-            reqs.append(SimRequest(
-                ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
-                notify_every=self.stream_interval if params.stream else _NEVER,
-            ))  # fmt: skip
+        for ids in prompts:
+            for _ in range(params.n):
+                n_out, reason = choose_output_len(
+                    rng,
+                    cap=params.max_tokens if params.max_tokens is not None else max_len - len(ids),
+                    max_tokens=params.max_tokens,
+                    min_tokens=params.min_tokens,
+                    ignore_eos=params.ignore_eos,
+                )
+                reqs.append(SimRequest(
+                    ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
+                    notify_every=self.stream_interval if params.stream else _NEVER,
+                ))  # fmt: skip
         added: list[SimRequest] = []
         try:
             for req in reqs:
@@ -604,6 +625,7 @@ class SimServer:
         self,
         request: web.Request,
         reqs: list[SimRequest],
+        n: int,
         event: asyncio.Event,
         kind: Literal["chat", "completion"],
         rid: str,
@@ -632,7 +654,7 @@ class SimServer:
                 chunk = stream_chunk(kind, rid, created, self.model, output_text(r.uid, start, end), fin, index=i)
                 if not await send(chunk):
                     return self._die(request)
-        usage = usage_chunk(kind, rid, created, self.model, reqs[0].prompt_len, sum(r.num_output for r in reqs))
+        usage = usage_chunk(kind, rid, created, self.model, _prompt_tokens(reqs, n), sum(r.num_output for r in reqs))
         if include_usage and not await send(usage):
             return self._die(request)
         await resp.write(DONE)

@@ -367,3 +367,29 @@ async def test_responses_api_stream_events(start_sim, http) -> None:
     usage = events[-1]["response"]["usage"]
     assert usage["output_tokens"] == 7
     assert usage["input_tokens"] == sim._tokenizer.count_chat([{"role": "user", "content": "Tell me a story."}]).count
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [["Once upon", "a time there"], [[1, 2, 3], [4, 5]]],
+    ids=["strings", "token-id-lists"],
+)
+async def test_batched_completion_prompts_are_served(start_sim, http, prompt) -> None:
+    """Every prompt shape llm-extproc's parser accepts, the simulator serves (as vLLM does):
+    choice i * n + j is prompt i's j-th."""
+    sim = await start_sim()
+    body = {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "n": 2}
+    status, raw, _ = await post(http, f"{sim.url}/v1/completions", body)
+    assert status == 200, raw
+    out = orjson.loads(raw)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    lens = [len(p) if isinstance(p, list) else sim._tokenizer.count_text(p).count for p in prompt]
+    assert out["usage"]["prompt_tokens"] == sum(lens) and out["usage"]["completion_tokens"] == 12
+
+
+async def test_unknown_paths_answer_json_as_vllm_does(start_sim, http) -> None:
+    sim = await start_sim()
+    async with http.get(f"{sim.url}/v1/nothing-here") as resp:
+        assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+    async with http.get(f"{sim.url}/v1/chat/completions") as resp:
+        assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
