@@ -189,7 +189,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     if not runs:
         return 1 if outcome == "failed" else 130
     report = build_report(runs, options.slo)
-    console.print(render_run_details(report.runs[0], time_unit=report.time_unit, profiles=_profiles(stack)))
+    console.print(render_run_details(report.runs[0], time_unit=report.time_unit, profiles=_profiles(stack), slo=report.slo))
     _warn_behind(console, report)
     try:
         if options.outputs.plot_path is not None:
