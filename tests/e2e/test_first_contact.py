@@ -178,3 +178,29 @@ async def test_fallback_answers_say_so(stack):
         r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.headers["x-llm-fallback"] == "1"
     assert r.headers["x-llm-endpoint"] == stack.sim.address
+
+
+TOOL_CHAT = [
+    {"role": "user", "content": "What is 3+3?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 3}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "6"}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": ["Once upon", "a time there"], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2, "n": 2}),
+        ("/v1/chat/completions", {"messages": TOOL_CHAT, "max_completion_tokens": 2}),
+    ],
+    ids=["batch-strings", "batch-token-ids", "n-2-completion", "tool-call-history"],
+)
+async def test_other_accepted_shapes_are_served_and_counted_as_the_engine_prefills(stack, path, body):
+    """Every shape llm-extproc's parser accepts, the simulator (as vLLM) serves, and the count
+    llm-extproc decided on is what the engine reports as prefilled."""
+    r, counted = await post_counted(stack, path, {"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == counted
