@@ -303,7 +303,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             reservation.mark_first_token(learn=streamed)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.result.explain() if routed.result is not None else f"tier={routed.tier}"
-        if routed is not None and status >= 400 and found.get("content-encoding") in (None, "identity"):
+        if routed is not None and status >= 400 and not msg.end_of_stream and found.get("content-encoding") in (None, "identity"):
             # The engine's own error shape (vLLM's {"object": "error", ...}, a text/plain 404):
             # take the body whole and answer it in the gateway's shape.
             extra["content-type"] = "application/json"
