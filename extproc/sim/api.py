@@ -225,9 +225,13 @@ def parse_responses(raw: bytes) -> tuple[GenerationParams, ResponsesParams]:
     if req.tools:
         tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} if "function" not in t else t
                  for t in req.tools]  # fmt: skip
-    params = GenerationParams(
-        model=req.model, messages=messages, max_tokens=req.max_output_tokens, stream=req.stream, seed=req.seed, tools=tools
-    )
+    # The simulator's own output-length controls (`ignore_eos`, `min_tokens`) are honoured here
+    # too, so tests and benchmarks can pin an answer's length.
+    extra = {k: v for k, v in (req.model_extra or {}).items() if k in ("ignore_eos", "min_tokens")}
+    params = _validate(GenerationParams, {
+        "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens, "stream": req.stream,
+        "seed": req.seed, "tools": tools, **extra,
+    })  # fmt: skip
     return params, req
 
 

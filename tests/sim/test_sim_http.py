@@ -346,7 +346,7 @@ async def test_responses_api_json(start_sim, http) -> None:
 
 async def test_responses_api_stream_events(start_sim, http) -> None:
     sim = await start_sim(stream_interval=3)
-    body = {"input": "Tell me a story.", "max_output_tokens": 7, "ignore_eos": True, "stream": True}
+    body = {"input": "Tell me a story.", "max_output_tokens": 7, "ignore_eos": True, "stream": True, "seed": 3}
     status, raw, resp = await post(http, f"{sim.url}/v1/responses", body)
     assert status == 200 and resp.headers["content-type"].startswith("text/event-stream")
     assert raw.endswith(b"\n\n") and b"[DONE]" not in raw
@@ -393,3 +393,17 @@ async def test_unknown_paths_answer_json_as_vllm_does(start_sim, http) -> None:
         assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
     async with http.get(f"{sim.url}/v1/chat/completions") as resp:
         assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
+
+
+async def test_responses_api_stops_before_the_budget_as_completed(start_sim, http) -> None:
+    sim = await start_sim()
+    body = {"input": "hi", "max_output_tokens": 50, "min_tokens": 2, "seed": 1}
+    lengths = set()
+    for seed in range(6):
+        status, raw, _ = await post(http, f"{sim.url}/v1/responses", {**body, "seed": seed})
+        out = orjson.loads(raw)
+        n = out["usage"]["output_tokens"]
+        assert status == 200 and 2 <= n <= 50
+        assert out["status"] == ("incomplete" if n == 50 else "completed")
+        lengths.add(n)
+    assert len(lengths) > 1
