@@ -113,6 +113,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
         error_status = 0  # the engine's error status whose body is being rewritten
+        error_body = bytearray()
         start_ns = 0
         observe = False
         self.active_streams += 1
@@ -170,10 +171,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     reply, error_status = self._on_response_headers(msg.response_headers, routed, reservation, observer)
                     yield reply
                 elif phase == "response_body" and error_status:
+                    # BUFFERED: the whole body in one message. Were it ever to come in pieces,
+                    # each is held back and the rewrite goes out with the last.
                     body = msg.response_body
                     if observer is not None:
                         observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
-                    yield responses.response_body(openai_error_body(error_status, body.body))
+                    error_body += body.body
+                    if body.end_of_stream:
+                        yield responses.response_body(openai_error_body(error_status, bytes(error_body)))
+                    else:
+                        yield responses.response_body_cleared()
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())

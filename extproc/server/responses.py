@@ -21,6 +21,7 @@ __all__ = [
     "continue_request_headers",
     "response_headers",
     "response_body",
+    "response_body_cleared",
     "GENERATION_MODE_STREAMED",
     "GENERATION_MODE",
     "ERROR_BODY_MODE",
@@ -142,6 +143,13 @@ def response_body(replacement: bytes | None) -> pb.ProcessingResponse:
         return _EMPTY["response_body"]
     return pb.ProcessingResponse(
         response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=replacement)))
+    )
+
+
+def response_body_cleared() -> pb.ProcessingResponse:
+    """Response-body reply that sends nothing of this chunk (held back for a later rewrite)."""
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))
     )
 
 

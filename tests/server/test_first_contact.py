@@ -217,3 +217,22 @@ async def test_metrics_have_no_created_series(app, stub):
     await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(chat_body()))
     text = await _admin(app, "/metrics")
     assert "llm_extproc_requests_total{" in text and "_created" not in text
+
+
+async def test_an_error_body_in_pieces_is_held_back_and_rewritten_whole(stub):
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions"))
+    await call.read()
+    await call.write(body_msg(chat_body()))
+    await call.read()
+    await call.write(_response_headers(b"400"))
+    await call.read()
+    half = len(VLLM_ERROR) // 2
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=VLLM_ERROR[:half], end_of_stream=False)))
+    first = await call.read()
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=VLLM_ERROR[half:], end_of_stream=True)))
+    last = await call.read()
+    await call.done_writing()
+    await call.read()
+    assert first.response_body.response.body_mutation.clear_body
+    assert orjson.loads(last.response_body.response.body_mutation.body)["error"]["param"] == "min_tokens"
