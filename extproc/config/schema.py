@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from extproc.config.diagnose import did_you_mean
 from extproc.telemetry.observer import ObserverOptions
 from extproc.telemetry.stats import StreamStatsParams
 
@@ -611,7 +612,8 @@ class SchedulingConfig(_Strict):
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
         if self.profile not in self.all_profiles():
-            raise ValueError(f"profile {self.profile!r} is not defined; defined: {sorted(self.all_profiles())}")
+            defined = self.all_profiles()
+            raise ValueError(f"profile {self.profile!r} is not defined{did_you_mean(self.profile, defined)} (defined: {', '.join(sorted(defined))})")
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:
@@ -773,6 +775,7 @@ class Config(_Strict):
             for m in e.models:
                 if m not in canonical:
                     raise ValueError(
-                        f"endpoints[{i}].models: {m!r} is not a configured model name; configured: {sorted(canonical)}"
+                        f"endpoints[{i}].models: {m!r} is not a configured model name{did_you_mean(m, canonical)} "
+                        f"(configured: {', '.join(sorted(canonical))})"
                     )
         return self

@@ -185,10 +185,15 @@ def _message_chars(parsed: ParsedRequest) -> int:
 
 def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
     """Prompt tokens from characters (ESTIMATE_CHARS_PER_TOKEN), when exact counting ran out of time."""
-    if parsed.kind is RequestKind.CHAT:
+    if parsed.kind is not RequestKind.COMPLETION:
         chars = _message_chars(parsed) + 16 * len(parsed.messages)
         return [max(1, int(chars / ESTIMATE_CHARS_PER_TOKEN))]
     return [max(1, int(len(p) / ESTIMATE_CHARS_PER_TOKEN)) for p in parsed.prompts]
+
+
+def _prompt_param(kind: RequestKind) -> str:
+    """The request field that holds the prompt, for an error's `param`."""
+    return {RequestKind.CHAT: "messages", RequestKind.COMPLETION: "prompt", RequestKind.RESPONSES: "input"}[kind]
 
 
 def build_profile(name: str, cfg: ProfileConfig) -> Profile:
@@ -249,6 +254,7 @@ class RequestPipeline:
         # no character walk (only chats are walked).
         self._max_values = {
             RequestKind.CHAT: config.limits.max_json_values,
+            RequestKind.RESPONSES: config.limits.max_json_values,
             RequestKind.COMPLETION: config.limits.max_json_values + max((m.max_model_len for m in config.models), default=0),
         }
         # Past this, a burst of long new prompts waiting for a tokenizer thread is routed on a
@@ -591,7 +597,7 @@ class RequestPipeline:
         limits = self._config.limits
         model = runtime.config
         max_chars = limits.max_chars_per_token * model.max_model_len
-        if parsed.kind is RequestKind.CHAT:
+        if parsed.kind is not RequestKind.COMPLETION:
             # The body's length bounds its characters (each takes a byte or more, with the quotes,
             # colons and braces around it): a body within both thresholds below (the refusal, the
             # off-loop rule) needs no walk of its messages.
@@ -604,13 +610,14 @@ class RequestPipeline:
         if chars > max_chars:
             raise ContextLengthError(
                 f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt has "
-                f"{chars} characters, more than {limits.max_chars_per_token} per token of context can hold. "
+                f"{chars} characters: too long to fit, refused before counting its tokens (this gateway "
+                f"accepts at most {max_chars} characters, {limits.max_chars_per_token} per token of context). "
                 "Please reduce the length of the input.",
-                param="messages" if parsed.kind is RequestKind.CHAT else "prompt",
+                param=_prompt_param(parsed.kind),
             )
 
         def plan() -> list[EncodePlan]:
-            if parsed.kind is RequestKind.CHAT:
+            if parsed.kind is not RequestKind.COMPLETION:
                 text = counter.render_chat(parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs)
                 return [counter.plan(text)]
             return [counter.plan(p, add_special_tokens=True) for p in parsed.prompts]
@@ -685,17 +692,18 @@ class RequestPipeline:
         """
         limit = model.max_model_len
         for count in prompt_tokens:
-            if parsed.max_tokens is None:
-                if count >= limit:
-                    raise ContextLengthError(
-                        f"This model's maximum context length is {limit} tokens. However, your request has "
-                        f"{count} input tokens. Please reduce the length of the input messages.",
-                        param="messages" if parsed.kind is RequestKind.CHAT else "prompt",
-                    )
-            elif count + parsed.max_tokens > limit:
+            # The prompt alone first, whatever max_tokens says (vLLM's order): the prompt is what
+            # the client must change, so `param` names it.
+            if count >= limit:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{count} input tokens. Please reduce the length of the input messages.",
+                    param=_prompt_param(parsed.kind),
+                )
+            if parsed.max_tokens is not None and count + parsed.max_tokens > limit:
                 raise ContextLengthError(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{count + parsed.max_tokens} tokens ({count} in the messages, {parsed.max_tokens} in the "
                     "completion). Please reduce the length of the messages or completion.",
-                    param="max_tokens",
+                    param="max_output_tokens" if parsed.kind is RequestKind.RESPONSES else "max_tokens",
                 )

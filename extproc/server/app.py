@@ -218,8 +218,16 @@ class ExtProcApp:
 
         if cfg.admin.enabled:
             host, aport = parse_host_port(cfg.listen.admin)
+            rate = cfg.telemetry.sample_rate if cfg.telemetry.enabled else None
             self._admin = AdminServer(
-                self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline, reuse_port=cfg.listen.reuse_port
+                self.metrics,
+                self.store,
+                lambda: self._serving,
+                host,
+                aport,
+                pipeline=self.pipeline,
+                reuse_port=cfg.listen.reuse_port,
+                sample_rate=rate,
             )
             try:
                 await self._admin.start()

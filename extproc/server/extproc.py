@@ -47,6 +47,7 @@ from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.server import responses
 from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
+from extproc.server.engine_errors import is_client_error, openai_error_body
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -130,6 +131,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         record: DecisionRecord | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
+        error_status = 0  # the engine's error status whose body is being rewritten
+        error_body = bytearray()
         start_ns = 0
         observe = False
         self.active_streams += 1
@@ -187,7 +190,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(msg.response_headers, routed, reservation, observer, record)
+                    reply, error_status = self._on_response_headers(msg.response_headers, routed, reservation, observer, record)
+                    yield reply
+                elif phase == "response_body" and error_status:
+                    # BUFFERED: the whole body in one message. Were it ever to come in pieces,
+                    # each is held back and the rewrite goes out with the last.
+                    body = msg.response_body
+                    if observer is not None:
+                        observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
+                    error_body += body.body
+                    if body.end_of_stream:
+                        yield responses.response_body(openai_error_body(error_status, bytes(error_body)))
+                    else:
+                        yield responses.response_body_cleared()
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
@@ -305,7 +320,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         reservation: Reservation | None,
         observer: StreamObserver | None,
         record: DecisionRecord | None = None,
-    ) -> pb.ProcessingResponse:
+    ) -> tuple[pb.ProcessingResponse, int]:
+        """The reply to a generation response's headers, and the status when the body must be
+        rewritten to the gateway's error shape (0 otherwise)."""
         found: dict[str, str] = {}
         for h in msg.headers.headers:
             if h.key in _RESPONSE_HEADERS:
@@ -332,7 +349,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        if self._outliers is not None and routed is not None and routed.endpoint is not None and reservation is not None and status:
+        # A 4xx to the client's own request (a field the engine refused) says nothing about the
+        # endpoint: it neither counts toward nor ends a streak of 5xx answers.
+        if (
+            self._outliers is not None
+            and routed is not None
+            and routed.endpoint is not None
+            and reservation is not None
+            and status
+            and not is_client_error(status)
+        ):
             self._record_outcome(routed.endpoint, status, reservation.created_at)
         streamed = routed is not None and routed.request.stream
         if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
@@ -345,4 +371,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
-        return responses.response_headers(extra, remove)
+        if routed is not None and status >= 400 and not msg.end_of_stream and found.get("content-encoding") in (None, "identity"):
+            # The engine's own error shape (vLLM's {"object": "error", ...}, a text/plain 404):
+            # take the body whole and answer it in the gateway's shape.
+            extra["content-type"] = "application/json"
+            remove = (*remove, "content-length")
+            return responses.response_headers(extra, remove, mode=responses.ERROR_BODY_MODE), status
+        return responses.response_headers(extra, remove), 0

@@ -17,6 +17,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.server.responses import OWNED_HEADERS
+from extproc.pipeline.tokens import TokenCounter
 from extproc.types import RequestKind
 
 ENDPOINTS = ["127.0.0.1:18001", "127.0.0.1:18002"]  # as in conftest.make_config
@@ -663,8 +664,11 @@ async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app)
 
 async def test_token_cache_metrics_count_each_request_once_under_concurrency(make_app):
     """Hits and misses come from each request's own segments, not from the shared counter's
-    movement while other requests (and tokenizer threads) run."""
+    movement while other requests (and tokenizer threads) run. The app gets its own counter: the
+    session's shared one is still being filled by an earlier test's abandoned tokenization
+    (test_slow_counting_routes_on_an_estimate_instead_of_refusing), which made this flaky."""
     app = await make_app(
+        counter=TokenCounter.from_source("builtin:qwen3"),
         limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000},
         models=[{"name": MODEL, "max_model_len": 131072}],
     )
