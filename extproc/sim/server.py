@@ -21,6 +21,11 @@ Routes (vLLM's shapes unless noted):
     GET/POST/DELETE /sim/faults                   fault injection (extproc.sim.faults)
     GET  /sim/gpu                                 simulated per-GPU memory and utilisation
     GET  /sim/state                               engine snapshot (ours)
+    POST /reset_prefix_cache                      drop the prefix cache (vLLM's dev route); 503
+                                                  while requests hold blocks (vLLM refuses then)
+
+With `kv_events_endpoint`, the engine publishes vLLM's KV-cache events (ZMQ PUB, msgpack
+`KVEventBatch`, one per step that changed the prefix cache; `extproc.sim.kv_publisher`).
 
 Every response carries `x-sim-speed: <float>`: multiply wall durations by it to get simulated
 seconds. `/metrics` is in simulated seconds already.
@@ -57,6 +62,7 @@ from extproc.sim.api import (
 )
 from extproc.sim.engine import Engine, EngineConfig, RequestTooLargeError, SimRequest, StepPlan
 from extproc.sim.faults import Faults, FaultUpdate, parse_fault_update
+from extproc.sim.kv_publisher import KVEventPublisher
 from extproc.sim.metrics import register_metrics
 from extproc.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from extproc.sim.workload import choose_output_len
@@ -108,6 +114,8 @@ class SimServer:
         seed: seeds output-length draws and fault coin flips.
         registry: the Prometheus registry to register on (a fresh one if None).
         tokenizer: a token counter (default: the shared Qwen3 one).
+        kv_events_endpoint: bind a KV-event PUB socket here (`tcp://127.0.0.1:5557`), or None.
+        kv_events_replay: bind vLLM's replay ROUTER socket here, or None.
 
     Raises:
         KeyError: unknown profile. ValueError: a size or setting out of range.
@@ -136,6 +144,8 @@ class SimServer:
         seed: int = 0,
         registry: CollectorRegistry | None = None,
         tokenizer: TokenCounter | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay: str | None = None,
     ) -> None:
         self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
         if speed <= 0:
@@ -157,6 +167,7 @@ class SimServer:
             max_num_seqs=max_num_seqs or p.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or p.max_num_batched_tokens,
             max_model_len=min(max_model_len or p.max_model_len, blocks * bs),
+            enable_kv_cache_events=kv_events_endpoint is not None,
         )
         self.host = host
         self.port = port
@@ -185,6 +196,9 @@ class SimServer:
         self._wall0 = 0.0
         self._sim0 = 0.0
         self._started_unix = int(time.time())
+        if kv_events_replay is not None and kv_events_endpoint is None:
+            raise ValueError("kv_events_replay needs kv_events_endpoint")
+        self.kv_events = KVEventPublisher(kv_events_endpoint, kv_events_replay) if kv_events_endpoint else None
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -196,6 +210,8 @@ class SimServer:
         if self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(shared_token_counter)
         self.engine = Engine(self.config, self.profile.coefficients)
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.registry is None:
             self.registry = CollectorRegistry()
         register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics)
@@ -233,6 +249,8 @@ class SimServer:
             ev.set()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
 
     async def _listen(self) -> None:
         assert self._runner is not None
@@ -298,6 +316,8 @@ class SimServer:
                 continue
             await self._wait_for_plan(plan)
             eng.commit(plan)
+            if self.kv_events is not None:
+                self.kv_events.publish(eng.take_kv_events())
 
     async def _wait_for_plan(self, plan: StepPlan) -> None:
         multi = plan.steps > 1
@@ -365,6 +385,8 @@ class SimServer:
         for req in self._engine.restart():
             self._dropped.add(req.uid)
             self._notify(req)
+        if self.kv_events is not None:
+            self.kv_events.restart()
         self._wake("restart")
 
     # -- HTTP -------------------------------------------------------------------------------
@@ -391,6 +413,7 @@ class SimServer:
         r.add_delete("/sim/faults", self._faults_delete)
         r.add_get("/sim/gpu", self._gpu)
         r.add_get("/sim/state", self._state)
+        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> web.Response:
@@ -544,6 +567,14 @@ class SimServer:
         await resp.write(DONE)
         await resp.write_eof()
         return resp
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        eng = self._engine
+        if not eng.pool.reset_prefix_cache():
+            return self._error(SimAPIError(503, "cannot reset the prefix cache while requests hold KV blocks"))
+        if self.kv_events is not None:
+            self.kv_events.publish(eng.take_kv_events())
+        return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
         return self._json(
