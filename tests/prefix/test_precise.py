@@ -253,3 +253,24 @@ async def test_gap_is_filled_from_the_replay_socket() -> None:
     finally:
         await publisher.aclose()
         ctx.destroy(linger=0)
+
+
+# -- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        pytest.param({"kv_events": "127.0.0.1:5557"}, "tcp://host:port", id="no-scheme"),
+        pytest.param({"kv_events": "tcp://*:5557"}, "host we can connect to", id="bind-wildcard"),
+        pytest.param({"kv_events": "tcp://127.0.0.1:0"}, "host we can connect to", id="port-0"),
+        pytest.param({"kv_events_replay": "tcp://127.0.0.1:5558"}, "needs kv_events", id="replay-alone"),
+    ],
+)
+def test_endpoint_kv_events_config_errors(fields: dict, match: str) -> None:
+    from pydantic import ValidationError
+
+    from extproc.config.schema import EndpointConfig
+
+    with pytest.raises(ValidationError, match=match):
+        EndpointConfig(address="127.0.0.1:8000", models=["m"], **fields)
+    ok = EndpointConfig(address="127.0.0.1:8000", models=["m"], kv_events="tcp://10.0.0.5:5557", kv_events_replay="tcp://10.0.0.5:5558")
+    assert ok.kv_events == "tcp://10.0.0.5:5557"

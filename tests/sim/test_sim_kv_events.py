@@ -144,3 +144,12 @@ async def test_server_refuses_an_unbindable_endpoint(qwen_counter, bad: str) -> 
     with pytest.raises(zmq.ZMQError):
         await sim.start()
     await sim.aclose()
+
+
+def test_cli_takes_a_port_or_an_endpoint_not_both() -> None:
+    from typer.testing import CliRunner
+
+    from extproc.cli import app
+
+    result = CliRunner().invoke(app, ["sim", "--kv-events-port", "5557", "--kv-events-endpoint", "tcp://127.0.0.1:5557"])
+    assert result.exit_code == 2 and "not both" in result.output
