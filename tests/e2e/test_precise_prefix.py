@@ -121,6 +121,10 @@ async def test_served_prompt_is_indexed_from_events_and_followed(stack):
             assert r.headers["x-llm-endpoint"] == served
         both = await asyncio.gather(*(gw.post("/v1/chat/completions", json=chat(LONG)) for _ in range(2)))
         assert [r.headers["x-llm-endpoint"] for r in both] == [served, served]
+        # A new long prompt twice at once: before any event, the first pick's speculative
+        # entries make the second follow it.
+        fresh = await asyncio.gather(*(gw.post("/v1/chat/completions", json=chat("Fresh. " + LONG)) for _ in range(2)))
+        assert fresh[0].headers["x-llm-endpoint"] == fresh[1].headers["x-llm-endpoint"]
 
 
 async def test_reset_prefix_cache_clears_the_endpoint(stack):
