@@ -69,6 +69,7 @@ REPLAY_END_SEQ = -1
 """The sequence number of the replay socket's end-of-replay marker."""
 
 _MAX_LIST = 1 << 20  # block hashes / token ids in one event: far above any real batch
+_TOKEN_ID_LIMIT = 1 << 32  # vocabularies are far smaller; our block hashes pack ids as uint32
 
 
 class KVEventDecodeError(ValueError):
@@ -217,8 +218,8 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     if not isinstance(tokens, list) or len(tokens) > _MAX_LIST:
         raise KVEventDecodeError("token_ids must be an array")
     for t in tokens:
-        if type(t) is not int or t < 0:
-            raise KVEventDecodeError(f"token_ids must be non-negative ints, got {t!r}")
+        if type(t) is not int or not 0 <= t < _TOKEN_ID_LIMIT:
+            raise KVEventDecodeError(f"token_ids must be ints in 0..2^32-1, got {t!r}")
     size = f.get("block_size")
     if type(size) is not int or size <= 0:
         raise KVEventDecodeError(f"block_size must be a positive int, got {size!r}")

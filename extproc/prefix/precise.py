@@ -70,6 +70,10 @@ __all__ = ["PreciseIndexer", "PreciseMetrics", "KVEventSubscriber", "PreciseSour
 
 log = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest KV-event message accepted (bytes; ZMQ drops the connection beyond it, then
+reconnects). A batch storing an 8k-token prompt is ~38 kB."""
+
 REPLAY_TIMEOUT_S = 1.0
 """How long a replay may take before the gap is given up (seconds): the publisher answers from
 memory in one pass, so anything slower means it is gone."""
@@ -364,6 +368,7 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.connect(self.endpoint)
         self._sub = sub
         self.indexer.register(self.address)
@@ -425,6 +430,7 @@ class KVEventSubscriber:
         assert self.replay_endpoint is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         got: list[tuple[int, KVEventBatch]] = []
         try:
             sock.connect(self.replay_endpoint)

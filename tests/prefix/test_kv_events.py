@@ -127,6 +127,7 @@ def test_vllm_versions_decode(events: list, expected: tuple) -> None:
         pytest.param(msgpack.packb([1.0, [{"block_hashes": [1]}]]), "needs a string 'type'", id="map-untagged"),
         pytest.param(msgpack.packb([1.0, [["BlockStored", [1], None, [1]]]]), "fewer than vLLM ever sent", id="short-stored"),
         pytest.param(msgpack.packb([1.0, [["BlockStored", [1], None, [1, "a"], 2, None]]]), "token_ids", id="token-type"),
+        pytest.param(msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2**32], 2, None]]]), "token_ids", id="token-range"),
         pytest.param(msgpack.packb([1.0, [["BlockStored", [-1], None, [1, 2], 2, None]]]), "block_hashes", id="negative-hash"),
         pytest.param(msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 0, None]]]), "block_size", id="zero-block"),
         pytest.param(msgpack.packb([1.0, [["BlockStored", [1], 1.5, [1, 2], 2, None]]]), "parent_block_hash", id="parent-type"),
