@@ -276,12 +276,37 @@ class EndpointConfig(_Strict):
         labels: free-form labels (gpu, zone, ...), used by label filters.
         agent: `host:port` of the node agent on this endpoint's node (`llm-extproc agent`,
             gRPC port 9100 by default), or None; `extproc.datastore.agent_client` watches it.
+        kv_events: the engine's KV-cache event publisher, `tcp://host:port` (vLLM
+            `--kv-events-config` `endpoint`, `tcp://*:5557` on the engine side); set, this
+            endpoint's prefix index comes from its events (`extproc.prefix.precise`).
+        kv_events_replay: the engine's replay socket (`replay_endpoint`), `tcp://host:port`, to
+            recover missed batches; None: a gap drops the endpoint's index instead.
     """
 
     address: str
     models: list[str] = Field(min_length=1)
     labels: dict[str, str] = Field(default_factory=dict)
     agent: str | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_tcp(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith("tcp://"):
+            raise ValueError(f"KV-event endpoints are ZMQ tcp://host:port addresses, got {v!r}")
+        host, port = parse_host_port(v.removeprefix("tcp://"))
+        if port == 0 or not host or host == "*":
+            raise ValueError(f"KV-event endpoint needs a host we can connect to and a port, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> EndpointConfig:
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events")
+        return self
 
     @field_validator("agent")
     @classmethod
@@ -544,6 +569,8 @@ class PrefixConfig(_Strict):
         max_sessions: most sessions remembered (count).
         hot: hot-prefix tracking.
         warmup: warm-up requests carrying hot prefixes to cold endpoints (opt-in).
+        speculative_ttl_s: on endpoints with `kv_events`, how long a pick's blocks count before
+            the engine's events confirm them (seconds); see `extproc.prefix.precise`.
     """
 
     enabled: bool = True
@@ -556,6 +583,7 @@ class PrefixConfig(_Strict):
     max_sessions: int = Field(default=100_000, ge=1)
     hot: HotPrefixConfig = Field(default_factory=HotPrefixConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    speculative_ttl_s: float = Field(default=2.0, gt=0)
 
     @field_validator("session_header")
     @classmethod

@@ -26,6 +26,7 @@ from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
+from extproc.prefix.precise import PreciseSource
 from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
@@ -111,6 +112,12 @@ class ExtProcApp:
             PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
+        self.kv_events = PreciseSource(
+            self.prefix,
+            [(e.address, e.kv_events, e.kv_events_replay) for e in config.endpoints if e.kv_events and config.scheduling.prefix.enabled],
+            speculative_ttl_s=config.scheduling.prefix.speculative_ttl_s,
+            registry=self.metrics.registry,
+        )
         for ep in self.store.all():
             # Read at scrape time: nothing to update on the request path.
             self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
@@ -187,6 +194,7 @@ class ExtProcApp:
         await self._agents.start()
         if self._scraper is not None:
             await self._scraper.start()
+        await self.kv_events.start()
 
         options = [
             ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
@@ -250,6 +258,7 @@ class ExtProcApp:
         await self.prefix.warmer.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()
+        await self.kv_events.aclose()
         if self._admin is not None:
             await self._admin.aclose()
             self._admin = None

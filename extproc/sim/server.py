@@ -22,6 +22,11 @@ Routes (vLLM's shapes unless noted):
     GET/POST/DELETE /sim/faults                   fault injection (extproc.sim.faults)
     GET  /sim/gpu                                 simulated per-GPU memory and utilisation
     GET  /sim/state                               engine snapshot (ours)
+    POST /reset_prefix_cache                      drop the prefix cache (vLLM's dev route); 503
+                                                  while requests hold blocks (vLLM refuses then)
+
+With `kv_events_endpoint`, the engine publishes vLLM's KV-cache events (ZMQ PUB, msgpack
+`KVEventBatch`, one per step that changed the prefix cache; `extproc.sim.kv_publisher`).
 
 Every response carries `x-sim-speed: <float>`: multiply wall durations by it to get simulated
 seconds. `/metrics` is in simulated seconds already.
@@ -65,6 +70,7 @@ from extproc.sim.api import (
 )
 from extproc.sim.engine import Engine, EngineConfig, RequestTooLargeError, SimRequest, StepPlan
 from extproc.sim.faults import Faults, FaultUpdate, parse_fault_update
+from extproc.sim.kv_publisher import KVEventPublisher
 from extproc.sim.metrics import register_metrics
 from extproc.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from extproc.sim.workload import choose_output_len
@@ -131,6 +137,8 @@ class SimServer:
         seed: seeds output-length draws and fault coin flips.
         registry: the Prometheus registry to register on (a fresh one if None).
         tokenizer: a token counter (default: the shared Qwen3 one).
+        kv_events_endpoint: bind a KV-event PUB socket here (`tcp://127.0.0.1:5557`), or None.
+        kv_events_replay: bind vLLM's replay ROUTER socket here, or None.
 
     Raises:
         KeyError: unknown profile. ValueError: a size or setting out of range.
@@ -159,6 +167,8 @@ class SimServer:
         seed: int = 0,
         registry: CollectorRegistry | None = None,
         tokenizer: TokenCounter | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay: str | None = None,
     ) -> None:
         self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
         if speed <= 0:
@@ -180,6 +190,7 @@ class SimServer:
             max_num_seqs=max_num_seqs or p.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or p.max_num_batched_tokens,
             max_model_len=min(max_model_len or p.max_model_len, blocks * bs),
+            enable_kv_cache_events=kv_events_endpoint is not None,
         )
         self.host = host
         self.port = port
@@ -208,6 +219,9 @@ class SimServer:
         self._wall0 = 0.0
         self._sim0 = 0.0
         self._started_unix = int(time.time())
+        if kv_events_replay is not None and kv_events_endpoint is None:
+            raise ValueError("kv_events_replay needs kv_events_endpoint")
+        self.kv_events = KVEventPublisher(kv_events_endpoint, kv_events_replay) if kv_events_endpoint else None
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -219,6 +233,8 @@ class SimServer:
         if self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(shared_token_counter)
         self.engine = Engine(self.config, self.profile.coefficients)
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.registry is None:
             self.registry = CollectorRegistry()
         register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics)
@@ -256,6 +272,8 @@ class SimServer:
             ev.set()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
 
     async def _listen(self) -> None:
         assert self._runner is not None
@@ -321,6 +339,8 @@ class SimServer:
                 continue
             await self._wait_for_plan(plan)
             eng.commit(plan)
+            if self.kv_events is not None:
+                self.kv_events.publish(eng.take_kv_events())
 
     async def _wait_for_plan(self, plan: StepPlan) -> None:
         multi = plan.steps > 1
@@ -388,6 +408,8 @@ class SimServer:
         for req in self._engine.restart():
             self._dropped.add(req.uid)
             self._notify(req)
+        if self.kv_events is not None:
+            self.kv_events.restart()
         self._wake("restart")
 
     # -- HTTP -------------------------------------------------------------------------------
@@ -415,6 +437,7 @@ class SimServer:
         r.add_delete("/sim/faults", self._faults_delete)
         r.add_get("/sim/gpu", self._gpu)
         r.add_get("/sim/state", self._state)
+        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> web.Response:
@@ -715,6 +738,14 @@ class SimServer:
                 return self._die(request)
         await resp.write_eof()
         return resp
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        eng = self._engine
+        if not eng.pool.reset_prefix_cache():
+            return self._error(SimAPIError(503, "cannot reset the prefix cache while requests hold KV blocks"))
+        if self.kv_events is not None:
+            self.kv_events.publish(eng.take_kv_events())
+        return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
         return self._json(
