@@ -1,4 +1,4 @@
-"""The `llm-extproc` command: serve | agent | sim | demo | up | bench | analyze.
+"""The `llm-extproc` command: serve | envoy-config | agent | sim | demo | up | bench | analyze.
 
 Each subcommand's options live beside its implementation; heavy imports happen inside the
 command bodies so `llm-extproc --help` stays fast.
@@ -10,7 +10,7 @@ import typer
 
 from extproc.agent.cli import agent
 from extproc.bench.cli import analyze, bench, demo, up
-from extproc.server.cli import serve
+from extproc.server.cli import envoy_config, serve
 from extproc.sim.cli import sim
 
 __all__ = ["app", "main"]
@@ -21,8 +21,29 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: wraps to the terminal (80 columns stay readable), shows a flag as a
+    # flag (no `<bool>` type column) and numbers and defaults in full.
+    rich_markup_mode=None,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"llm-extproc {version('llm-extproc')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
+    """LLM-inference-aware load balancing for vLLM fleets behind Envoy (ext_proc)."""
+
+
 app.command("serve")(serve)
+app.command("envoy-config")(envoy_config)
 app.command("sim")(sim)
 app.command("agent")(agent)
 app.command("demo")(demo)

@@ -137,6 +137,24 @@ class Metrics:
             ["model"],
             registry=registry,
         )
+        self.priority_claims_bounded = Counter(
+            "llm_extproc_priority_claims_bounded_total",
+            "Priority claims above what the request may claim (admission.priority.claimable), "
+            "by claimed class and action (downgraded, rejected).",
+            ["claimed", "action"],
+            registry=registry,
+        )
+        self.health_panic = Gauge(
+            "llm_extproc_health_panic",
+            "1 while fewer than scheduling.health_check.panic_threshold of the endpoints pass their "
+            "probes and routing uses every live endpoint instead (Envoy's panic mode), else 0.",
+            registry=registry,
+        )
+        self.health_panic_entered = Counter(
+            "llm_extproc_health_panic_entered_total",
+            "Times routing entered health panic mode.",
+            registry=registry,
+        )
 
         self.truncations = Counter(
             "llm_extproc_truncation_requests_total",

@@ -17,7 +17,14 @@ __all__ = [
     "EndpointAddress",
     "RequestKind",
     "LLMRequest",
+    "PROBE_TIMEOUT",
+    "HEALTH_PANIC",
 ]
+
+PROBE_TIMEOUT = "timeout"
+"""`Endpoint.last_probe_error` of a health probe that got no answer in time: slow, not down."""
+HEALTH_PANIC = "health_panic"
+"""`SchedulingContext.data` key `healthy-filter` sets when it routed in panic."""
 
 TokenCount = NewType("TokenCount", int)
 ByteCount = NewType("ByteCount", int)
@@ -31,6 +38,8 @@ class RequestKind(enum.StrEnum):
 
     CHAT = "chat"
     COMPLETION = "completion"
+    RESPONSES = "responses"
+    """`POST /v1/responses`: `instructions` + `input` become chat messages (vLLM does the same)."""
 
 
 @dataclass(slots=True)
@@ -38,7 +47,7 @@ class LLMRequest:
     """One parsed OpenAI-style generation request, as the scheduler sees it.
 
     Attributes:
-        kind: chat or completion.
+        kind: chat, completion or responses.
         model: the model name the client asked for (may be an alias).
         served_model: the canonical configured model name it resolved to.
         prompt_tokens: tokens the engine will prefill, chat template applied (tokens).

@@ -108,7 +108,8 @@ DEFAULT_FLEET_SPEC = "h100-qwen3-8b,h100-qwen3-8b,a100-qwen3-8b,a100-qwen3-8b"  
 def _policy_list() -> str:
     from extproc.bench.policies import POLICIES
 
-    return "; ".join(f"{name} ({p.description})" for name, p in POLICIES.items())
+    # One per line, under click's `\b` (no rewrapping): a wrapped list broke names at hyphens.
+    return "\b\n" + "\n".join(f"  {name}: {p.description}" for name, p in POLICIES.items())
 
 
 def _console():  # type: ignore[no-untyped-def]
@@ -389,5 +390,5 @@ def _parse_speed(text: str) -> float:
 
 bench.__doc__ = (
     "Replay the same requests through each policy in turn (fresh simulators for each) and compare "
-    "goodput and latency.\n\nPolicies: " + _policy_list() + "."
+    "goodput and latency. Policies:\n\n" + _policy_list()
 )

@@ -189,7 +189,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     if not runs:
         return 1 if outcome == "failed" else 130
     report = build_report(runs, options.slo)
-    console.print(render_run_details(report.runs[0], time_unit=report.time_unit, profiles=_profiles(stack)))
+    console.print(render_run_details(report.runs[0], time_unit=report.time_unit, profiles=_profiles(stack), slo=report.slo))
     _warn_behind(console, report)
     try:
         if options.outputs.plot_path is not None:
@@ -273,7 +273,8 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
                         note = f"{policy.name}: skipped, {reason}"
                         if note not in skipped:
                             skipped.append(note)
-                            console.print(f"[yellow]{note}[/yellow]", highlight=False)
+                            # markup=False: the install hint's `[bench]` is not a style tag.
+                            console.print(note, style="yellow", markup=False, highlight=False)
                         continue
                     if interrupts.fired:
                         return
@@ -295,6 +296,8 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
         console.print("interrupted; every process started was stopped; results so far:")
     status = {"done": 0, "interrupted": 130, "failed": 1}[outcome]
     if not runs:
+        if outcome == "done":
+            console.print("nothing ran: every policy asked for was skipped (see above)", highlight=False)
         return status or 1
     settings = {
         "rate_scales": list(options.rate_scales),
@@ -312,7 +315,7 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
         console.print(render_goodput(report))
     _warn_behind(console, report)
     for note in skipped:
-        console.print(note, highlight=False)
+        console.print(note, markup=False, highlight=False)
     try:  # the data first: a figure that cannot be written must not cost the results
         if options.outputs.json_path is not None:
             _write_json(report, options.outputs.json_path, console)

@@ -6,6 +6,7 @@
 | `envoy-least-request`        | Envoy alone                             | Envoy `LEAST_REQUEST` (power of two choices) |
 | `llm-extproc`                | Envoy + llm-extproc                     | the server's default profile (`load-aware`) |
 | `llm-extproc-<profile>`      | Envoy + llm-extproc                     | built-in profile `<profile>`             |
+| `llm-extproc-precise`        | Envoy + llm-extproc, simulators publishing KV events | default profile, prefix index from the engines' KV events |
 | `sglang-cache-aware`, `sglang-power-of-two` | sglang-router (replaces Envoy) | `--policy cache_aware` / `power_of_two` |
 | `vllm-router-cache-aware`, `vllm-router-kv-aware` | vllm-router (replaces Envoy) | `--policy cache_aware` / `kv_aware` |
 
@@ -45,6 +46,8 @@ class Policy:
         profile: llm-extproc's `scheduling.profile` for `extproc` policies.
         peer: `sglang` or `vllm-router` for `peer` policies.
         peer_policy: the peer's own `--policy` value.
+        kv_events: the simulators publish KV-cache events and llm-extproc subscribes to them
+            (the precise prefix index, `extproc.prefix.precise`).
     """
 
     name: str
@@ -54,6 +57,7 @@ class Policy:
     profile: str | None = None
     peer: Literal["sglang", "vllm-router"] | None = None
     peer_policy: str | None = None
+    kv_events: bool = False
 
     @property
     def peer_module(self) -> str | None:
@@ -84,6 +88,12 @@ def _build() -> dict[str, Policy]:
     policies += [
         Policy(f"llm-extproc-{p}", "extproc", f"Envoy + llm-extproc, profile {p}", profile=p) for p in EXTPROC_PROFILES
     ]
+    policies.append(
+        Policy(
+            "llm-extproc-precise", "extproc", f"Envoy + llm-extproc, {DEFAULT_PROFILE}, prefix index from the engines' KV events",
+            profile=DEFAULT_PROFILE, kv_events=True,
+        )
+    )
     for peer, label, peer_policy in [
         ("sglang", "sglang", "cache_aware"),
         ("sglang", "sglang", "power_of_two"),

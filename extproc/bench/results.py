@@ -5,7 +5,8 @@
                "ttft_ms": {"p50", "p90", "p99"}, "itl_ms": {"p50", "p99"}, "e2e_ms": {"p50", "p99"},
                "output_tokens_per_s", "goodput_rps", "prefix_cache_hit_rate",
                "endpoints": {address: share},
-               "behind_schedule": {"threshold_ms", "count", "fraction", "max_lag_ms"}}],
+               "behind_schedule": {"threshold_ms", "count", "fraction", "max_lag_ms"},
+               "speed"}],
      "slo": {"ttft_ms": 2000, "itl_ms": 100},
      "time_unit": "simulated" | "wall"}
 
@@ -21,6 +22,7 @@ Definitions (all over the run's requests that were sent):
   - `endpoints` shares are of requests sent (`unknown` for responses without an endpoint header,
     only when some other response named one);
   - `behind_schedule.max_lag_ms` is wall time, whatever `time_unit` says: it measures the client;
+  - `speed`: simulated seconds per wall second of the run (at 1, simulated time is wall time);
   - `prefix_cache_hit_rate` is the engines' own (vLLM's `prefix_cache_hits_total` /
     `prefix_cache_queries_total`, in tokens, over the run), when the caller scraped it.
 """
@@ -41,6 +43,7 @@ from extproc.bench.loadgen import RunRecord
 
 __all__ = [
     "SLO",
+    "clock_note",
     "BehindSchedule",
     "LabeledRun",
     "Report",
@@ -103,6 +106,16 @@ class RunSummary(_Model):
     prefix_cache_hit_rate: float | None
     endpoints: dict[str, float]
     behind_schedule: BehindSchedule
+    speed: float = 1.0
+    """Simulated seconds per wall second the latencies were measured at (1: they are wall time too)."""
+
+
+def clock_note(time_unit: str, speed: float) -> str:
+    """How to read a table's latencies: `simulated time (×10)` when the simulators ran faster
+    or slower than real time, else nothing to add (at speed 1 simulated time is wall time)."""
+    if time_unit == "simulated" and speed != 1.0:
+        return f", simulated time (×{speed:g})"
+    return "" if time_unit == "simulated" else f", {time_unit} time"
 
 
 class Report(_Model):
@@ -193,6 +206,7 @@ def summarize_run(run: LabeledRun, slo: SLO | None = None) -> RunSummary:
             fraction=behind / len(results) if results else 0.0,
             max_lag_ms=max([0.0, *lags]) * 1000,
         ),
+        speed=run.record.time_scale,
     )
 
 
@@ -273,8 +287,8 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 def render_report(report: Report) -> Table:
     """A rich table of the report's runs, one row per run."""
-    unit = report.time_unit
-    table = Table(title=f"Runs (latencies in ms, {unit} time; SLO TTFT ≤ {report.slo.ttft_ms:g} ms, "
+    note = clock_note(report.time_unit, report.runs[0].speed if report.runs else 1.0)
+    table = Table(title=f"Runs (latencies in ms{note}; goodput SLO: TTFT ≤ {report.slo.ttft_ms:g} ms, "
                         f"ITL ≤ {report.slo.itl_ms:g} ms)")
     for name, justify in [
         ("policy", "left"), ("trace", "left"), ("req", "right"), ("ok", "right"), ("errors", "left"),

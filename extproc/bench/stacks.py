@@ -131,12 +131,16 @@ def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
     return out
 
 
-def server_config(addresses: Mapping[str, str], *, profile: str) -> dict[str, Any]:
+def server_config(
+    addresses: Mapping[str, str], *, profile: str, kv_events: Mapping[str, tuple[str, str | None]] | None = None
+) -> dict[str, Any]:
     """llm-extproc's config for a simulated fleet: one model entry per served model.
 
     Args:
         addresses: simulator profile name by endpoint address (`ip:port`).
         profile: the scheduling profile.
+        kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
+            index comes from their events (`Fleet.kv_events`).
 
     Each model gets the architecture and context limit of its simulator profile; endpoints are
     labelled with their GPU and profile. Shutdown grace is short: a local run has nothing to drain.
@@ -149,6 +153,9 @@ def server_config(addresses: Mapping[str, str], *, profile: str) -> dict[str, An
             p.model, {"name": p.model, "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len}
         )
         endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
+        if kv_events and address in kv_events:
+            events, replay = kv_events[address]
+            endpoints[-1].update({"kv_events": events, **({"kv_events_replay": replay} if replay else {})})
     return {
         "limits": {"shutdown_grace_s": 2.0},
         "models": list(models.values()),
@@ -191,6 +198,7 @@ class PolicyStack:
             stream_interval=settings.stream_interval,
             seed=settings.seed,
             load_shape="vllm-router" if policy.peer == "vllm-router" else "sglang",
+            kv_events=policy.kv_events,
         )
         self.server: ExtProcServerProcess | None = None
         self.envoy: EnvoyProcess | None = None
@@ -259,7 +267,8 @@ class PolicyStack:
     async def _start_server(self) -> None:
         assert self.policy.profile is not None
         path = self.workdir / "llm-extproc.yaml"
-        cfg = merge_config(server_config(self.fleet.profiles, profile=self.policy.profile), self.settings.server_overrides or {})
+        base = server_config(self.fleet.profiles, profile=self.policy.profile, kv_events=self.fleet.kv_events)
+        cfg = merge_config(base, self.settings.server_overrides or {})
         path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
         self.server = ExtProcServerProcess(path, workdir=self.workdir, log_level="warning")
         await self.server.start()

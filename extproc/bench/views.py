@@ -16,7 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.table import Table
 
-from extproc.bench.results import Report, RunSummary
+from extproc.bench.results import SLO, Report, RunSummary, clock_note
 
 __all__ = ["plot_goodput", "render_goodput", "render_run_details"]
 
@@ -29,15 +29,21 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
-def render_run_details(run: RunSummary, *, time_unit: str, profiles: Mapping[str, str] | None = None) -> Table:
+def render_run_details(
+    run: RunSummary, *, time_unit: str, profiles: Mapping[str, str] | None = None, slo: SLO | None = None
+) -> Table:
     """One run as a two-column table (metric, value).
 
     Args:
         run: the run's summary.
-        time_unit: `simulated` or `wall`, printed with the latencies.
+        time_unit: `simulated` or `wall`; "simulated time" is printed only when the run's speed
+            is not 1 (at speed 1 it is wall time).
         profiles: simulator profile by endpoint address, to label the endpoint shares.
+        slo: the goodput SLO, named beside the goodput (default `SLO()`).
     """
-    table = Table(title=f"{run.policy} on {run.trace} (latencies in {time_unit} time)", show_header=False)
+    slo = slo or SLO()
+    note = clock_note(time_unit, run.speed).removeprefix(", ")
+    table = Table(title=f"{run.policy} on {run.trace}" + (f" ({note})" if note else ""), show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
     table.add_row("requests", f"{run.requests:,}")
@@ -50,7 +56,7 @@ def render_run_details(run: RunSummary, *, time_unit: str, profiles: Mapping[str
     table.add_row("inter-token latency p50", "–" if run.itl_ms.p50 is None else f"{run.itl_ms.p50:.1f} ms")
     table.add_row("E2E p99", _ms(run.e2e_ms.p99))
     table.add_row("output tokens/s", _num(run.output_tokens_per_s, 0))
-    table.add_row("goodput (req/s in SLO)", _num(run.goodput_rps, 2))
+    table.add_row(f"goodput (req/s with TTFT ≤ {slo.ttft_ms:g} ms, ITL ≤ {slo.itl_ms:g} ms)", _num(run.goodput_rps, 2))
     table.add_row("offered load (req/s)", _num(run.offered_rps, 2))
     if run.prefix_cache_hit_rate is not None:
         table.add_row("prefix cache hit rate", f"{run.prefix_cache_hit_rate:.1%}")

@@ -14,6 +14,7 @@ from typing import Any
 import pydantic
 import yaml
 
+from extproc.config.diagnose import did_you_mean, known_keys_at, late_problems
 from extproc.config.schema import Config
 from extproc.models import DEFAULT_MODEL
 
@@ -41,11 +42,18 @@ def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) 
         if err["type"] == "missing":
             lines.append(f"  {loc or '<root>'}: required key is missing")
         elif err["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key (value {shown if shown is not None else type(value).__name__})")
+            hint = did_you_mean(err["loc"][-1], known_keys_at(Config, err["loc"]))
+            lines.append(f"  {loc}: unknown key{hint} (value {shown if shown is not None else type(value).__name__})")
         elif shown is None or shown in msg:
             lines.append(f"  {loc or '<root>'}: {msg}")
         else:
             lines.append(f"  {loc or '<root>'}: {msg} (got {shown})")
+    # The cross-checks pydantic skipped because their section had other errors (or reported
+    # already, naming the same value: not twice).
+    reported = "\n".join(lines)
+    for where, bad, message in late_problems(raw):
+        if repr(bad) not in reported:
+            lines.append(f"  {where}: {message}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 Shape (see `deploy/config.example.yaml` for a commented example)::
 
-    listen:    {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
+    listen:    {grpc: "127.0.0.1:9002", admin: "127.0.0.1:9090", reuse_port: true, grpc_tls: null}
     limits:    {max_body_bytes: 4194304, decision_timeout_ms: 1500, ...}
     models:    [{name, aliases, tokenizer, architecture, max_model_len, dtype, ...}]
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
@@ -15,10 +15,12 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from extproc.config.diagnose import did_you_mean
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.telemetry.observer import ObserverOptions
 from extproc.telemetry.stats import StreamStatsParams
@@ -30,6 +32,8 @@ __all__ = [
     "HealthCheckConfig",
     "LimitsConfig",
     "ListenConfig",
+    "TLSConfig",
+    "is_loopback",
     "ModelConfig",
     "SchedulingConfig",
     "MetricsScrapeConfig",
@@ -76,11 +80,58 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ListenConfig(_Strict):
-    """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS."""
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback IP literals (127.0.0.0/8, ::1); False for anything else,
+    wildcards (`0.0.0.0`, `::`, `*`) and names included."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    grpc: str = "0.0.0.0:9002"
-    admin: str = "0.0.0.0:9090"
+
+class TLSConfig(_Strict):
+    """TLS on the gRPC port (Envoy's `llm_extproc` cluster then needs its transport_socket:
+    see the commented block in envoy/*.yaml).
+
+    Attributes:
+        cert_file / key_file: the server's PEM certificate chain and private key (paths).
+        client_ca_file: PEM CA bundle (path); when set, clients must present a certificate it
+            signed (mTLS) — only an Envoy holding such a certificate can hold reservations.
+    """
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    @field_validator("cert_file", "key_file", "client_ca_file")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None and not os.access(v, os.R_OK):
+            raise ValueError(f"cannot read {v!r}")
+        return v
+
+
+class ListenConfig(_Strict):
+    """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS.
+
+    Both default to loopback (a sidecar beside Envoy): any client that reaches the gRPC port can
+    hold reservations, and the admin port shows the fleet. A non-loopback gRPC address without
+    `grpc_tls` is allowed but logged as a warning at start.
+
+    Attributes:
+        grpc / admin: `host:port` of the ext_proc gRPC server and the admin HTTP server.
+        reuse_port: bind both with SO_REUSEPORT, so a replacement process can start and get
+            ready while the old one still serves and drains (docs/decisions/0140-restarts-
+            without-an-outage.md); Linux lets only processes of the same user share a port.
+        grpc_tls: serve gRPC over TLS (mTLS with `client_ca_file`), or None for plaintext.
+    """
+
+    grpc: str = "127.0.0.1:9002"
+    admin: str = "127.0.0.1:9090"
+    reuse_port: bool = True
+    grpc_tls: TLSConfig | None = None
 
     @field_validator("grpc", "admin")
     @classmethod
@@ -227,12 +278,37 @@ class EndpointConfig(_Strict):
         labels: free-form labels (gpu, zone, ...), used by label filters.
         agent: `host:port` of the node agent on this endpoint's node (`llm-extproc agent`,
             gRPC port 9100 by default), or None; `extproc.datastore.agent_client` watches it.
+        kv_events: the engine's KV-cache event publisher, `tcp://host:port` (vLLM
+            `--kv-events-config` `endpoint`, `tcp://*:5557` on the engine side); set, this
+            endpoint's prefix index comes from its events (`extproc.prefix.precise`).
+        kv_events_replay: the engine's replay socket (`replay_endpoint`), `tcp://host:port`, to
+            recover missed batches; None: a gap drops the endpoint's index instead.
     """
 
     address: str
     models: list[str] = Field(min_length=1)
     labels: dict[str, str] = Field(default_factory=dict)
     agent: str | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_tcp(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith("tcp://"):
+            raise ValueError(f"KV-event endpoints are ZMQ tcp://host:port addresses, got {v!r}")
+        host, port = parse_host_port(v.removeprefix("tcp://"))
+        if port == 0 or not host or host == "*":
+            raise ValueError(f"KV-event endpoint needs a host we can connect to and a port, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> EndpointConfig:
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events")
+        return self
 
     @field_validator("agent")
     @classmethod
@@ -263,7 +339,14 @@ class HealthCheckConfig(_Strict):
         enabled: probe endpoints; when off every configured endpoint counts as healthy.
         path: probe path.
         interval_s: probe period (seconds). timeout_s: per-probe timeout (seconds).
-        unhealthy_threshold / healthy_threshold: consecutive failures / successes to flip.
+        unhealthy_threshold / healthy_threshold: consecutive failures (refused, non-2xx) /
+            successes to flip.
+        timeout_threshold: consecutive probes that only timed out before the endpoint counts
+            as down (a slow engine is not a dead one; count; the larger of it and
+            unhealthy_threshold applies).
+        panic_threshold: when fewer than this share of a model's endpoints is healthy, route
+            among every live one (healthy or only timing out), as Envoy's
+            healthy_panic_threshold does (0..1; 0 turns panic off).
     """
 
     enabled: bool = True
@@ -272,6 +355,8 @@ class HealthCheckConfig(_Strict):
     timeout_s: float = Field(default=0.5, gt=0)
     unhealthy_threshold: int = Field(default=2, ge=1)
     healthy_threshold: int = Field(default=1, ge=1)
+    timeout_threshold: int = Field(default=5, ge=1)
+    panic_threshold: float = Field(default=0.5, ge=0, le=1)
 
 
 class OutlierDetectionConfig(_Strict):
@@ -279,19 +364,33 @@ class OutlierDetectionConfig(_Strict):
     which its `ORIGINAL_DST` cluster does not offer, in the picker instead).
 
     An endpoint whose last `consecutive_5xx` answers were 5xx is left out by `healthy-filter`
-    for `ejection_s` seconds, then tried again (one more 5xx ejects it again at once). Probes
+    for `ejection_s` × its ejections so far (at most `max_ejection_s`), then tried again (one
+    more 5xx ejects it again at once), unless `max_ejected_share` of the endpoints are out
+    already; only answers to requests routed after an ejection began count against or for it
+    (`extproc.datastore.outliers`). Probes
     cannot see this failure: an engine may pass `/health` and still fail every generation,
     and one that fails fast never produces a first token, so it would look idle and fast.
 
     Attributes:
         enabled: eject at all.
         consecutive_5xx: 5xx answers in a row that eject (count).
-        ejection_s: how long an ejection lasts (seconds).
+        ejection_s: how long a first ejection lasts (seconds); the n-th lasts n times as long.
+        max_ejection_s: the longest ejection (seconds; Envoy's max_ejection_time default).
+        max_ejected_share: no new ejection while this share of the endpoints is ejected
+            (0..1; Envoy's max_ejection_percent, here 50 %).
     """
 
     enabled: bool = True
     consecutive_5xx: int = Field(default=5, ge=1)
     ejection_s: float = Field(default=10.0, gt=0)
+    max_ejection_s: float = Field(default=300.0, gt=0)
+    max_ejected_share: float = Field(default=0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _max_above_base(self) -> OutlierDetectionConfig:
+        if self.max_ejection_s < self.ejection_s:
+            raise ValueError(f"max_ejection_s ({self.max_ejection_s}) must be >= ejection_s ({self.ejection_s})")
+        return self
 
 
 class MetricsScrapeConfig(_Strict):
@@ -472,6 +571,8 @@ class PrefixConfig(_Strict):
         max_sessions: most sessions remembered (count).
         hot: hot-prefix tracking.
         warmup: warm-up requests carrying hot prefixes to cold endpoints (opt-in).
+        speculative_ttl_s: on endpoints with `kv_events`, how long a pick's blocks count before
+            the engine's events confirm them (seconds); see `extproc.prefix.precise`.
     """
 
     enabled: bool = True
@@ -484,6 +585,7 @@ class PrefixConfig(_Strict):
     max_sessions: int = Field(default=100_000, ge=1)
     hot: HotPrefixConfig = Field(default_factory=HotPrefixConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    speculative_ttl_s: float = Field(default=2.0, gt=0)
 
     @field_validator("session_header")
     @classmethod
@@ -540,7 +642,8 @@ class SchedulingConfig(_Strict):
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
         if self.profile not in self.all_profiles():
-            raise ValueError(f"profile {self.profile!r} is not defined; defined: {sorted(self.all_profiles())}")
+            defined = self.all_profiles()
+            raise ValueError(f"profile {self.profile!r} is not defined{did_you_mean(self.profile, defined)} (defined: {', '.join(sorted(defined))})")
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:
@@ -581,10 +684,20 @@ class PriorityConfig(_Strict):
     mean waiting requests / `queue_saturation_depth`) over the model's healthy endpoints (0..1+).
     Sheddable requests are refused at `shed_sheddable_at`, standard ones at
     `shed_standard_at`; critical ones only when no endpoint can fit them.
+
+    A client claims a class by `header` only within `claimable` (default standard and sheddable:
+    a client-sent `critical` must not jump the queue); a higher claim is downgraded to the
+    highest claimable class below it (`on_unclaimable: downgrade`) or refused with a 400
+    (`reject`), counted in `llm_extproc_priority_claims_bounded_total`. `trusted_header`, when
+    set, names a header that may carry any class: set it only in a trusted layer before Envoy's
+    ext_proc filter (an auth filter) and strip client copies there.
     """
 
     header: str = "x-llm-priority"
     default: Literal["critical", "standard", "sheddable"] = "standard"
+    claimable: tuple[Literal["critical", "standard", "sheddable"], ...] = ("standard", "sheddable")
+    on_unclaimable: Literal["downgrade", "reject"] = "downgrade"
+    trusted_header: str | None = None
     shed_sheddable_at: float = Field(default=0.8, gt=0)
     shed_standard_at: float = Field(default=1.0, gt=0)
     queue_saturation_depth: int = Field(default=32, ge=1)
@@ -599,10 +712,16 @@ class PriorityConfig(_Strict):
             )
         return self
 
-    @field_validator("header")
+    @field_validator("header", "trusted_header")
     @classmethod
-    def _lower(cls, v: str) -> str:
-        return v.lower()
+    def _lower(cls, v: str | None) -> str | None:
+        return v.lower() if v is not None else None
+
+    @model_validator(mode="after")
+    def _trusted_differs(self) -> PriorityConfig:
+        if self.trusted_header is not None and self.trusted_header == self.header:
+            raise ValueError(f"trusted_header must differ from header ({self.header!r}): clients set that one")
+        return self
 
 
 class AdmissionConfig(_Strict):
@@ -687,7 +806,8 @@ class Config(_Strict):
             for m in e.models:
                 if m not in canonical:
                     raise ValueError(
-                        f"endpoints[{i}].models: {m!r} is not a configured model name; configured: {sorted(canonical)}"
+                        f"endpoints[{i}].models: {m!r} is not a configured model name{did_you_mean(m, canonical)} "
+                        f"(configured: {', '.join(sorted(canonical))})"
                     )
         for name, tenant in self.ratelimit.tenants.items():
             for m in tenant.models:

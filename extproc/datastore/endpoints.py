@@ -62,6 +62,9 @@ class Endpoint:
         consecutive_failures / consecutive_successes: probe streaks.
         consecutive_5xx: generation answers in a row with a 5xx status (count).
         ejected_until: `time.monotonic()` until which outlier detection keeps it out (seconds).
+        ejected_at: `time.monotonic()` when the latest ejection began (seconds; -inf before any):
+            answers to requests routed earlier no longer count (`extproc.datastore.outliers`).
+        ejections: ejections so far, the multiplier of the next ejection's length (count).
         probed: whether any probe has completed.
         engine: latest scraped engine metrics (`extproc.datastore.scraper.EngineMetrics`), or None.
         scrape_errors: consecutive failed scrapes (count).
@@ -86,6 +89,8 @@ class Endpoint:
     consecutive_successes: int = 0
     consecutive_5xx: int = 0
     ejected_until: float = 0.0
+    ejected_at: float = float("-inf")
+    ejections: int = 0
     last_probe_error: str | None = None
     probed: bool = False
     prefill_fit: PrefillFit = field(default_factory=PrefillFit)
@@ -121,23 +126,6 @@ class Endpoint:
     def ejected(self, now: float) -> bool:
         """True while outlier detection keeps the endpoint out (`now`: monotonic seconds)."""
         return self.ejected_until > now
-
-    def record_status(self, status: int, now: float, *, consecutive_5xx: int, ejection_s: float) -> bool:
-        """Count one generation answer's HTTP status; True when this answer ejects the endpoint
-        (the `consecutive_5xx`-th 5xx in a row, or a 5xx on the first try after an ejection).
-        A 504 (Envoy's own timeout of a slow answer: not the engine failing) and a 429 (the
-        engine shedding) leave the streak as it is; other statuses end it."""
-        if status in (429, 504):
-            return False
-        if status < 500:
-            self.consecutive_5xx = 0
-            return False
-        self.consecutive_5xx += 1
-        if self.consecutive_5xx >= consecutive_5xx and not self.ejected(now):
-            self.ejected_until = now + ejection_s
-            self.consecutive_5xx = consecutive_5xx - 1  # after the ejection, one more 5xx ejects again
-            return True
-        return False
 
     def metrics_age(self, now: float) -> float | None:
         """Seconds since the last successful scrape, or None if never scraped."""

@@ -1,7 +1,11 @@
 """Active health probes of endpoints: `GET http://<address><path>` on a fixed period.
 
-The first probe sets an endpoint's health outright; after that it flips to unhealthy after `unhealthy_threshold` consecutive failures (timeout,
-connection error, or a non-2xx status) and back after `healthy_threshold` successes.
+The first probe sets an endpoint's health outright; after that it flips to unhealthy after
+`unhealthy_threshold` consecutive failures (connection error or a non-2xx status) and back
+after `healthy_threshold` successes. A probe that times out says the engine (or this host) is
+slow, not that it is down: a streak made only of timeouts flips it after `timeout_threshold`
+probes instead, and `healthy-filter` still routes to it in panic (`last_probe_error` is
+`PROBE_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import aiohttp
 from extproc.aio import cancel_and_wait
 from extproc.config.schema import HealthCheckConfig
 from extproc.datastore.endpoints import Datastore, Endpoint
+from extproc.types import PROBE_TIMEOUT
 
 __all__ = ["HealthChecker"]
 
@@ -32,6 +37,7 @@ class HealthChecker:
         self._store = store
         self._cfg = cfg
         self._task: asyncio.Task[None] | None = None
+        self._timeouts: dict[str, int] = {}  # consecutive timed-out probes per address
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -73,7 +79,7 @@ class HealthChecker:
                 if not 200 <= resp.status < 300:
                     error = f"status {resp.status}"
         except TimeoutError:
-            error = "timeout"
+            error = PROBE_TIMEOUT
         except aiohttp.ClientError as exc:
             error = type(exc).__name__
         if not ep.probed:
@@ -83,6 +89,7 @@ class HealthChecker:
             if error is not None:
                 log.warning("endpoint %s unhealthy at start: %s", ep.address, error)
         if error is None:
+            self._timeouts[ep.address] = 0
             ep.consecutive_failures = 0
             ep.consecutive_successes += 1
             if not ep.healthy and ep.consecutive_successes >= self._cfg.healthy_threshold:
@@ -92,6 +99,9 @@ class HealthChecker:
             ep.consecutive_successes = 0
             ep.consecutive_failures += 1
             ep.last_probe_error = error
-            if ep.healthy and ep.consecutive_failures >= self._cfg.unhealthy_threshold:
+            timeouts = self._timeouts[ep.address] = self._timeouts.get(ep.address, 0) + 1 if error == PROBE_TIMEOUT else 0
+            slow_only = timeouts >= ep.consecutive_failures
+            threshold = max(self._cfg.timeout_threshold, self._cfg.unhealthy_threshold) if slow_only else self._cfg.unhealthy_threshold
+            if ep.healthy and ep.consecutive_failures >= threshold:
                 ep.healthy = False
                 log.warning("endpoint %s unhealthy: %s", ep.address, error)

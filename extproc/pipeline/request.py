@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.admission.priority import check_shedding, fleet_saturation, parse_priority
+from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
 from extproc.errors import (
@@ -43,7 +44,9 @@ from extproc.scheduling.framework import Profile, ProfileResult, SchedulingConte
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
 from extproc.scheduling.registry import build
 from extproc.telemetry.decision_log import DecisionRecord
-from extproc.types import LLMRequest, RequestKind, TokenCount
+from extproc.types import HEALTH_PANIC, LLMRequest, RequestKind, TokenCount
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ModelRuntime",
@@ -182,10 +185,15 @@ def _message_chars(parsed: ParsedRequest) -> int:
 
 def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
     """Prompt tokens from characters (ESTIMATE_CHARS_PER_TOKEN), when exact counting ran out of time."""
-    if parsed.kind is RequestKind.CHAT:
+    if parsed.kind is not RequestKind.COMPLETION:
         chars = _message_chars(parsed) + 16 * len(parsed.messages)
         return [max(1, int(chars / ESTIMATE_CHARS_PER_TOKEN))]
     return [max(1, int(len(p) / ESTIMATE_CHARS_PER_TOKEN)) for p in parsed.prompts]
+
+
+def _prompt_param(kind: RequestKind) -> str:
+    """The request field that holds the prompt, for an error's `param`."""
+    return {RequestKind.CHAT: "messages", RequestKind.COMPLETION: "prompt", RequestKind.RESPONSES: "input"}[kind]
 
 
 def build_profile(name: str, cfg: ProfileConfig) -> Profile:
@@ -246,6 +254,7 @@ class RequestPipeline:
         # no character walk (only chats are walked).
         self._max_values = {
             RequestKind.CHAT: config.limits.max_json_values,
+            RequestKind.RESPONSES: config.limits.max_json_values,
             RequestKind.COMPLETION: config.limits.max_json_values + max((m.max_model_len for m in config.models), default=0),
         }
         # Past this, a burst of long new prompts waiting for a tokenizer thread is routed on a
@@ -255,6 +264,7 @@ class RequestPipeline:
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
         self._passthrough = self.profiles["least-inflight"]
+        self._in_panic = False
 
     @property
     def served_models(self) -> list[str]:
@@ -281,6 +291,7 @@ class RequestPipeline:
         body: bytes,
         *,
         priority_header: str | None = None,
+        trusted_priority: str | None = None,
         session_header: str | None = None,
         truncate_header: str | None = None,
         record: DecisionRecord | None = None,
@@ -291,7 +302,9 @@ class RequestPipeline:
         Args:
             kind: chat or completion (from the path).
             body: the raw request body (bytes).
-            priority_header: the value of the priority header, if sent.
+            priority_header: the value of the priority header, if sent (bounded by
+                `admission.priority.claimable`).
+            trusted_priority: the value of `admission.priority.trusted_header`, if configured and sent.
             session_header: the value of the session header (`scheduling.prefix.session_header`), if sent.
             truncate_header: the value of `x-llm-truncate`, if sent (read only where the model's
                 truncation mode is not `off`).
@@ -325,7 +338,7 @@ class RequestPipeline:
             kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
         )
         runtime = self.resolve_model(parsed.model)
-        priority = parse_priority(priority_header, cfg.admission.priority)
+        priority = self._priority(priority_header, trusted_priority)
         may_truncate = wanted(runtime.config.truncation, truncate_header)
         if record is not None:
             record.model = runtime.config.name
@@ -387,6 +400,7 @@ class RequestPipeline:
             rng=self._rng,
             priority=priority,
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
+            panic_threshold=cfg.scheduling.health_check.panic_threshold,
         )
         session = None
         if self.prefix is not None:
@@ -394,6 +408,7 @@ class RequestPipeline:
             ctx.session_endpoint = self.prefix.session_endpoint(session)
             ctx.prefix = self.prefix.lookup(req, healthy or pool, ctx.block_size)
         result = self.profile.run(ctx, pool)
+        self._note_panic(ctx)
         for plugin, seconds in result.timings_s.items():
             self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
         if result.pick is None:
@@ -451,6 +466,24 @@ class RequestPipeline:
             m.child(m.truncated_tokens, model.name).inc(cut.truncation.tokens_dropped)
         return cut
 
+    def _note_panic(self, ctx: SchedulingContext) -> None:
+        """Track health panic (`healthy-filter` routed among live but unhealthy endpoints):
+        the `llm_extproc_health_panic` gauge, a counter and one log line per change."""
+        panic = HEALTH_PANIC in ctx.data
+        if panic == self._in_panic:
+            return
+        self._in_panic = panic
+        self._metrics.health_panic.set(1 if panic else 0)
+        if panic:
+            self._metrics.health_panic_entered.inc()
+            log.warning(
+                "health panic: fewer than %.0f %% of the endpoints pass their probes; routing among every live "
+                "endpoint (probes timing out) until they recover",
+                100 * self._config.scheduling.health_check.panic_threshold,
+            )
+        else:
+            log.info("health panic over: routing only to endpoints that pass their probes")
+
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""
         by = result.rejected_by or "?"
@@ -505,6 +538,23 @@ class RequestPipeline:
             context_tokens=routed.request.prompt_tokens + routed.expected_output_tokens * routed.request.n // 2,
         )
 
+    def _priority(self, value: str | None, trusted: str | None) -> str:
+        """The request's class after the claim bounds (`claim_priority`), a bounded claim counted.
+
+        Raises:
+            ValidationError: not a class, or a claim above the bound with `on_unclaimable: reject`.
+        """
+        cfg = self._config.admission.priority
+        try:
+            claim = claim_priority(value, cfg, trusted_value=trusted)
+        except ValidationError as err:
+            if err.code == "priority_not_allowed":
+                self._metrics.child(self._metrics.priority_claims_bounded, parse_priority(value, cfg), "rejected").inc()
+            raise
+        if claim.downgraded and claim.claimed is not None:
+            self._metrics.child(self._metrics.priority_claims_bounded, claim.claimed, "downgraded").inc()
+        return claim.priority
+
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:
         """Hold an in-flight slot for a request that is not a generation (no KV)."""
         return self._store.reserve(endpoint)
@@ -523,8 +573,10 @@ class RequestPipeline:
             default_block_size=self._config.scheduling.block_size,
             now=time.monotonic(),
             rng=self._rng,
+            panic_threshold=self._config.scheduling.health_check.panic_threshold,
         )
         result = self._passthrough.run(ctx, pool)
+        self._note_panic(ctx)
         if result.pick is None:
             raise NoEndpointError(f"no healthy endpoint for this request ({len(pool)} configured, 0 healthy)")
         return result.pick.primary.endpoint
@@ -551,7 +603,7 @@ class RequestPipeline:
         limits = self._config.limits
         model = runtime.config
         max_chars = limits.max_chars_per_token * model.max_model_len
-        if parsed.kind is RequestKind.CHAT:
+        if parsed.kind is not RequestKind.COMPLETION:
             # The body's length bounds its characters (each takes a byte or more, with the quotes,
             # colons and braces around it): a body within both thresholds below (the refusal, the
             # off-loop rule) needs no walk of its messages.
@@ -564,13 +616,14 @@ class RequestPipeline:
         if chars > max_chars:
             raise ContextLengthError(
                 f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt has "
-                f"{chars} characters, more than {limits.max_chars_per_token} per token of context can hold. "
+                f"{chars} characters: too long to fit, refused before counting its tokens (this gateway "
+                f"accepts at most {max_chars} characters, {limits.max_chars_per_token} per token of context). "
                 "Please reduce the length of the input.",
-                param="messages" if parsed.kind is RequestKind.CHAT else "prompt",
+                param=_prompt_param(parsed.kind),
             )
 
         def plan() -> list[EncodePlan]:
-            if parsed.kind is RequestKind.CHAT:
+            if parsed.kind is not RequestKind.COMPLETION:
                 text = counter.render_chat(parsed.messages, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs)
                 return [counter.plan(text)]
             return [counter.plan(p, add_special_tokens=True) for p in parsed.prompts]
@@ -645,17 +698,18 @@ class RequestPipeline:
         """
         limit = model.max_model_len
         for count in prompt_tokens:
-            if parsed.max_tokens is None:
-                if count >= limit:
-                    raise ContextLengthError(
-                        f"This model's maximum context length is {limit} tokens. However, your request has "
-                        f"{count} input tokens. Please reduce the length of the input messages.",
-                        param="messages" if parsed.kind is RequestKind.CHAT else "prompt",
-                    )
-            elif count + parsed.max_tokens > limit:
+            # The prompt alone first, whatever max_tokens says (vLLM's order): the prompt is what
+            # the client must change, so `param` names it.
+            if count >= limit:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{count} input tokens. Please reduce the length of the input messages.",
+                    param=_prompt_param(parsed.kind),
+                )
+            if parsed.max_tokens is not None and count + parsed.max_tokens > limit:
                 raise ContextLengthError(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{count + parsed.max_tokens} tokens ({count} in the messages, {parsed.max_tokens} in the "
                     "completion). Please reduce the length of the messages or completion.",
-                    param="max_tokens",
+                    param="max_output_tokens" if parsed.kind is RequestKind.RESPONSES else "max_tokens",
                 )

@@ -86,7 +86,7 @@ class PrefixMetrics:
         self.index_bytes = Gauge("llm_extproc_prefix_index_bytes", "Approximate memory of the whole prefix index (bytes).", **kw)
         self.index_resets = Counter(
             "llm_extproc_prefix_index_resets_total",
-            "Times an endpoint's prefix entries were dropped, by reason (restart, cleared, removed).",
+            "Times an endpoint's prefix entries were dropped, by reason (restart, cleared, removed, gap).",
             ["endpoint", "reason"],
             **kw,
         )
@@ -133,6 +133,8 @@ class PrefixTracker:
         """Addresses whose index comes from KV events (picks add nothing lasting there)."""
         self.on_precise_pick: Callable[[str, list[int]], None] | None = None
         """Set by the KV-event source: called instead of `index.add` for precise endpoints."""
+        self.on_reset: Callable[[str], None] | None = None
+        """Set by the KV-event source: called after an endpoint's entries were dropped."""
         self._clock = clock
         self.warmer = PrefixWarmer(config.warmup, self.index, registry, clock)
         self.metrics.index_bytes.set_function(lambda: len(self.index) * BYTES_PER_ENTRY)
@@ -263,8 +265,11 @@ class PrefixTracker:
         self.metrics.index_blocks.labels(addr).set(self.index.blocks(addr))
 
     def reset(self, address: str, reason: str) -> int:
-        """Drop everything the index holds for `address` (`reason`: restart, cleared, removed)."""
+        """Drop everything the index holds for `address` (`reason`: restart, cleared, removed,
+        gap)."""
         gone = self.index.clear(address)
+        if self.on_reset is not None:
+            self.on_reset(address)
         st = self.stats.get(address)
         if st is not None:
             st.resets += 1
@@ -285,7 +290,7 @@ class PrefixTracker:
                 metric.remove(address)
             except KeyError:
                 pass
-        for reason in ("restart", "cleared", "removed"):
+        for reason in ("restart", "cleared", "removed", "gap"):
             try:
                 m.index_resets.remove(address, reason)
             except KeyError:

@@ -1,4 +1,5 @@
-"""OpenAI-style request models and parsing (`/v1/chat/completions`, `/v1/completions`).
+"""OpenAI-style request models and parsing (`/v1/chat/completions`, `/v1/completions`,
+`/v1/responses`).
 
 Models tolerate unknown fields (engines accept many extensions: `min_tokens`, `ignore_eos`,
 `chat_template_kwargs`, ...) and validate what routing depends on strictly: `max_tokens` must
@@ -29,6 +30,9 @@ __all__ = [
     "generation_path",
     "CHAT_PATH",
     "COMPLETIONS_PATH",
+    "RESPONSES_PATH",
+    "content_text",
+    "responses_messages",
     "ChatCompletionRequest",
     "CompletionRequest",
     "ParsedRequest",
@@ -38,7 +42,8 @@ __all__ = [
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-_KINDS = {CHAT_PATH: RequestKind.CHAT, COMPLETIONS_PATH: RequestKind.COMPLETION}
+RESPONSES_PATH = "/v1/responses"
+_KINDS = {CHAT_PATH: RequestKind.CHAT, COMPLETIONS_PATH: RequestKind.COMPLETION, RESPONSES_PATH: RequestKind.RESPONSES}
 
 
 def route_kind(method: str, path: str) -> RequestKind | None:
@@ -110,11 +115,25 @@ class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
+class ResponsesRequest(_Open):
+    """`POST /v1/responses`: `input` is a string or a list of items (messages, function calls and
+    their outputs); `instructions` becomes the system message; `max_output_tokens` caps the output."""
+
+    model: StrictStr = Field(min_length=1)
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    stream: StrictBool = False
+    user: StrictStr | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
 class ParsedRequest:
     """What the pipeline needs from a request body, with the template inputs normalised.
 
     Attributes:
-        kind: chat or completion.
+        kind: chat, completion or responses (a responses request carries its `instructions`
+            and `input` as chat `messages`, the way vLLM renders them).
         model: the requested model name.
         max_tokens: the effective output cap (tokens) or None.
         n, stream, include_usage, user: as sent.
@@ -180,23 +199,97 @@ def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
     return ValidationError(f"Invalid value for '{param}': {first['msg']} (got {shown})", param=param)
 
 
-def _content_text(content: Any, index: int) -> str:
+def content_text(content: Any, index: int, *, field: str = "messages") -> str:
+    """A message's `content` as the string a string-format chat template (Qwen3's, Llama's)
+    renders: text parts joined with "\\n", as vLLM's `_parse_chat_message_content_parts` joins
+    them for such templates; None is "".
+
+    Args:
+        content: a string, None, or a list of content parts (dicts).
+        index: the message's position (for the error's `param`).
+        field: the request field holding the messages (`messages`, or `input` for /v1/responses).
+
+    Raises:
+        ValidationError: a part that is not text (`text`/`input_text`/`output_text` with a
+            string `text`): this gateway serves text models.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise ValidationError(f"{field}[{index}].content must be a string or a list of parts", param=f"{field}[{index}].content")
     texts = []
     for j, part in enumerate(content):
-        ptype = part.get("type")
-        if ptype in ("text", "input_text") and isinstance(part.get("text"), str):
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
         else:
             raise ValidationError(
-                f"messages[{index}].content[{j}]: unsupported content part type {ptype!r}; "
+                f"{field}[{index}].content[{j}]: unsupported content part type {ptype!r}; "
                 "this endpoint serves text models and accepts 'text' parts",
-                param=f"messages[{index}].content[{j}].type",
+                param=f"{field}[{index}].content[{j}].type",
             )
     return "\n".join(texts)
+
+
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
+
+
+def responses_messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages vLLM renders for a /v1/responses request (its `_construct_input_messages`):
+    `instructions` as a system message, a string `input` as one user message, and each input
+    item as a message — a `function_call` as an assistant tool call, a `function_call_output`
+    as a tool message, a message item (with or without `type: message`) as itself, its content
+    parts flattened as in `content_text`.
+
+    Raises:
+        ValidationError: an item that is not an object, of an unsupported type (reasoning items,
+            images, files: this gateway serves text models), or a message without a role.
+    """
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        return messages
+    for i, item in enumerate(items):
+        itype = item.get("type", "message")
+        if itype == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif itype == "function_call_output":
+            messages.append({"role": "tool", "content": _output_text(item.get("output"), i), "tool_call_id": item.get("call_id")})
+        elif itype == "message" and isinstance(item.get("role"), str) and item["role"]:
+            msg = {k: v for k, v in item.items() if k not in ("type", "id", "status") and v is not None}
+            msg["content"] = content_text(item.get("content"), i, field="input")
+            messages.append(msg)
+        else:
+            raise ValidationError(
+                f"input[{i}]: unsupported input item (type {itype!r}); this endpoint accepts messages, "
+                "function_call and function_call_output items",
+                param=f"input[{i}]",
+            )
+    return messages
+
+
+def _output_text(output: Any, index: int) -> str:
+    return output if isinstance(output, str) else content_text(output, index, field="input")
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses-API function tools (`{"type": "function", "name", "parameters"}`) in the chat
+    shape the chat template reads (`{"type": "function", "function": {...}}`), as vLLM converts them."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        if t.get("type") == "function" and "function" not in t:
+            out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        else:
+            out.append(t)
+    return out
 
 
 def parse_body(
@@ -293,32 +386,35 @@ def with_model(body: bytes, model: str) -> bytes:
     return (text[:start] + json.dumps(model, ensure_ascii=False) + text[end:]).encode("utf-8")
 
 
-def content_text(content: Any, index: int) -> str:
-    """A chat message's content as its template sees it: text parts joined with "\\n" (vLLM's
-    string-format templates); `index` names the message in errors.
-
-    Raises:
-        ValidationError: a content part that is not text.
-    """
-    return _content_text(content, index)
-
-
 def parse_mapping(
     kind: RequestKind, raw: Mapping[str, Any], *, max_messages: int | None = None, max_prompts: int | None = None
 ) -> ParsedRequest:
     """Validate an already-decoded JSON object; see `parse_body`."""
-    sent = raw.get("messages") if kind is RequestKind.CHAT else None
+    sent = raw.get("messages") if kind is RequestKind.CHAT else raw.get("input") if kind is RequestKind.RESPONSES else None
     if max_messages is not None and isinstance(sent, list) and len(sent) > max_messages:
         raise ValidationError(f"{len(sent)} messages; at most {max_messages} are accepted", param="messages")
     if kind is RequestKind.COMPLETION and isinstance(raw.get("prompt"), list):
         _check_prompt_list(raw["prompt"], max_prompts)
     try:
         if kind is RequestKind.CHAT:
-            req: _Common = ChatCompletionRequest.model_validate(raw)
+            req: _Common | ResponsesRequest = ChatCompletionRequest.model_validate(raw)
+        elif kind is RequestKind.RESPONSES:
+            req = ResponsesRequest.model_validate(raw)
         else:
             req = CompletionRequest.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise _validation_error(exc) from None
+    if isinstance(req, ResponsesRequest):
+        out = ParsedRequest(kind, req.model)
+        out.max_tokens = req.max_output_tokens
+        out.stream = req.stream
+        out.include_usage = req.stream  # the `response.completed` event always carries usage
+        out.user = req.user
+        if req.input == [] or req.input == "":
+            raise ValidationError("'input' must not be empty", param="input")
+        out.messages = responses_messages(req.instructions, req.input)
+        out.tools = _chat_tools(req.tools)
+        return out
     out = ParsedRequest(kind, req.model)
     out.n = req.n
     out.stream = req.stream
@@ -330,7 +426,7 @@ def parse_mapping(
         for i, m in enumerate(req.messages):
             # What `model_dump(exclude_none=True)` gives, without deep-copying the extra fields
             # (pydantic keeps them as sent; copying a big one cost more than validating it).
-            msg: dict[str, Any] = {"role": m.role, "content": _content_text(m.content, i)}
+            msg: dict[str, Any] = {"role": m.role, "content": content_text(m.content, i)}
             msg.update((k, v) for k, v in (m.model_extra or {}).items() if v is not None)
             messages.append(msg)
         out.messages = messages

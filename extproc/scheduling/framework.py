@@ -53,6 +53,8 @@ class SchedulingContext:
         prefix: the prefix index's view of the request (blocks each endpoint holds), or None
             when prefix tracking is off or the prompt has no full block.
         session_endpoint: the endpoint the request's session was last routed to, or None.
+        panic_threshold: below this share of healthy endpoints `healthy-filter` keeps every
+            live one (0..1; `scheduling.health_check.panic_threshold`).
         data: per-cycle scratch space shared by plugins (e.g. predicted TTFT per endpoint).
     """
 
@@ -65,6 +67,7 @@ class SchedulingContext:
     stale_after_s: float = 2.0
     prefix: PrefixMatch | None = None
     session_endpoint: str | None = None
+    panic_threshold: float = 0.5
     data: dict[str, object] = field(default_factory=dict)
 
     def uncached_tokens(self, ep: Endpoint) -> int:

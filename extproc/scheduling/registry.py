@@ -57,7 +57,9 @@ def build(type_name: str, params: dict[str, Any] | None = None, *, name: str | N
     types = registered()
     cls = types.get(type_name)
     if cls is None:
-        raise PluginConfigError(f"unknown plugin type {type_name!r}; known: {sorted(types)}")
+        from extproc.config.diagnose import did_you_mean
+
+        raise PluginConfigError(f"unknown plugin type {type_name!r}{did_you_mean(type_name, types)} (known: {', '.join(sorted(types))})")
     try:
         p = cls.Params.model_validate(params or {})
     except pydantic.ValidationError as exc:

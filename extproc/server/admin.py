@@ -9,13 +9,14 @@ reserved KV blocks. Nothing here echoes request content, user ids or credentials
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 
 from extproc.aio import start_site
 from extproc.datastore.endpoints import Datastore
@@ -33,16 +34,24 @@ __all__ = ["AdminServer", "REFERENCE_PROMPT_TOKENS"]
 REFERENCE_PROMPT_TOKENS = 512
 """Prompt length of the reference request `/api/v1/weights` scores endpoints for (tokens)."""
 
+# `/metrics` without a `<name>_created` series beside every counter and histogram: creation
+# timestamps double the series a dashboard scrolls through and nothing here reads them.
+# (Process-wide, checked when metrics are collected.)
+disable_created_metrics()
+
 
 def _stream(ep) -> dict | None:
-    """Response-path statistics of an endpoint (seconds), or None without any."""
+    """Response-path statistics of an endpoint (seconds), each with the samples it comes from
+    (responses observed at `telemetry.sample_rate`), or None without any."""
     stats = ep.stream_stats
     if stats is None:
         return None
     snap = stats.snapshot()
     return {
         "ttft_p95_s": snap.ttft_p95_s,
+        "ttft_samples": snap.ttft_samples,
         "itl_recent_s": snap.itl_recent_s,
+        "itl_samples": snap.itl_samples,
         "gap_stddev_s": snap.gap_stddev_s,
         "pressure": snap.pressure.name.lower(),
         "latency_score": snap.latency_score,
@@ -59,6 +68,8 @@ class AdminServer:
         store: endpoint state for `/api/v1/endpoints`.
         is_serving: returns False while shutting down (then `/healthz` answers 503).
         host, port: listen address (port 0 picks a free one; see `.port` after start).
+        sample_rate: `telemetry.sample_rate` (the share of responses the stream statistics of
+            `/api/v1/endpoints` come from), shown there; None when telemetry is off.
     """
 
     def __init__(
@@ -70,9 +81,13 @@ class AdminServer:
         port: int,
         pipeline: RequestPipeline | None = None,
         ratelimit: RateLimiter | None = None,
+        reuse_port: bool = False,
+        sample_rate: float | None = None,
     ) -> None:
+        self._reuse_port = reuse_port
         self._pipeline = pipeline
         self._ratelimit = ratelimit
+        self._sample_rate = sample_rate
         self._metrics = metrics
         self._store = store
         self._is_serving = is_serving
@@ -96,7 +111,7 @@ class AdminServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        self._runner, self.port = await start_site(self._app(), self._host, self._port)
+        self._runner, self.port = await start_site(self._app(), self._host, self._port, reuse_port=self._reuse_port)
 
     async def aclose(self) -> None:
         if self._runner is not None:
@@ -117,15 +132,19 @@ class AdminServer:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         if not self._is_serving():
-            return web.json_response({"status": "shutting_down"}, status=503)
+            return web.json_response({"status": "shutting_down", "pid": os.getpid()}, status=503)
         healthy = sum(1 for ep in self._store.all() if ep.healthy)
-        return web.json_response({"status": "ok", "endpoints_healthy": healthy, "endpoints": len(self._store.all())})
+        # The pid tells a replacement process sharing the port (SO_REUSEPORT) from the old one.
+        return web.json_response({"status": "ok", "endpoints_healthy": healthy, "endpoints": len(self._store.all()), "pid": os.getpid()})
 
     async def _endpoints(self, request: web.Request) -> web.Response:
         prefix = self._pipeline.prefix if self._pipeline is not None else None
         return web.json_response(
             {
                 "prefix_index": prefix.summary() if prefix is not None else None,
+                # How much each learned value rests on: `prefill_samples` first tokens for the
+                # prefill speed; stream statistics from this share of responses only.
+                "telemetry_sample_rate": self._sample_rate,
                 "endpoints": [
                     {
                         "address": ep.address,
@@ -134,6 +153,7 @@ class AdminServer:
                         "healthy": ep.healthy,
                         "ejected_for_s": round(max(0.0, ep.ejected_until - time.monotonic()), 3),
                         "consecutive_5xx": ep.consecutive_5xx,
+                        "ejections": ep.ejections,
                         "prefill_s_per_token": ep.prefill_s_per_token,
                         "prefill_fit": {
                             "t0_s": ep.prefill_fit.t0_s,
@@ -141,6 +161,7 @@ class AdminServer:
                             "samples": ep.prefill_fit.samples,
                         },
                         "prefix": prefix.describe(ep) if prefix is not None else None,
+                        "prefill_samples": ep.prefill_fit.samples,
                         "inflight": ep.inflight,
                         "prefill_inflight": ep.prefill_inflight,
                         "decode_inflight": ep.decode_inflight,
@@ -180,7 +201,9 @@ class AdminServer:
         return web.json_response({"enabled": self._ratelimit is not None, "tenants": rows})
 
     def weights(self) -> list[dict]:
-        """Per endpoint: the active profile's score for the reference request and its parts."""
+        """Per endpoint: the active profile's score for the reference request (`weight`, the sum
+        of the `weighted` parts) and, per scorer, its `score` in [0, 1], its configured
+        `weight` and their product `weighted`."""
         pipeline = self._pipeline
         endpoints = self._store.all()
         if pipeline is None or not endpoints:
@@ -194,11 +217,11 @@ class AdminServer:
             rng=random.Random(0),
         )
         totals = [0.0] * len(endpoints)
-        parts: list[dict[str, float]] = [{} for _ in endpoints]
+        parts: list[dict[str, dict[str, float]]] = [{} for _ in endpoints]
         for ws in profile.scorers:
             for i, v in enumerate(ws.scorer.score(ctx, endpoints)):
                 v = min(1.0, max(0.0, v))
-                parts[i][ws.scorer.name] = round(v, 4)
+                parts[i][ws.scorer.name] = {"score": round(v, 4), "weight": ws.weight, "weighted": round(ws.weight * v, 4)}
                 totals[i] += ws.weight * v
         comp = components(endpoints)
         rows = []

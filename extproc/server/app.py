@@ -16,18 +16,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from extproc.config.schema import Config
+from extproc.config.schema import Config, TLSConfig, is_loopback, parse_host_port
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.health import HealthChecker
 from extproc.datastore.prefill_fit import PrefillPrior
+from extproc.datastore.outliers import OutlierDetector
 from extproc.datastore.scraper import MetricsScraper
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
+from extproc.prefix.precise import PreciseSource
+from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.ratelimit.limiter import RateLimiter, build_backend
 from extproc.ratelimit.metrics import RateLimitMetrics
-from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.decision_log import DecisionLog
@@ -54,6 +56,35 @@ def load_models(config: Config) -> dict[str, ModelRuntime]:
             counters[m.tokenizer] = TokenCounter.from_source(m.tokenizer)
         out[m.name] = ModelRuntime(m, counters[m.tokenizer])
     return out
+
+
+def _add_port(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> int:
+    """Bind `address` on `server`, over TLS (mTLS when `tls.client_ca_file`) or plaintext;
+    return the bound port (0 on failure with older grpcio). A plaintext non-loopback address
+    is logged as a warning: any client reaching it can hold reservations.
+
+    Raises:
+        RuntimeError: the bind failed (grpcio). OSError: a TLS file cannot be read.
+    """
+    if tls is None:
+        host, _ = parse_host_port(address)
+        if not is_loopback(host):
+            log.warning(
+                "gRPC port %s is not loopback and has no TLS: any client that reaches it can hold reservations; "
+                "set listen.grpc_tls (mTLS with client_ca_file) or restrict it to Envoy with a network policy",
+                address,
+            )
+        return server.add_insecure_port(address)
+    with open(tls.key_file, "rb") as f:
+        key = f.read()
+    with open(tls.cert_file, "rb") as f:
+        cert = f.read()
+    ca = None
+    if tls.client_ca_file is not None:
+        with open(tls.client_ca_file, "rb") as f:
+            ca = f.read()
+    creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    return server.add_secure_port(address, creds)
 
 
 class ExtProcApp:
@@ -83,6 +114,12 @@ class ExtProcApp:
             PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
+        self.kv_events = PreciseSource(
+            self.prefix,
+            [(e.address, e.kv_events, e.kv_events_replay) for e in config.endpoints if e.kv_events and config.scheduling.prefix.enabled],
+            speculative_ttl_s=config.scheduling.prefix.speculative_ttl_s,
+            registry=self.metrics.registry,
+        )
         for ep in self.store.all():
             # Read at scrape time: nothing to update on the request path.
             self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
@@ -144,16 +181,18 @@ class ExtProcApp:
             self._decision_log = decision_log
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
+        od = cfg.scheduling.outlier_detection
         self.servicer = ExtProcServicer(
             pipeline,
             self.metrics,
             priority_header=cfg.admission.priority.header,
             session_header=cfg.scheduling.prefix.session_header or None,
+            trusted_priority_header=cfg.admission.priority.trusted_header,
             explain_header=cfg.scheduling.explain_header,
             telemetry=self.telemetry if self._telemetry_on else None,
             observer_options=cfg.telemetry.observer,
             sample_rate=cfg.telemetry.sample_rate,
-            outlier_detection=cfg.scheduling.outlier_detection,
+            outlier_detection=OutlierDetector(self.store, od) if od.enabled else None,
             ratelimit=self.ratelimit,
             decision_log=self._decision_log,
         )
@@ -162,20 +201,26 @@ class ExtProcApp:
         await self._agents.start()
         if self._scraper is not None:
             await self._scraper.start()
+        await self.kv_events.start()
 
         options = [
             ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
             ("grpc.max_send_message_length", cfg.limits.grpc_max_message_bytes),
             ("grpc.max_concurrent_streams", 100_000),
-            ("grpc.so_reuseport", 0),
+            # A replacement process binds beside this one and gets ready before this one is
+            # told to drain (decision 0140); off, a second bind fails with "address in use".
+            ("grpc.so_reuseport", 1 if cfg.listen.reuse_port else 0),
         ]
         server = grpc.aio.server(options=options)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            port = server.add_insecure_port(cfg.listen.grpc)
+            port = _add_port(server, cfg.listen.grpc, cfg.listen.grpc_tls)
         except RuntimeError:  # grpcio raises on a failed bind (older versions returned 0)
             port = 0
+        except OSError as exc:
+            await self.aclose(grace_s=0)
+            raise RuntimeError(f"cannot read the gRPC TLS files: {exc}") from None
         if port == 0:
             await self.aclose(grace_s=0)  # the probes and scrapers already started
             raise RuntimeError(f"cannot listen on {cfg.listen.grpc} (address in use or not available)")
@@ -187,10 +232,19 @@ class ExtProcApp:
         self._serving = True
 
         if cfg.admin.enabled:
-            from extproc.config.schema import parse_host_port
-
             host, aport = parse_host_port(cfg.listen.admin)
-            self._admin = AdminServer(self.metrics, self.store, lambda: self._serving, host, aport, pipeline=self.pipeline, ratelimit=self.ratelimit)
+            rate = cfg.telemetry.sample_rate if cfg.telemetry.enabled else None
+            self._admin = AdminServer(
+                self.metrics,
+                self.store,
+                lambda: self._serving,
+                host,
+                aport,
+                pipeline=self.pipeline,
+                reuse_port=cfg.listen.reuse_port,
+                sample_rate=rate,
+                ratelimit=self.ratelimit,
+            )
             try:
                 await self._admin.start()
             except OSError as exc:
@@ -212,6 +266,7 @@ class ExtProcApp:
         await self.prefix.warmer.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()
+        await self.kv_events.aclose()
         if self._admin is not None:
             await self._admin.aclose()
             self._admin = None

@@ -1,10 +1,11 @@
-"""`llm-extproc serve`: run the ext_proc server until SIGTERM/SIGINT."""
+"""`llm-extproc serve`: run the ext_proc server until SIGTERM/SIGINT; `llm-extproc envoy-config`:
+the Envoy bootstrap for the same configuration."""
 
 from __future__ import annotations
 
 import typer
 
-__all__ = ["serve"]
+__all__ = ["envoy_config", "serve"]
 
 
 def serve(
@@ -52,3 +53,36 @@ def serve(
         await app.aclose()
 
     asyncio.run(run())
+
+
+def envoy_config(
+    config: str = typer.Option(..., "--config", "-c", help="llm-extproc's YAML configuration (its endpoints and limits)"),
+    template: str = typer.Option("fail-open", "--template", help="shipped Envoy config to fill in: fail-open or fail-closed"),
+    listen: str = typer.Option("0.0.0.0:8080", "--listen", help="Envoy's client-facing listener, host:port"),
+    admin: str = typer.Option("127.0.0.1:9901", "--admin", help="Envoy's admin API, host:port"),
+    extproc: str = typer.Option("", "--extproc", help="where Envoy reaches llm-extproc (host:port); default: listen.grpc"),
+    output: str = typer.Option("-", "--output", "-o", help="write the bootstrap here ('-': stdout)"),
+) -> None:
+    """Write the Envoy bootstrap for your fleet from llm-extproc's own config (endpoints typed
+    once): the shipped template with your listener, ext_proc address, fallback endpoints and limits."""
+    from pathlib import Path
+
+    from extproc.clitools import fail
+    from extproc.config import ConfigError, load_config
+    from extproc.stack.bootstrap import envoy_bootstrap, render_bootstrap
+    from extproc.stack.envoy import EnvoyError
+
+    try:
+        cfg = load_config(config)
+        text = render_bootstrap(
+            envoy_bootstrap(cfg, template=template, listener=listen, admin=admin, extproc=extproc or None),
+            template=template,
+            source=config,
+        )
+    except (ConfigError, EnvoyError) as exc:
+        raise fail(str(exc)) from None
+    if output == "-":
+        typer.echo(text, nl=False)
+    else:
+        Path(output).write_text(text, encoding="utf-8")
+        typer.echo(f"wrote {output}; check it with: envoy --mode validate -c {output}", err=True)

@@ -40,8 +40,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.config.schema import OutlierDetectionConfig
-from extproc.datastore.endpoints import Reservation
+from extproc.datastore.endpoints import Endpoint, Reservation
+from extproc.datastore.outliers import OutlierDetector
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
@@ -51,6 +51,7 @@ from extproc.ratelimit.limiter import Admission, RateLimiter
 from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
 from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
+from extproc.server.engine_errors import is_client_error, openai_error_body
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -70,11 +71,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         metrics: metrics sink.
         priority_header: request header carrying the priority class (lower case).
         session_header: request header naming a session for session affinity (lower case), or None.
+        trusted_priority_header: header a trusted layer sets with any class (lower case), or None.
         explain_header: add `x-llm-route-debug` to responses.
         telemetry: metrics for the response observers, or None to leave response bodies alone.
         observer_options: shared observer settings (markers, bounds).
         sample_rate: fraction of generation requests whose responses are observed (0..1].
         decision_log: where to write one line per decided generation request, or None.
+        outlier_detection: ejects endpoints answering 5xx, or None for no ejection.
         ratelimit: tenants' rate limits, or None. A token-limited tenant's responses are always
             observed (for their usage) but only the sampled ones feed telemetry.
     """
@@ -86,18 +89,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         *,
         priority_header: str = "x-llm-priority",
         session_header: str | None = "x-session-id",
+        trusted_priority_header: str | None = None,
         explain_header: bool = False,
         telemetry: TelemetryMetrics | None = None,
         observer_options: ObserverOptions | None = None,
         sample_rate: float = 1.0,
-        outlier_detection: OutlierDetectionConfig | None = None,
+        outlier_detection: OutlierDetector | None = None,
         decision_log: DecisionLog | None = None,
         ratelimit: RateLimiter | None = None,
     ) -> None:
         self._ratelimit = ratelimit
         self._pipeline = pipeline
         self._log = decision_log
-        self._outliers = outlier_detection if outlier_detection is not None and outlier_detection.enabled else None
+        self._outliers = outlier_detection
         self._telemetry = telemetry
         self._observer_options = observer_options or ObserverOptions()
         self._sample_rate = sample_rate if telemetry is not None else 0.0
@@ -106,10 +110,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._priority_header = priority_header
         self._explain = explain_header
         self._session_header = session_header
-        self._wanted = frozenset(
-            (":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER, *((session_header,) if session_header else ()),
-             *(ratelimit.headers if ratelimit else ()))
-        )
+        self._trusted_priority_header = trusted_priority_header
+        wanted = {":method", ":path", "x-request-id", priority_header, TRUNCATE_HEADER}
+        if session_header:
+            wanted.add(session_header)
+        if trusted_priority_header is not None:
+            wanted.add(trusted_priority_header)
+        if ratelimit is not None:
+            wanted.update(ratelimit.headers)
+        self._wanted = frozenset(wanted)
         self.active_streams = 0
 
     def _headers(self, msg: pb.HttpHeaders) -> dict[str, str]:
@@ -134,6 +143,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         admission: Admission | None = None
         kind: RequestKind | None = None
         hdrs: dict[str, str] = {}
+        error_status = 0  # the engine's error status whose body is being rewritten
+        error_body = bytearray()
         start_ns = 0
         observe = sampled = False
         self.active_streams += 1
@@ -195,9 +206,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         )
                     yield response
                 elif phase == "response_headers":
-                    yield self._on_response_headers(
+                    reply, error_status = self._on_response_headers(
                         msg.response_headers, routed, reservation, observer, record, admission.headers if admission is not None else None
                     )
+                    yield reply
+                elif phase == "response_body" and error_status:
+                    # BUFFERED: the whole body in one message. Were it ever to come in pieces,
+                    # each is held back and the rewrite goes out with the last.
+                    body = msg.response_body
+                    if observer is not None:
+                        observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
+                    error_body += body.body
+                    if body.end_of_stream:
+                        yield responses.response_body(openai_error_body(error_status, bytes(error_body)))
+                    else:
+                        yield responses.response_body_cleared()
                 elif phase == "response_body" and observer is not None:
                     body = msg.response_body
                     replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
@@ -276,6 +299,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 session_header=hdrs.get(self._session_header) if self._session_header else None,
                 truncate_header=hdrs.get(TRUNCATE_HEADER),
                 record=record,
+                trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
                 before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
             )
             admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
@@ -315,6 +339,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._log.write(record)
         return self._reject(err, hdrs), None, None, None
 
+    def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
+        """Feed one answer's status to outlier detection; count and log an ejection."""
+        assert self._outliers is not None
+        seconds = self._outliers.record(endpoint, status, routed_at, time.monotonic())
+        if seconds is not None:
+            self._metrics.child(self._metrics.endpoint_ejections, endpoint.address).inc()
+            log.warning(
+                "endpoint %s ejected for %.0f s (ejection %d): %d answers in a row with a 5xx status",
+                endpoint.address, seconds, endpoint.ejections, self._outliers.threshold,
+            )  # fmt: skip
+
     def _on_response_headers(
         self,
         msg: pb.HttpHeaders,
@@ -323,7 +358,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         observer: StreamObserver | None,
         record: DecisionRecord | None = None,
         ratelimit_headers: dict[str, str] | None = None,
-    ) -> pb.ProcessingResponse:
+    ) -> tuple[pb.ProcessingResponse, int]:
+        """The reply to a generation response's headers, and the status when the body must be
+        rewritten to the gateway's error shape (0 otherwise)."""
         found: dict[str, str] = {}
         for h in msg.headers.headers:
             if h.key in _RESPONSE_HEADERS:
@@ -350,14 +387,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             extra.update(observer.response_headers_to_add())
             remove = observer.response_headers_to_remove()
-        if self._outliers is not None and routed is not None and routed.endpoint is not None and status:
-            od = self._outliers
-            if routed.endpoint.record_status(status, time.monotonic(), consecutive_5xx=od.consecutive_5xx, ejection_s=od.ejection_s):
-                self._metrics.child(self._metrics.endpoint_ejections, routed.endpoint.address).inc()
-                log.warning(
-                    "endpoint %s ejected for %.0f s: %d answers in a row with a 5xx status",
-                    routed.endpoint.address, od.ejection_s, od.consecutive_5xx,
-                )
+        # A 4xx to the client's own request (a field the engine refused) says nothing about the
+        # endpoint: it neither counts toward nor ends a streak of 5xx answers.
+        if (
+            self._outliers is not None
+            and routed is not None
+            and routed.endpoint is not None
+            and reservation is not None
+            and status
+            and not is_client_error(status)
+        ):
+            self._record_outcome(routed.endpoint, status, reservation.created_at)
         streamed = routed is not None and routed.request.stream
         if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
             # Without body telemetry, a stream's headers are our best signal that prefill is
@@ -369,4 +409,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
-        return responses.response_headers(extra, remove)
+        if routed is not None and status >= 400 and not msg.end_of_stream and found.get("content-encoding") in (None, "identity"):
+            # The engine's own error shape (vLLM's {"object": "error", ...}, a text/plain 404):
+            # take the body whole and answer it in the gateway's shape.
+            extra["content-type"] = "application/json"
+            remove = (*remove, "content-length")
+            return responses.response_headers(extra, remove, mode=responses.ERROR_BODY_MODE), status
+        return responses.response_headers(extra, remove), 0

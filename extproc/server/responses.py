@@ -21,8 +21,10 @@ __all__ = [
     "continue_request_headers",
     "response_headers",
     "response_body",
+    "response_body_cleared",
     "GENERATION_MODE_STREAMED",
     "GENERATION_MODE",
+    "ERROR_BODY_MODE",
     "PASSTHROUGH_MODE",
     "route_in_headers",
     "route_in_body",
@@ -86,6 +88,12 @@ GENERATION_MODE_STREAMED = _PM(
 """GENERATION_MODE with the response body streamed through the server (telemetry on): each
 body chunk is one message, answered in order, unchanged unless markers are injected."""
 
+ERROR_BODY_MODE = _PM()
+ERROR_BODY_MODE.CopyFrom(GENERATION_MODE)
+ERROR_BODY_MODE.response_body_mode = _PM.BUFFERED
+"""Switched to from response headers with an error status: the engine's error body arrives
+whole, to be rewritten to the gateway's error shape (`extproc.server.engine_errors`)."""
+
 PASSTHROUGH_MODE = _PM(
     request_header_mode=_PM.SEND,
     request_body_mode=_PM.NONE,
@@ -112,18 +120,23 @@ def continue_request_headers(
     return resp
 
 
-def response_headers(set_headers: Mapping[str, str], remove: Iterable[str] = ()) -> pb.ProcessingResponse:
+def response_headers(
+    set_headers: Mapping[str, str], remove: Iterable[str] = (), mode: processing_mode_pb2.ProcessingMode | None = None
+) -> pb.ProcessingResponse:
     """Response-headers reply adding `set_headers` and removing `remove` (both may be empty:
-    continue unchanged)."""
-    if not set_headers and not remove:
+    continue unchanged), optionally overriding the processing mode for the response body."""
+    if not set_headers and not remove and mode is None:
         return _EMPTY["response_headers"]
-    return pb.ProcessingResponse(
+    resp = pb.ProcessingResponse(
         response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
                 header_mutation=pb.HeaderMutation(set_headers=_set(set_headers), remove_headers=list(remove))
             )
         )
     )
+    if mode is not None:
+        resp.mode_override.CopyFrom(mode)
+    return resp
 
 
 def response_body(replacement: bytes | None) -> pb.ProcessingResponse:
@@ -132,6 +145,13 @@ def response_body(replacement: bytes | None) -> pb.ProcessingResponse:
         return _EMPTY["response_body"]
     return pb.ProcessingResponse(
         response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=replacement)))
+    )
+
+
+def response_body_cleared() -> pb.ProcessingResponse:
+    """Response-body reply that sends nothing of this chunk (held back for a later rewrite)."""
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))
     )
 
 

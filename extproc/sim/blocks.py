@@ -12,6 +12,13 @@
 * Usage (vLLM's `kv_cache_usage_perc`) = 1 − free/total, where cached-but-free blocks count as
   free.
 
+KV-cache events (vLLM's `KVEventsConfig.enable_kv_cache_events`), when `record_events` is on:
+the engine announces the blocks it registers (`BlockStored`, built by the engine, which knows
+the tokens); the pool records `BlockRemoved` when an announced block's cache entry is evicted and
+`AllBlocksCleared` on `reset_prefix_cache`. `take_events()` hands them over once per engine step.
+Only a block that became the cache entry for its hash is announced, so every store is matched
+by exactly one removal. On the wire a hash is its unsigned 64-bit value (`wire_hash`).
+
 Everything is synchronous and O(blocks touched); no I/O.
 """
 
@@ -20,9 +27,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from extproc.prefix.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 from extproc.types import BlockHash
 
-__all__ = ["BlockPool", "NoFreeBlocksError", "chain_block_hashes"]
+__all__ = ["BlockPool", "NoFreeBlocksError", "chain_block_hashes", "wire_hash"]
+
+_U64 = (1 << 64) - 1
+
+
+def wire_hash(h: BlockHash) -> int:
+    """A simulator block hash as vLLM publishes hashes: an unsigned 64-bit int."""
+    return h & _U64
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -55,12 +70,13 @@ class BlockPool:
         num_blocks: pool size (blocks), > 0.
         block_size: tokens per block, > 0.
         enable_caching: keep freed full blocks findable by hash (vLLM's prefix caching).
+        record_events: keep KV-cache events for `take_events` (see the module doc).
 
     Raises:
         ValueError: a size is not positive.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -70,6 +86,8 @@ class BlockPool:
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._announced = [False] * num_blocks
+        self.events: list[KVEvent] | None = [] if record_events else None
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -134,27 +152,62 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out: list[int] = []
         free = self._free
+        evicted: list[int] = []
         for _ in range(n):
             bid = free.popitem(last=False)[0]
             h = self._hash[bid]
             if h is not None:
                 if self._cached.get(h) == bid:
                     del self._cached[h]
+                    if self._announced[bid]:
+                        evicted.append(wire_hash(h))
                 self._hash[bid] = None
+                self._announced[bid] = False
             self._ref[bid] = 1
             out.append(bid)
+        if evicted and self.events is not None:
+            self.events.append(BlockRemoved(tuple(evicted), medium="GPU"))
         return out
 
-    def register(self, block_id: int, block_hash: BlockHash) -> None:
+    def register(self, block_id: int, block_hash: BlockHash, *, announce: bool = False) -> bool:
         """Mark a block full with `block_hash` so later requests can hit it.
 
         If another block already holds that hash (two requests computed the same prefix at
         once), the first one stays the cache entry, as in vLLM.
+
+        Args:
+            announce: the caller publishes a `BlockStored` for it if this returns True (its
+                eviction is then published as `BlockRemoved`).
+
+        Returns:
+            Whether the block became the cache entry for `block_hash`.
         """
         if not self.enable_caching or self._hash[block_id] is not None:
-            return
+            return False
         self._hash[block_id] = block_hash
-        self._cached.setdefault(block_hash, block_id)
+        if self._cached.setdefault(block_hash, block_id) != block_id:
+            return False
+        self._announced[block_id] = announce and self.events is not None
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV-cache events recorded since the last call (empty when not recording)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cache entry, as vLLM's `/reset_prefix_cache`: only when no block is in
+        use (vLLM refuses otherwise). Records `AllBlocksCleared`. Returns whether it reset."""
+        if self.num_used:
+            return False
+        self._hash = [None] * self.num_blocks
+        self._announced = [False] * self.num_blocks
+        self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, tail first; unreferenced blocks join the free queue."""
@@ -169,3 +222,6 @@ class BlockPool:
         self._hash = [None] * self.num_blocks
         self._cached.clear()
         self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self._announced = [False] * self.num_blocks
+        if self.events is not None:
+            self.events = []  # a restarted engine's publisher starts afresh

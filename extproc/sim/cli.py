@@ -38,6 +38,13 @@ def sim(
     fault_health_fail: bool = typer.Option(False, help="fault: /health answers 503"),
     fault_refuse_connections: bool = typer.Option(False, help="fault: do not accept connections"),
     fault_jitter_ms: float = typer.Option(0.0, help="fault: random extra delay per chunk (simulated ms)"),
+    kv_events_port: int | None = typer.Option(
+        None, min=0, max=65535, help="publish vLLM KV-cache events (ZMQ PUB) on tcp://HOST:PORT (0 = any free port)"
+    ),
+    kv_events_endpoint: str | None = typer.Option(None, help="publish KV-cache events on this ZMQ endpoint (tcp://...)"),
+    kv_events_replay_endpoint: str | None = typer.Option(
+        None, help="serve vLLM's KV-event replay (ZMQ ROUTER) on this endpoint (tcp://...)"
+    ),
 ) -> None:
     """Run an OpenAI-compatible vLLM simulator with a calibrated engine model."""
     import asyncio
@@ -48,6 +55,10 @@ def sim(
     from extproc.sim.faults import Faults
     from extproc.sim.server import SimServer
 
+    if kv_events_port is not None and kv_events_endpoint is not None:
+        raise fail("give --kv-events-port or --kv-events-endpoint, not both")
+    if kv_events_port is not None:
+        kv_events_endpoint = f"tcp://{host}:{kv_events_port or '*'}"
     try:
         faults = Faults(
             error_rate=fault_error_rate,
@@ -63,17 +74,26 @@ def sim(
             block_size=block_size, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             max_waiting=max_waiting, queue_full_status=queue_full_status, legacy_metrics=legacy_metrics,
             load_shape=load_shape, faults=faults, seed=seed,
+            kv_events_endpoint=kv_events_endpoint, kv_events_replay=kv_events_replay_endpoint,
         )
     except (KeyError, ValueError, ValidationError) as exc:
         raise fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
 
     async def main() -> None:
         stop = stop_on_signals()
+        import zmq
+
         try:
             await server.start()
         except OSError as exc:
             raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}", 1) from None
-        typer.echo(f"sim listening on {server.url} profile={server.profile.name} model={server.model}")
+        except zmq.ZMQError as exc:
+            raise fail(f"cannot publish KV events on {kv_events_endpoint}: {exc}", 1) from None
+        pub = server.kv_events
+        events = f" kv_events={pub.endpoint}" if pub is not None else ""
+        if pub is not None and pub.replay_endpoint:
+            events += f" kv_replay={pub.replay_endpoint}"
+        typer.echo(f"sim listening on {server.url} profile={server.profile.name} model={server.model}{events}")
         try:
             await stop.wait()
         finally:

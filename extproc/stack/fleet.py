@@ -31,7 +31,9 @@ __all__ = ["DEFAULT_FLEET", "Fleet", "SimProcess"]
 DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-8b", "a100-qwen3-8b")
 """The demo and bench fleet: two H100 and two A100 engines serving Qwen3-8B (mixed speeds)."""
 
-_READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) ", re.MULTILINE)
+_READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) (.*)$", re.MULTILINE)
+_KV_EVENTS = re.compile(r"\bkv_events=(tcp://\S+)")
+_KV_REPLAY = re.compile(r"\bkv_replay=(tcp://\S+)")
 
 
 class SimProcess(ChildHandle):
@@ -45,6 +47,10 @@ class SimProcess(ChildHandle):
         stream_interval: output tokens per streamed chunk (vLLM `--stream-interval`).
         seed: the simulator's seed.
         load_shape: `/get_load` body shape (`sglang` or `vllm-router`).
+        port: the port to listen on; 0 lets the simulator pick (a restart on the same port
+            passes the previous run's `port`).
+        kv_events: publish vLLM KV-cache events (and serve their replay), each on a free port;
+            `kv_events_endpoint` / `kv_events_replay` name them once started.
 
     Raises:
         ValueError: unknown profile, or speed / stream_interval out of range.
@@ -62,6 +68,8 @@ class SimProcess(ChildHandle):
         stream_interval: int = 1,
         seed: int = 0,
         load_shape: str = "sglang",
+        port: int = 0,
+        kv_events: bool = False,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"unknown simulator profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -76,6 +84,10 @@ class SimProcess(ChildHandle):
         self.stream_interval = stream_interval
         self.seed = seed
         self.load_shape = load_shape
+        self._listen_port = port
+        self.kv_events = kv_events
+        self.kv_events_endpoint: str | None = None
+        self.kv_events_replay: str | None = None
         self.port: int | None = None
         self._proc: ManagedProcess | None = None
 
@@ -95,12 +107,13 @@ class SimProcess(ChildHandle):
         """The child's command line."""
         return [
             sys.executable, "-m", "extproc", "sim",
-            "--host", "127.0.0.1", "--port", "0",
+            "--host", "127.0.0.1", "--port", str(self._listen_port),
             "--profile", self.profile,
             "--speed", repr(float(self.speed)),
             "--stream-interval", str(self.stream_interval),
             "--seed", str(self.seed),
             "--load-shape", self.load_shape,
+            *(("--kv-events-port", "0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*") if self.kv_events else ()),
         ]  # fmt: skip
 
     async def start(self, timeout_s: float = 90.0) -> None:
@@ -121,6 +134,9 @@ class SimProcess(ChildHandle):
                 match = _READY.search(self._proc.log_tail(16_000)) if self._proc else None
                 if match:
                     self.port = int(match.group(3))
+                    events, replay = _KV_EVENTS.search(match.group(4)), _KV_REPLAY.search(match.group(4))
+                    self.kv_events_endpoint = events.group(1) if events else None
+                    self.kv_events_replay = replay.group(1) if replay else None
                 return match is not None
 
             await wait_until(listening, proc=self._proc, what="listening", timeout_s=timeout_s, interval_s=0.1)
@@ -146,7 +162,7 @@ class Fleet:
     Args:
         profiles: engine profile per endpoint (default `DEFAULT_FLEET`).
         workdir: logs go to `<workdir>/sim-<i>.log`.
-        speed, stream_interval, load_shape: as `SimProcess`.
+        speed, stream_interval, load_shape, kv_events: as `SimProcess`.
         seed: endpoint i gets seed `seed + i`.
 
     Raises:
@@ -162,13 +178,14 @@ class Fleet:
         stream_interval: int = 1,
         seed: int = 0,
         load_shape: str = "sglang",
+        kv_events: bool = False,
     ) -> None:
         if not profiles:
             raise ValueError("a fleet needs at least one simulator profile")
         self.sims = [
             SimProcess(
                 p, name=f"sim-{i}", workdir=workdir, speed=speed, stream_interval=stream_interval,
-                seed=seed + i, load_shape=load_shape,
+                seed=seed + i, load_shape=load_shape, kv_events=kv_events,
             )
             for i, p in enumerate(profiles)
         ]  # fmt: skip
@@ -187,6 +204,11 @@ class Fleet:
     def profiles(self) -> dict[str, str]:
         """Profile name by address."""
         return {s.address: s.profile for s in self.sims}
+
+    @property
+    def kv_events(self) -> dict[str, tuple[str, str | None]]:
+        """(KV-event endpoint, replay endpoint) by address, for simulators publishing them."""
+        return {s.address: (s.kv_events_endpoint, s.kv_events_replay) for s in self.sims if s.kv_events_endpoint}
 
     @property
     def pids(self) -> list[int]:

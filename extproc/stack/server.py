@@ -67,7 +67,8 @@ class ExtProcServerProcess(ChildHandle):
 
 
     async def start(self, timeout_s: float = 60.0) -> None:
-        """Start the server; return once its admin `/healthz` answers 200.
+        """Start the server; return once its admin `/healthz` answers 200 with this child's pid
+        (a replacement may share the ports with the process it replaces).
 
         Raises:
             ProcessError: it exited or was not healthy within `timeout_s` seconds (with its log).
@@ -87,10 +88,15 @@ class ExtProcServerProcess(ChildHandle):
         self._proc = ManagedProcess(argv, name=self.name, log_path=self.workdir / f"{self.name}.log", env=env)
         self._proc.spawn()
         try:
-            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            # A fresh connection per probe: a kept-alive one may belong to the old process.
+            no_keepalive = httpx.Limits(max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False, limits=no_keepalive) as client:
 
                 async def healthy() -> bool:
-                    return (await client.get(f"{self.admin_url}/healthz")).status_code == 200
+                    # This child, not an old process still sharing the port (SO_REUSEPORT) while
+                    # it drains: /healthz names its pid.
+                    r = await client.get(f"{self.admin_url}/healthz")
+                    return r.status_code == 200 and r.json().get("pid") == self._proc.pid
 
                 await wait_until(healthy, proc=self._proc, what="healthy", timeout_s=timeout_s)
         except BaseException:

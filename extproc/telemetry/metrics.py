@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 LATENCY_COMPONENTS = ("queue_prefill", "decode", "post_processing", "network")
-ERROR_REASONS = ("client_abort", "backend_error", "stream_error", "sse_limit")
+ERROR_REASONS = ("client_abort", "client_error", "backend_error", "stream_error", "sse_limit")
 """`sse_limit`: the response broke the SSE parser's bounds (telemetry stopped; bytes passed)."""
 TOKEN_TYPES = ("input", "output")
 
@@ -102,7 +102,7 @@ class TelemetryMetrics:
         )
         self.stream_errors = Counter(
             "llm_extproc_stream_errors_total",
-            "Responses that did not complete cleanly, by reason (client_abort, backend_error, stream_error, sse_limit).",
+            "Responses that did not complete cleanly, by reason (client_abort, client_error, backend_error, stream_error, sse_limit).",
             ["reason"],
             registry=registry,
         )

@@ -4,7 +4,8 @@ What it measures (all times from the monotonic `now_ns` the caller passes, conve
 
 * TTFT: request start (the ext_proc stream saw the request headers) → the body chunk carrying the
   first content event (an SSE chunk with non-empty `choices[].delta.content`,
-  `.reasoning_content`/`.reasoning`, `.tool_calls`, or `choices[].text`);
+  `.reasoning_content`/`.reasoning`, `.tool_calls`, or `choices[].text`; for the Responses API
+  an `response.output_text.delta` event, or a reasoning / function-call-arguments delta);
 * inter-token latency: the gap between consecutive body chunks that carry content, divided by
   the tokens they carried. Events arriving in one body chunk share its arrival time. Tokens per
   chunk: exact when every content event carries `usage` (vLLM `continuous_usage_stats`);
@@ -20,7 +21,8 @@ What it measures (all times from the monotonic `now_ns` the caller passes, conve
   (≥ 0). At the proxy the only time left for "network" is the tail after the last upstream byte
   (client download, stream teardown); upstream network time sits inside queue+prefill and
   cannot be separated there — `headers_s` (request start → response headers) bounds it;
-* `usage` from the last SSE event that carried one (chat and completions) or from a
+* `usage` from the last SSE event that carried one (chat and completions; the Responses API's
+  `response.completed` event, `input_tokens`/`output_tokens`) or from a
   non-streaming JSON body (parsed at end of stream, buffered up to `max_json_body_bytes`).
 
 Bodies: only `text/event-stream` is parsed for events. Any other body is passed byte for byte
@@ -38,7 +40,9 @@ markers. With markers on, `response_headers_to_add()` gives `x-sent-at-us` (and
 `x-route-weight`) for any response.
 
 Outcome (`StreamResult.outcome`), judged from what was seen, never from the gRPC status:
-the caller's reason when it is not `complete`; else `backend_error` for a status ≥ 400 or an
+the caller's reason when it is not `complete`; else `client_error` for a 4xx the engine answers
+to the client's own request (not 408 or 429: `engine_errors.is_client_error`), which the
+endpoint's stats never see; `backend_error` for another status ≥ 400 or an
 error event in the stream (vLLM writes `data: {"error": ...}` mid-stream); `stream_error` when
 no response headers came, the body never reached end of stream, or it ended inside an event;
 else `complete`. A response cut mid-stream keeps what was seen (events, tokens, partial usage).
@@ -64,6 +68,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from extproc.protocol.sse import Event, SSELimitError, SSEParser
+from extproc.server.engine_errors import is_client_error
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.stats import EndpointStreamStats
 
@@ -102,9 +107,14 @@ class Usage:
 
     @classmethod
     def from_json(cls, obj: Any) -> Usage | None:
-        """From a decoded `usage` object; None when it is not an object. Non-integer counts → None."""
+        """From a decoded `usage` object (chat/completions names, or the Responses API's
+        `input_tokens`/`output_tokens`); None when it is not an object. Non-integer counts → None."""
         if not isinstance(obj, dict):
             return None
+        if "input_tokens" in obj or "output_tokens" in obj:  # the Responses API's names
+            details = obj.get("input_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            return cls(_int(obj.get("input_tokens")), _int(obj.get("output_tokens")), _int(obj.get("total_tokens")), _int(cached))
         details = obj.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return cls(_int(obj.get("prompt_tokens")), _int(obj.get("completion_tokens")), _int(obj.get("total_tokens")), _int(cached))
@@ -179,6 +189,12 @@ class StreamResult:
     bytes_in: int
     bytes_out: int
     parse_error: str | None
+
+
+_RESPONSES_CONTENT = frozenset(
+    ("response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta")
+)
+"""Responses API stream events that carry output tokens."""
 
 
 def _int(v: Any) -> int | None:
@@ -414,8 +430,14 @@ class StreamObserver:
                 continue
             if not isinstance(obj, dict):
                 continue
-            content = _has_content(obj.get("choices"))
-            usage = Usage.from_json(obj.get("usage"))
+            etype = obj.get("type")
+            if etype is None:
+                content = _has_content(obj.get("choices"))
+                usage = Usage.from_json(obj.get("usage"))
+            else:  # a Responses API event: text deltas; usage in the final `response.completed`
+                content = etype in _RESPONSES_CONTENT and bool(obj.get("delta"))
+                inner = obj.get("response")
+                usage = Usage.from_json(inner.get("usage")) if isinstance(inner, dict) else None
             if usage is not None:
                 self._usage = usage
             if content:
@@ -503,7 +525,9 @@ class StreamObserver:
         if self.status is None:
             return "stream_error", "no response headers"
         if self.status >= 400:
-            return "backend_error", self._error or f"HTTP {self.status}"
+            # A 4xx to the client's own request is the client's error, not the endpoint's.
+            outcome = "client_error" if is_client_error(self.status) else "backend_error"
+            return outcome, self._error or f"HTTP {self.status}"
         if self._eos_ns is None:
             return "stream_error", "response ended before the end of its body"
         if self._error is not None:
@@ -577,7 +601,7 @@ class StreamObserver:
 
     def _record(self, r: StreamResult, end_ns: int) -> None:
         ok = r.outcome == "complete"
-        if self._stats is not None:
+        if self._stats is not None and r.outcome != "client_error":  # says nothing about the endpoint
             tpe = None
             if ok and r.content_events and r.tokens_source in ("usage", "usage_continuous") and r.output_tokens:
                 tpe = r.output_tokens / r.content_events

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from extproc.admission.priority import check_shedding, fleet_saturation, parse_priority
+from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import EndpointConfig, PriorityConfig
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.scraper import EngineMetrics
@@ -55,3 +55,48 @@ def test_shedding_order(saturation, refused):
             assert err.code == f"shed_{cls}"
             got.add(cls)
     assert got == refused
+
+
+# ── claim bounds (issue 18, finding 5) ──────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("value", ["critical", "CRITICAL", "critical\t", " Critical "])
+def test_client_claim_of_critical_is_downgraded_by_default(value):
+    claim = claim_priority(value, CFG)
+    assert (claim.priority, claim.claimed, claim.downgraded) == ("standard", "critical", True)
+
+
+@pytest.mark.parametrize("value", ["standard", "SHEDDABLE", None, ""])
+def test_claimable_classes_pass(value):
+    claim = claim_priority(value, CFG)
+    assert not claim.downgraded and claim.priority == parse_priority(value, CFG)
+
+
+def test_trusted_header_may_claim_critical_and_wins():
+    cfg = PriorityConfig(trusted_header="X-Trusted-Priority")
+    assert cfg.trusted_header == "x-trusted-priority"
+    assert claim_priority("sheddable", cfg, trusted_value="critical").priority == "critical"
+    with pytest.raises(ValidationError):
+        claim_priority(None, cfg, trusted_value="urgent")
+
+
+def test_tenant_hook_extends_what_may_be_claimed():
+    assert claim_priority("critical", CFG, extra_claimable=("critical",)).priority == "critical"
+
+
+def test_reject_mode_refuses_with_400():
+    cfg = PriorityConfig(on_unclaimable="reject")
+    with pytest.raises(ValidationError) as info:
+        claim_priority("CRITICAL", cfg)
+    assert info.value.code == "priority_not_allowed" and info.value.status == 400
+
+
+def test_downgrade_goes_to_the_highest_claimable_class_below():
+    cfg = PriorityConfig(claimable=("sheddable",))
+    assert claim_priority("critical", cfg).priority == "sheddable"
+    assert claim_priority("standard", cfg).priority == "sheddable"
+
+
+def test_trusted_header_must_differ_from_the_client_header():
+    with pytest.raises(ValueError, match="trusted_header"):
+        PriorityConfig(trusted_header="X-LLM-Priority")

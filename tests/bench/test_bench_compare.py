@@ -54,7 +54,9 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm_router" else real(name, *a))
     result = CliRunner().invoke(app, ["bench", "--policies", "vllm-router-kv-aware", "--requests", "3", "--rate-scale", "1"])
     assert result.exit_code == 1, result.output
-    assert "vllm-router-kv-aware: skipped, vllm-router is not installed" in " ".join(result.output.split())
+    out = " ".join(result.output.split())
+    assert "vllm-router-kv-aware: skipped, vllm-router is not installed (pip install 'llm-extproc[bench]')" in out
+    assert "nothing ran" in out
 
 
 @pytest.mark.parametrize(

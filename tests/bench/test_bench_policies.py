@@ -26,6 +26,7 @@ def test_every_required_policy_exists_with_its_front() -> None:
         "envoy-least-request": ("envoy", "LEAST_REQUEST"),
         "llm-extproc": ("extproc", "load-aware"),
         **{f"llm-extproc-{p}": ("extproc", p) for p in EXTPROC_PROFILES},
+        "llm-extproc-precise": ("extproc", "load-aware"),
         "sglang-cache-aware": ("peer", "cache_aware"),
         "sglang-power-of-two": ("peer", "power_of_two"),
         "vllm-router-cache-aware": ("peer", "cache_aware"),

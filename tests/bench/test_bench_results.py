@@ -89,7 +89,7 @@ def test_report_has_the_shared_json_shape() -> None:
     assert doc["slo"] == {"ttft_ms": 2000, "itl_ms": 100} and doc["time_unit"] == "wall"
     assert set(doc["runs"][0]) == {
         "policy", "trace", "requests", "offered_rps", "successes", "errors", "ttft_ms", "itl_ms", "e2e_ms",
-        "output_tokens_per_s", "goodput_rps", "prefix_cache_hit_rate", "endpoints", "behind_schedule",
+        "output_tokens_per_s", "goodput_rps", "prefix_cache_hit_rate", "endpoints", "behind_schedule", "speed",
     }
     assert set(doc["runs"][0]["ttft_ms"]) == {"p50", "p90", "p99"}
     assert set(doc["runs"][0]["itl_ms"]) == set(doc["runs"][0]["e2e_ms"]) == {"p50", "p99"}

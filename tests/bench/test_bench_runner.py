@@ -117,8 +117,21 @@ def test_run_details_show_errors_by_reason_and_endpoint_shares() -> None:
     text = _text(render_run_details(_summary("llm-extproc", "synthetic", 3.0, 4.0), time_unit="simulated",
                                     profiles={"127.0.0.1:1": "h100-qwen3-8b"}))  # fmt: skip
     for expected in ("of which 429 (refused)", "429 rate_limit_exceeded", "timeout", "100 ms / 900 ms", "12.5 ms",
-                     "share 127.0.0.1:1 (h100-qwen3-8b)", "75.0%", "share 127.0.0.1:2", "25.0%", "simulated time"):
+                     "share 127.0.0.1:1 (h100-qwen3-8b)", "75.0%", "share 127.0.0.1:2", "25.0%",
+                     "goodput (req/s with TTFT ≤ 2000 ms, ITL ≤ 100 ms)"):
         assert expected in text, expected
+    assert "simulated" not in text  # speed 1: simulated time is wall time, nothing to say
+
+
+def test_simulated_time_is_named_only_when_the_speed_is_not_1() -> None:
+    from extproc.bench.results import SLO, render_report
+
+    fast = _summary("llm-extproc", "synthetic", 3.0, 4.0).model_copy(update={"speed": 10.0})
+    assert "simulated time (×10)" in _text(render_run_details(fast, time_unit="simulated"))
+    text = _text(render_report(Report(runs=[fast], slo=SLO(ttft_ms=500), time_unit="simulated")))
+    assert "simulated time (×10)" in text and "goodput SLO: TTFT ≤ 500 ms" in text
+    real = _text(render_report(Report(runs=[_summary("p", "t", 1.0, 1.0)], slo=SLO(), time_unit="simulated")))
+    assert "simulated" not in real
 
 
 def test_goodput_views_one_column_per_load_and_a_line_per_policy(tmp_path: Path) -> None:

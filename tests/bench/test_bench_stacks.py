@@ -69,6 +69,16 @@ def test_server_config_is_valid_and_labels_each_endpoint() -> None:
     assert cfg.scheduling.profile == "least-inflight"
 
 
+def test_server_config_subscribes_to_kv_events_where_published() -> None:
+    fleet = {"127.0.0.1:9001": "h100-qwen3-8b", "127.0.0.1:9002": "h100-qwen3-8b"}
+    events = {"127.0.0.1:9001": ("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002")}
+    cfg = config_from_mapping(server_config(fleet, profile="load-aware", kv_events=events))
+    assert [(e.kv_events, e.kv_events_replay) for e in cfg.endpoints] == [
+        ("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"),
+        (None, None),
+    ]
+
+
 def test_merge_config_lays_mappings_over_and_replaces_the_rest() -> None:
     base = {"scheduling": {"profile": "load-aware", "metrics": {"interval_s": 0.1}}, "endpoints": [1, 2]}
     out = merge_config(base, {"scheduling": {"metrics": {"timeout_s": 0.2}}, "endpoints": [3]})

@@ -122,3 +122,32 @@ def test_truncation_yaml_forms(tmp_path, yaml_value: str, mode: str) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(f"models: [{{name: m, truncation: {yaml_value}}}]\nendpoints: [{{address: '10.0.0.1:8000', models: [m]}}]\n")
     assert load_config(path, env={}).models[0].truncation.mode == mode
+
+
+def test_every_problem_is_reported_at_once_with_the_nearest_name():
+    """An unknown key used to hide the checks that run after a section's fields are valid (an
+    unknown profile, plugin type or model name): all of them come in one message now."""
+    raw = minimal(
+        scheduling={
+            "profile": "load-awre",
+            "metrics": {"intervl_s": 0.1},
+            "profiles": {"mine": {"scorers": [{"type": "queue-depth-scorr"}]}},
+        },
+        endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"], "lables": {}}],
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert len(problems) == 5, problems
+    text = "\n".join(problems)
+    assert "scheduling.metrics.intervl_s: unknown key; did you mean 'interval_s'?" in text
+    assert "endpoints[0].lables: unknown key; did you mean 'labels'?" in text
+    assert "profile 'load-awre' is not defined; did you mean 'load-aware'?" in text
+    assert "unknown plugin type 'queue-depth-scorr'; did you mean 'queue-depth-scorer'?" in text
+    assert "'mm' is not a configured model name; did you mean 'm'?" in text
+
+
+def test_a_lone_late_problem_is_reported_once_with_its_suggestion():
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(minimal(scheduling={"profile": "least-inflite"}), env={})
+    assert str(info.value).count("least-inflite") == 1 and "did you mean 'least-inflight'?" in str(info.value)

@@ -11,6 +11,8 @@ from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.scraper import MetricsScraper, histogram_quantile, parse_vllm_metrics
 
+from .conftest import serve_get
+
 MODERN = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -88,13 +90,7 @@ async def test_hanging_metrics_age_into_staleness_and_recover():
             await asyncio.sleep(5)
         return web.Response(text=MODERN)
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_get("/metrics", metrics)
     store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"])])
     ep = store.all()[0]
     results = []

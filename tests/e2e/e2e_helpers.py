@@ -3,17 +3,22 @@ start-up with our configs, and the OpenAI error-shape assertion."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
+from extproc.pipeline.tokens import TokenCounter
+from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.server import ExtProcServerProcess
 from tests.e2e.fake_engines import Backend
 
-__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "start_envoy"]
+__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "in_process_sims", "start_envoy", "start_server"]
 
 MODEL = "Qwen/Qwen3-8B"
 ALIAS = "qwen3-8b"
@@ -71,6 +76,32 @@ async def start_envoy(
     envoy = EnvoyProcess(cfg, workdir=workdir, name=label)
     await envoy.start()
     return envoy
+
+
+@asynccontextmanager
+async def in_process_sims(counter: TokenCounter, n: int, speed: float) -> AsyncIterator[list[SimServer]]:
+    """`n` simulators (default profile, `speed` simulated seconds per wall second) on free
+    ports in this event loop; closed on exit."""
+    started: list[SimServer] = []
+    try:
+        for _ in range(n):
+            sim = SimServer(tokenizer=counter, speed=speed)
+            await sim.start()
+            started.append(sim)
+        yield started
+    finally:
+        for sim in started:
+            await sim.aclose()
+
+
+async def start_server(workdir: Path, config: dict[str, Any], name: str, **kw: Any) -> ExtProcServerProcess:
+    """A started `llm-extproc serve` on `config` (written to `<workdir>/<name>.yaml`); `kw` goes
+    to `ExtProcServerProcess` (fixed ports, log level). Stop it with `aclose()`."""
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    server = ExtProcServerProcess(path, workdir=workdir, name=name, **kw)
+    await server.start()
+    return server
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:

@@ -68,6 +68,8 @@ class Backend:
         self.name = name
         self.received: list[Received] = []
         self.failing_health = False
+        self.health_delay_s = 0.0  # GET /health answers after this long (a slow, starved engine)
+        self.waiting = 0  # vllm:num_requests_waiting its /metrics reports (a saturated engine)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -108,13 +110,15 @@ class Backend:
         return body
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(text="ok", headers=self._headers())
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.failing_health else 200, text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = b'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="Qwen/Qwen3-8B"} 0\n'
+        body = b'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="Qwen/Qwen3-8B"} %d\n' % self.waiting
         return web.Response(body=body, content_type="text/plain", headers=self._headers())
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -3,14 +3,28 @@ for, in step with llm-extproc's own limits, and they strip the same routing head
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from extproc.config.schema import LimitsConfig
 from extproc.server.responses import OWNED_HEADERS
-from extproc.stack.envoy import CONFIG_NAMES, config_path, load_envoy_config, stripped_headers, validate_config_file
+from extproc.stack.envoy import (
+    CONFIG_NAMES,
+    EnvoyError,
+    ExtProcTLS,
+    RunSettings,
+    config_path,
+    load_envoy_config,
+    rewrite_config,
+    served_path_regex,
+    served_path_routes,
+    stripped_headers,
+    validate_config_file,
+)
 
 ENVOY_DIR = Path(__file__).resolve().parents[2] / "envoy"
 CONFIG_FILES = sorted(ENVOY_DIR.glob("*.yaml"))
@@ -108,7 +122,7 @@ def test_clusters_routes_and_timeouts(path: Path) -> None:
         (t,) = cluster["circuit_breakers"]["thresholds"]
         assert min(t["max_connections"], t["max_pending_requests"], t["max_requests"]) >= 10 * 1024, cluster["name"]
     # Header present → ORIGINAL_DST; absent → the fallback (fail-open) or a 503 (fail-closed).
-    first, second = _routes(cfg)
+    first, second, _not_served = _routes(cfg)
     assert first["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
     assert first["route"] == {"cluster": "llm_endpoints", "timeout": "0s"}
     assert "headers" not in second["match"]
@@ -137,6 +151,7 @@ def test_tier_config_routes_each_tier_to_its_cluster() -> None:
         for lb in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]:
             assert lb["endpoint"]["health_check_config"]["port_value"] != lb["endpoint"]["address"]["socket_address"]["port_value"]
     assert routes[3]["route"]["cluster"] == "llm_fallback" and "headers" not in routes[3]["match"]
+    assert len(routes) == 5  # then the not_served 404
     # No ORIGINAL_DST cluster: no header can steer a request to an address of its choosing.
     assert all(c["type"] != "ORIGINAL_DST" for c in cfg["static_resources"]["clusters"])
 
@@ -152,3 +167,45 @@ def test_local_replies_become_openai_json(path: Path) -> None:
         assert set(fmt["json_format"]["error"]) == {"message", "type", "param", "code"}
     codes = [m["body_format_override"]["json_format"]["error"]["code"] for m in mappers]
     assert "request_too_large" in codes and "routing_unavailable" in codes and "routing_timeout" in codes
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_only_served_paths_are_forwarded_everything_else_is_a_json_404(path: Path) -> None:
+    """Issue 18.1: every route that forwards (or, fail-closed, refuses for want of a decision)
+    matches the served paths; the last catches the rest with a 404, without asking ext_proc."""
+    cfg = load_envoy_config(path)
+    routes = _routes(cfg)
+    *forwarding, last = routes
+    assert forwarding == served_path_routes(cfg)
+    assert all(r["match"]["safe_regex"] == {"regex": served_path_regex()} for r in forwarding)
+    assert last["match"] == {"prefix": "/"} and last["direct_response"]["status"] == 404
+    body = last["direct_response"]["body"]["inline_string"]
+    assert json.loads(body)["error"]["code"] == "not_found"
+    assert last["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+
+
+def test_the_allow_list_extends_every_forwarding_route(tmp_path: Path) -> None:
+    cfg = rewrite_config(load_envoy_config("fail-open"), RunSettings(extra_served_paths=["/v1/embeddings"]))
+    regexes = {r["match"]["safe_regex"]["regex"] for r in served_path_routes(cfg)}
+    assert regexes == {served_path_regex(["/v1/embeddings"])} and regexes.pop().endswith("|/v1/embeddings")
+    with pytest.raises(EnvoyError, match="must start with /"):
+        served_path_regex(["v1/x"])
+    out = tmp_path / "allow.yaml"
+    out.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    assert "OK" in validate_config_file(out)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_the_commented_tls_block_is_what_extproc_tls_writes(path: Path) -> None:
+    """The shipped (commented) Envoy side of llm-extproc's listen.grpc_tls, uncommented, is the
+    transport socket the TLS e2e test runs with."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = lines.index("      # transport_socket:")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("      # ") or (block and not line.startswith("      #   ")):
+            break
+        block.append(line.replace("      # ", "", 1))
+    shipped = yaml.safe_load("\n".join(block))["transport_socket"]
+    tls = ExtProcTLS("/etc/llm-extproc/ca.pem", "/etc/envoy/client.pem", "/etc/envoy/client-key.pem")
+    assert shipped == tls.transport_socket()

@@ -50,6 +50,24 @@ def test_healthy_filter_leaves_out_ejected_endpoints_unless_all_are(store):
     assert build("healthy-filter").filter(ctx, [a, b, c]) == [a, c]
 
 
+def test_healthy_filter_panics_into_live_endpoints_below_the_threshold(store):
+    """Issue 18.2: every probe timing out at once (a starved host) must not refuse everyone."""
+    a, b, c = store.all()
+    for ep in (a, b, c):
+        ep.healthy, ep.last_probe_error = False, "timeout"
+    c.last_probe_error = "ClientConnectorError"  # refused: down, not slow
+    ctx = context()
+    assert build("healthy-filter").filter(ctx, [a, b, c]) == [a, b] and ctx.data["health_panic"]
+    a.healthy = True  # 1 of 3 healthy < 50 %: still panic, b (slow) kept
+    assert build("healthy-filter").filter(ctx := context(), [a, b, c]) == [a, b] and ctx.data["health_panic"]
+    b.healthy = True  # 2 of 3 ≥ 50 %: only the healthy ones, no panic
+    assert build("healthy-filter").filter(ctx := context(), [a, b, c]) == [a, b] and "health_panic" not in ctx.data
+    a.healthy = b.healthy = False
+    off = context()
+    off.panic_threshold = 0.0  # panic off: nobody
+    assert build("healthy-filter").filter(off, [a, b, c]) == []
+
+
 def test_stale_metrics_filter(store):
     a, b, c = store.all()
     a.engine = engine(age=0.1)

@@ -18,7 +18,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.config.loader import config_from_mapping
 from extproc.pipeline.request import ModelRuntime
@@ -68,21 +68,23 @@ async def stack(qwen_counter):
             await obj.aclose()
 
 
-def _headers(priority: str | None) -> pb.ProcessingRequest:
+def _headers(priority: str | None, extra: dict[str, str] | None = None) -> pb.ProcessingRequest:
     hdrs = {":method": b"POST", ":path": b"/v1/chat/completions"}
     if priority:
         hdrs["x-llm-priority"] = priority.encode()
+    hdrs.update({k: v.encode() for k, v in (extra or {}).items()})
     return pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hdrs.items()]))
     )
 
 
-async def decide(stub, words: int = 20, max_tokens: int = 16, priority: str | None = None, hold: bool = False):
+async def decide(stub, words: int = 20, max_tokens: int = 16, priority: str | None = None, hold: bool = False, headers: dict[str, str] | None = None):
     """One decision over ext_proc: the chosen endpoint, or (status, error code) when refused.
-    With `hold` the stream stays open (the request counts as in flight) and is returned too."""
+    With `hold` the stream stays open (the request counts as in flight) and is returned too;
+    `headers` adds request headers."""
     body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": " ".join(["tok"] * words)}], "max_tokens": max_tokens})
     call = stub.Process()
-    await call.write(_headers(priority))
+    await call.write(_headers(priority, headers))
     await call.read()
     await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
     reply = await call.read()
@@ -170,13 +172,19 @@ async def test_no_room_now_is_429_and_never_fits_is_400(stack):
 async def test_sheddable_refused_before_standard_before_critical(stack):
     # One sequence at a time and a slow engine: direct requests pile up in its waiting queue.
     # queue_saturation_depth 8: ≥ 8 waiting → saturation ≥ 1.0 (standard shed); sheddable at 0.8.
-    app, (a,), stub = await stack({"speed": 0.2, "max_num_seqs": 1}, admission={"priority": {"queue_saturation_depth": 8}})
+    # Critical only from the trusted header: a client's own claim of it is downgraded.
+    trusted = {"queue_saturation_depth": 8, "trusted_header": "x-trusted-priority"}
+    app, (a,), stub = await stack({"speed": 0.2, "max_num_seqs": 1}, admission={"priority": trusted})
     ep = app.store.get(f"127.0.0.1:{a.port}")
     hogs = [await direct(a, 10, 500) for _ in range(12)]
     await until(lambda: ep.engine is not None and ep.engine.waiting >= 9)
     assert await decide(stub, priority="sheddable") == (429, "shed_sheddable")
     assert await decide(stub, priority="standard") == (429, "shed_standard")
-    assert await decide(stub, priority="critical") == f"127.0.0.1:{a.port}"
+    for claim in ("critical", "CRITICAL", "critical\t"):
+        assert await decide(stub, priority=claim) == (429, "shed_standard")
+    assert await decide(stub, headers={"x-trusted-priority": "critical"}) == f"127.0.0.1:{a.port}"
     assert await decide(stub, priority="urgent") == (400, "invalid_value")
+    text = generate_latest(app.metrics.registry).decode()
+    assert 'llm_extproc_priority_claims_bounded_total{action="downgraded",claimed="critical"} 3.0' in text
     for h in hogs:
         h.cancel()

@@ -31,12 +31,14 @@ def make_config(**overrides):
 
 @pytest.fixture
 async def make_app(qwen_counter):
-    """Factory: start an ExtProcApp (health checks off unless configured), stop it after the test."""
+    """Factory: start an ExtProcApp (health checks off unless configured), stop it after the test.
+    `counter=` gives the app its own token counter instead of the session's shared one (whose
+    cache totals other tests' leftover tokenizer threads may still move)."""
     apps: list[ExtProcApp] = []
 
-    async def factory(**overrides) -> ExtProcApp:
+    async def factory(*, counter=None, **overrides) -> ExtProcApp:
         cfg = make_config(**overrides)
-        models = {m.name: ModelRuntime(m, qwen_counter) for m in cfg.models}
+        models = {m.name: ModelRuntime(m, counter or qwen_counter) for m in cfg.models}
         app = ExtProcApp(cfg, registry=CollectorRegistry(), models=models)
         await app.start()
         apps.append(app)

@@ -17,6 +17,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.server.responses import OWNED_HEADERS
+from extproc.pipeline.tokens import TokenCounter
 from extproc.types import RequestKind
 
 ENDPOINTS = ["127.0.0.1:18001", "127.0.0.1:18002"]  # as in conftest.make_config
@@ -452,22 +453,59 @@ async def test_an_endpoint_answering_5xx_is_ejected_then_tried_again(make_app):
     assert 0 < shown[bad]["ejected_for_s"] <= 60 and shown[ENDPOINTS[1]]["ejected_for_s"] == 0
 
 
-def test_an_ejection_ends_and_one_more_5xx_ejects_again():
-    from extproc.datastore.endpoints import Endpoint
+def _detector(n: int = 1, **cfg):
+    from extproc.config.schema import EndpointConfig, OutlierDetectionConfig
+    from extproc.datastore.endpoints import Datastore
+    from extproc.datastore.outliers import OutlierDetector
 
-    ep = Endpoint("127.0.0.1:1", frozenset({"m"}))
-    kw = {"consecutive_5xx": 3, "ejection_s": 10.0}
-    assert [ep.record_status(503, 0.0, **kw) for _ in range(3)] == [False, False, True]
+    store = Datastore([EndpointConfig(address=f"127.0.0.{i + 1}:1", models=["m"]) for i in range(n)])
+    return OutlierDetector(store, OutlierDetectionConfig(**cfg)), store.all()
+
+
+def test_an_ejection_ends_and_one_more_5xx_ejects_again():
+    od, (ep,) = _detector(consecutive_5xx=3, ejection_s=10.0)
+    assert [od.record(ep, 503, 0.0, 0.0) for _ in range(3)] == [None, None, 10.0]
     assert ep.ejected(5.0) and not ep.ejected(10.5)
-    assert ep.record_status(503, 11.0, **kw)  # the first try after the ejection fails: out again
-    assert ep.ejected(20.0)
-    assert not ep.record_status(200, 22.0, **kw) and ep.consecutive_5xx == 0
-    ep.record_status(503, 22.0, **kw)
-    ep.record_status(429, 22.0, **kw)  # the engine shedding, or Envoy timing a slow answer out,
-    ep.record_status(504, 22.0, **kw)  # neither ends nor extends a streak
+    assert od.record(ep, 503, 11.0, 11.0) == 20.0  # the first try after the ejection fails: out again, longer
+    assert ep.ejected(30.0)
+    assert od.record(ep, 200, 32.0, 32.0) is None and ep.consecutive_5xx == 0
+    od.record(ep, 503, 32.0, 32.0)
+    od.record(ep, 429, 32.0, 32.0)  # the engine shedding, or Envoy timing a slow answer out,
+    od.record(ep, 504, 32.0, 32.0)  # neither ends nor extends a streak
     assert ep.consecutive_5xx == 1
-    ep.record_status(404, 22.0, **kw)  # a client error ends it
+    od.record(ep, 404, 32.0, 32.0)  # a client error ends it
     assert ep.consecutive_5xx == 0
+
+
+def test_repeated_ejections_grow_to_a_cap_then_start_over():
+    od, (ep,) = _detector(consecutive_5xx=1, ejection_s=10.0, max_ejection_s=25.0)
+    t, lengths = 0.0, []
+    for _ in range(4):
+        lengths.append(od.record(ep, 500, t, t))
+        t = ep.ejected_until + 0.1
+    assert lengths == [10.0, 20.0, 25.0, 25.0]
+    t = ep.ejected_until + 25.0  # answered for max_ejection_s without an ejection
+    assert od.record(ep, 500, t, t) == 10.0
+
+
+def test_no_more_than_the_max_share_of_endpoints_is_ejected():
+    od, eps = _detector(4, consecutive_5xx=1)
+    assert [od.record(ep, 500, 0.0, 0.0) for ep in eps] == [10.0, 10.0, None, None]
+    assert [ep.ejected(1.0) for ep in eps] == [True, True, False, False]
+    od2, eps2 = _detector(4, consecutive_5xx=1, max_ejected_share=0.25)
+    assert sum(od2.record(ep, 500, 0.0, 0.0) is not None for ep in eps2) == 1
+
+
+def test_only_answers_routed_after_the_ejection_reset_the_streak():
+    od, (ep,) = _detector(consecutive_5xx=3, ejection_s=10.0)
+    for _ in range(3):
+        od.record(ep, 503, 0.0, 1.0)
+    assert ep.ejected(2.0)
+    # A request routed before the ejection (at 0.5) answers 200 during it, and another 503:
+    # neither speaks for the endpoint now.
+    assert od.record(ep, 200, 0.5, 5.0) is None and od.record(ep, 503, 0.5, 12.0) is None
+    assert ep.consecutive_5xx == 2  # one short: the first own answer after the ejection decides
+    assert od.record(ep, 503, 12.0, 12.5) == 20.0
 
 
 async def test_credentials_never_reach_logs_or_metrics(app, stub, caplog):
@@ -626,8 +664,11 @@ async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app)
 
 async def test_token_cache_metrics_count_each_request_once_under_concurrency(make_app):
     """Hits and misses come from each request's own segments, not from the shared counter's
-    movement while other requests (and tokenizer threads) run."""
+    movement while other requests (and tokenizer threads) run. The app gets its own counter: the
+    session's shared one is still being filled by an earlier test's abandoned tokenization
+    (test_slow_counting_routes_on_an_estimate_instead_of_refusing), which made this flaky."""
     app = await make_app(
+        counter=TokenCounter.from_source("builtin:qwen3"),
         limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000},
         models=[{"name": MODEL, "max_model_len": 131072}],
     )

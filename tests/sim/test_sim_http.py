@@ -106,7 +106,9 @@ async def test_output_length_without_eos_control_is_drawn_under_max_tokens(start
         ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
         ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "The model `nope` does not exist."),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n > 1"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "'image_url'"),
+        ("/v1/responses", {"input": []}, 400, "input"),
+        ("/v1/responses", {"input": [{"type": "reasoning"}]}, 400, "unsupported input item"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 4096}, 400,
          "This model's maximum context length is 4096 tokens. However, you requested 4097 tokens "
@@ -114,7 +116,8 @@ async def test_output_length_without_eos_control_is_drawn_under_max_tokens(start
         ("/v1/completions", {"prompt": [7] * 5000}, 400, "However, your request has 5000 input tokens"),
     ],
     ids=[
-        "invalid-json", "not-object", "unknown-model", "no-messages", "n-2", "max-tokens-0", "context-length",
+        "invalid-json", "not-object", "unknown-model", "no-messages", "image-part", "responses-empty",
+        "responses-reasoning-item", "max-tokens-0", "context-length",
         "prompt-too-long",
     ],
 )
@@ -266,3 +269,141 @@ async def test_client_disconnect_aborts_the_request(start_sim, http) -> None:
             break
         await asyncio.sleep(0.01)
     assert sim.engine.stats.finished["abort"] == 1 and sim.engine.pool.num_used == 0
+
+
+# -- what vLLM accepts, the simulator accepts (issue 19) ------------------------------------
+
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+
+
+async def test_chat_content_parts_are_joined_with_newlines_as_vllm_does(start_sim, http) -> None:
+    """vLLM flattens text parts for string-content templates (Qwen3's): "\\n".join of the texts."""
+    sim = await start_sim()
+    status, raw, _ = await post(http, f"{sim.url}/v1/chat/completions", {"messages": PARTS, "max_tokens": 2})
+    assert status == 200, raw
+    flat = [{"role": "user", "content": "hi\nthere"}]
+    assert orjson.loads(raw)["usage"]["prompt_tokens"] == sim._tokenizer.count_chat(flat).count
+    status, raw, _ = await post(http, f"{sim.url}/tokenize", {"messages": PARTS})
+    assert status == 200 and orjson.loads(raw)["count"] == sim._tokenizer.count_chat(flat).count
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_n_choices_are_served(start_sim, http, stream: bool) -> None:
+    sim = await start_sim(stream_interval=2)
+    body = {"messages": CHAT, "max_tokens": 5, "ignore_eos": True, "n": 3, "stream": stream,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    status, raw, _ = await post(http, f"{sim.url}/v1/chat/completions", body)
+    assert status == 200, raw
+    prompt = sim._tokenizer.count_chat(CHAT).count
+    if not stream:
+        out = orjson.loads(raw)
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert all(len(c["message"]["content"].split()) == 5 and c["finish_reason"] == "length" for c in out["choices"])
+        usage = out["usage"]
+    else:
+        *events, last = sse_json(raw)
+        texts = {0: "", 1: "", 2: ""}
+        for e in events:
+            for c in e["choices"]:
+                texts[c["index"]] += c["delta"].get("content", "")
+        assert all(len(t.split()) == 5 for t in texts.values())
+        finishes = [c["index"] for e in events for c in e["choices"] if c["finish_reason"] == "length"]
+        assert sorted(finishes) == [0, 1, 2]
+        usage = last["usage"]
+    assert usage["prompt_tokens"] == prompt and usage["completion_tokens"] == 15
+    assert (await sim_state(http, sim))["running"] == 0
+
+
+async def sim_state(http: aiohttp.ClientSession, sim: Any) -> dict[str, Any]:
+    async with http.get(f"{sim.url}/sim/state") as resp:
+        return await resp.json()
+
+
+RESPONSES_INPUT = [
+    {"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+async def test_responses_api_json(start_sim, http) -> None:
+    sim = await start_sim()
+    body = {"model": sim.model, "instructions": "Be brief.", "input": RESPONSES_INPUT, "max_output_tokens": 6, "ignore_eos": True}
+    status, raw, _ = await post(http, f"{sim.url}/v1/responses", body)
+    assert status == 200, raw
+    out = orjson.loads(raw)
+    assert out["object"] == "response" and out["id"].startswith("resp_") and out["status"] == "incomplete"
+    assert out["incomplete_details"] == {"reason": "max_output_tokens"} and out["instructions"] == "Be brief."
+    (msg,) = out["output"]
+    assert msg["type"] == "message" and msg["role"] == "assistant"
+    assert msg["content"][0]["type"] == "output_text" and len(msg["content"][0]["text"].split()) == 6
+    rendered = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]  # fmt: skip
+    usage = out["usage"]
+    assert usage["input_tokens"] == sim._tokenizer.count_chat(rendered).count
+    assert usage["output_tokens"] == 6 and usage["total_tokens"] == usage["input_tokens"] + 6
+
+
+async def test_responses_api_stream_events(start_sim, http) -> None:
+    sim = await start_sim(stream_interval=3)
+    body = {"input": "Tell me a story.", "max_output_tokens": 7, "ignore_eos": True, "stream": True, "seed": 3}
+    status, raw, resp = await post(http, f"{sim.url}/v1/responses", body)
+    assert status == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    assert raw.endswith(b"\n\n") and b"[DONE]" not in raw
+    events = []
+    for block in raw[:-2].split(b"\n\n"):
+        name_line, data_line = block.split(b"\n")
+        assert name_line.startswith(b"event: ") and data_line.startswith(b"data: ")
+        payload = orjson.loads(data_line[len(b"data: "):])
+        assert payload["type"] == name_line[len(b"event: "):].decode()
+        events.append(payload)
+    types = [e["type"] for e in events]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert len(deltas) == 1 + 2 and [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in deltas)
+    assert events[-4]["text"] == text and len(text.split()) == 7
+    usage = events[-1]["response"]["usage"]
+    assert usage["output_tokens"] == 7
+    assert usage["input_tokens"] == sim._tokenizer.count_chat([{"role": "user", "content": "Tell me a story."}]).count
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [["Once upon", "a time there"], [[1, 2, 3], [4, 5]]],
+    ids=["strings", "token-id-lists"],
+)
+async def test_batched_completion_prompts_are_served(start_sim, http, prompt) -> None:
+    """Every prompt shape llm-extproc's parser accepts, the simulator serves (as vLLM does):
+    choice i * n + j is prompt i's j-th."""
+    sim = await start_sim()
+    body = {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "n": 2}
+    status, raw, _ = await post(http, f"{sim.url}/v1/completions", body)
+    assert status == 200, raw
+    out = orjson.loads(raw)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    lens = [len(p) if isinstance(p, list) else sim._tokenizer.count_text(p).count for p in prompt]
+    assert out["usage"]["prompt_tokens"] == sum(lens) and out["usage"]["completion_tokens"] == 12
+
+
+async def test_unknown_paths_answer_json_as_vllm_does(start_sim, http) -> None:
+    sim = await start_sim()
+    async with http.get(f"{sim.url}/v1/nothing-here") as resp:
+        assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+    async with http.get(f"{sim.url}/v1/chat/completions") as resp:
+        assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
+
+
+async def test_responses_api_stops_before_the_budget_as_completed(start_sim, http) -> None:
+    sim = await start_sim()
+    body = {"input": "hi", "max_output_tokens": 1000, "min_tokens": 2}
+    lengths = set()
+    for seed in range(6):
+        status, raw, _ = await post(http, f"{sim.url}/v1/responses", {**body, "seed": seed})
+        out = orjson.loads(raw)
+        n = out["usage"]["output_tokens"]
+        assert status == 200 and 2 <= n <= 1000
+        assert out["status"] == ("incomplete" if n == 1000 else "completed")
+        lengths.add(n)
+    assert len(lengths) > 1

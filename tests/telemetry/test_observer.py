@@ -350,3 +350,40 @@ def test_sse_with_content_length(make_observer, markers, content_length, removed
     assert obs.response_headers_to_remove() == removed
     assert (played.out == raw) is not markers
     assert obs.on_end("complete").outcome == "complete"
+
+
+def _responses_event(kind: str, **fields) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+
+def test_responses_api_stream_ttft_from_text_deltas_and_usage_from_completed(make_observer):
+    """A Responses API stream: content is `response.output_text.delta`; usage arrives inside the
+    `response.completed` event, in the Responses API's names (input_tokens / output_tokens)."""
+    usage = {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 3, "total_tokens": 23}
+    chunks = [
+        _responses_event("response.created", response={"status": "in_progress", "usage": None})
+        + _responses_event("response.output_item.added", output_index=0, item={}),
+        _responses_event("response.output_text.delta", delta=" the"),
+        _responses_event("response.output_text.delta", delta=" of and"),
+        _responses_event("response.output_text.done", text=" the of and")
+        + _responses_event("response.completed", response={"status": "completed", "usage": usage}),
+    ]
+    played = play(make_observer(), chunks, [10, 40, 60, 70])
+    result = played.observer.on_end("complete")
+    assert result.outcome == "complete" and result.ttft_s == pytest.approx(0.040)
+    assert result.content_events == 2 and result.output_tokens == 3 and result.tokens_source == "usage"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.cached_tokens) == (20, 3, 4)
+
+
+def test_responses_api_json_body_usage(make_observer):
+    body = orjson.dumps({"object": "response", "status": "completed", "usage": {"input_tokens": 9, "output_tokens": 5, "total_tokens": 14}})
+    played = play(make_observer(), [body], [30], content_type="application/json")
+    result = played.observer.on_end("complete")
+    assert result.output_tokens == 5 and result.usage.prompt_tokens == 9
+
+
+def test_an_engine_4xx_is_a_client_error_the_endpoint_stats_never_see(make_observer, stats):
+    body = orjson.dumps({"object": "error", "message": "bad min_tokens", "type": "BadRequestError", "code": 400})
+    result = play(make_observer(), [body], [5], status=400, content_type="application/json").observer.on_end("complete")
+    assert result.outcome == "client_error" and result.error == "bad min_tokens"
+    assert stats.snapshot(START + 10**12).failed == 0

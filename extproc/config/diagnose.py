@@ -1,0 +1,115 @@
+"""Configuration diagnostics: every problem at once, each with the nearest valid name.
+
+pydantic stops checking a section at its first field error: a model's own cross-checks (an
+unknown `scheduling.profile`, an endpoint naming an unknown model, an unknown plugin type) only
+run once all of its fields are valid, so a typo in one key used to hide a wrong profile name
+beside it until the next try. `late_problems` runs those checks on the raw mapping, whatever
+else is wrong, so `extproc.config.loader` reports all of them in one message; `did_you_mean`
+names the closest valid spelling (difflib's ratio ≥ 0.6, its default cutoff).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+__all__ = ["did_you_mean", "known_keys_at", "late_problems"]
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """`"; did you mean 'x'?"` for the choice closest to `word`, or "" when none is close
+    (difflib.get_close_matches, cutoff 0.6) or `word` is not a string."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _item_type(annotation: Any) -> Any:
+    """The element type of list[X] / dict[str, X] (through Optional)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if arg is not type(None):
+                return _item_type(arg)
+    args = typing.get_args(annotation)
+    return args[-1] if args else None
+
+
+def known_keys_at(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at `loc` accepts (`loc` ends with the unknown key itself), or [] when
+    `loc` does not lead to a model (a plugin's free-form `params`, say)."""
+    annotation: Any = root
+    for part in loc[:-1]:
+        model = _model_in(annotation)
+        if isinstance(part, int) or (model is None and isinstance(part, str)):
+            annotation = _item_type(annotation)
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return []
+        annotation = field.annotation
+    model = _model_in(annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _get(data: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(k)
+    return data
+
+
+def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
+    """The cross-checks pydantic skips while a section has other errors, run on the raw
+    mapping: `(location, offending value, message)` for an unknown `scheduling.profile`, an
+    unknown plugin type in a configured profile, and an endpoint naming an unknown model.
+    Malformed shapes are skipped here (pydantic reports them)."""
+    from extproc.config.schema import BUILTIN_PROFILES
+    from extproc.scheduling.registry import registered
+
+    out: list[tuple[str, object, str]] = []
+    profiles = _get(data, "scheduling", "profiles")
+    defined = set(BUILTIN_PROFILES) | (set(k for k in profiles if isinstance(k, str)) if isinstance(profiles, Mapping) else set())
+    profile = _get(data, "scheduling", "profile")
+    if isinstance(profile, str) and profile not in defined:
+        out.append(("scheduling.profile", profile,
+                    f"profile {profile!r} is not defined{did_you_mean(profile, defined)} (defined: {', '.join(sorted(defined))})"))  # fmt: skip
+    if isinstance(profiles, Mapping):
+        types_known = registered()
+        for name, prof in profiles.items():
+            for kind in ("filters", "scorers", "picker"):
+                specs = _get(prof, kind)
+                specs = [specs] if isinstance(specs, Mapping) else specs if isinstance(specs, list) else []
+                for i, spec in enumerate(specs):
+                    t = _get(spec, "type")
+                    if isinstance(t, str) and t not in types_known:
+                        where = f"scheduling.profiles.{name}.{kind}" + ("" if kind == "picker" else f"[{i}]") + ".type"
+                        out.append((where, t, f"unknown plugin type {t!r}{did_you_mean(t, types_known)}"))
+    models = data.get("models")
+    names = {m["name"] for m in models if isinstance(m, Mapping) and isinstance(m.get("name"), str)} if isinstance(models, list) else set()
+    endpoints = data.get("endpoints")
+    if names and isinstance(endpoints, list):
+        for i, ep in enumerate(endpoints):
+            served = _get(ep, "models")
+            for m in served if isinstance(served, list) else []:
+                if isinstance(m, str) and m not in names:
+                    out.append((f"endpoints[{i}].models", m,
+                                f"{m!r} is not a configured model name{did_you_mean(m, names)} (configured: {', '.join(sorted(names))})"))  # fmt: skip
+    return out

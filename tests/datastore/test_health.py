@@ -1,0 +1,43 @@
+"""Health probes: a slow engine (probes timing out) is tolerated longer than a refusing one."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from extproc.config.schema import EndpointConfig, HealthCheckConfig
+from extproc.datastore.endpoints import Datastore
+from extproc.datastore.health import HealthChecker
+from extproc.stack.ports import free_port
+from .conftest import serve_get
+
+
+async def test_timeouts_flip_after_timeout_threshold_refusals_after_unhealthy_threshold():
+    delay = {"s": 0.0}
+
+    async def health(_: web.Request) -> web.Response:
+        await asyncio.sleep(delay["s"])
+        return web.Response(text="ok")
+
+    runner, port = await serve_get("/health", health)
+    store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"]), EndpointConfig(address=f"127.0.0.1:{free_port()}", models=["m"])])
+    slow, dead = store.all()
+    checker = HealthChecker(store, HealthCheckConfig(interval_s=60, timeout_s=0.05, unhealthy_threshold=2, timeout_threshold=4))
+    try:
+        await checker.start()  # first probe decides outright
+        assert slow.healthy and not dead.healthy
+        dead.healthy, dead.consecutive_failures = True, 0  # as if it had been up: two refusals take it down
+        delay["s"] = 0.2
+        results = []
+        for _ in range(4):
+            await checker.probe_all()
+            results.append((slow.healthy, dead.healthy))
+        assert results == [(True, True), (True, False), (True, False), (False, False)]
+        assert slow.last_probe_error == "timeout" and dead.last_probe_error != "timeout"
+        delay["s"] = 0.0
+        await checker.probe_all()
+        assert slow.healthy
+    finally:
+        await checker.aclose()
+        await runner.cleanup()

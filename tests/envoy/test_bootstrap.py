@@ -1,0 +1,63 @@
+"""`llm-extproc envoy-config`: the shipped template with the deployment's addresses, endpoints and
+limits, accepted by the real `envoy --mode validate` (end to end: tests/e2e/test_first_contact.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.config.loader import config_from_mapping
+from extproc.stack.bootstrap import envoy_bootstrap, render_bootstrap
+from extproc.stack.envoy import EnvoyError, load_envoy_config, stripped_headers, validate_config_file
+
+CONFIG = {
+    "listen": {"grpc": "0.0.0.0:9123"},
+    "limits": {"max_body_bytes": 1 << 20, "grpc_max_message_bytes": 2 << 20},
+    "models": [{"name": "Qwen/Qwen3-8B"}, {"name": "other"}],
+    "endpoints": [
+        {"address": "10.0.0.1:8000", "models": ["Qwen/Qwen3-8B"]},
+        {"address": "10.0.0.2:8000", "models": ["Qwen/Qwen3-8B"]},
+        {"address": "[fd00::3]:8001", "models": ["other"]},
+    ],
+}
+
+
+def _cluster(boot: dict, name: str) -> dict:
+    (c,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == name]
+    return c
+
+
+def _addresses(cluster: dict) -> list[tuple[str, int]]:
+    return [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"]["port_value"])
+            for group in cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("template", ["fail-open", "fail-closed"])
+def test_bootstrap_is_the_template_with_the_deployment_filled_in(tmp_path: Path, template: str):
+    boot = envoy_bootstrap(config_from_mapping(CONFIG), template=template, listener="0.0.0.0:8443")
+    listener = boot["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8443}
+    assert listener["per_connection_buffer_limit_bytes"] == 1 << 20
+    assert _addresses(_cluster(boot, "llm_extproc")) == [("127.0.0.1", 9123)]  # wildcard listen → local sidecar
+    if template == "fail-open":
+        assert _addresses(_cluster(boot, "llm_fallback")) == [("10.0.0.1", 8000), ("10.0.0.2", 8000), ("fd00::3", 8001)]
+    # Everything else as shipped: a later edit to the template flows into the generated file.
+    shipped = load_envoy_config(template)
+    assert stripped_headers(boot) == stripped_headers(shipped)
+    assert _cluster(boot, "llm_endpoints") == _cluster(shipped, "llm_endpoints")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(boot, template=template, source="cfg.yaml"), encoding="utf-8")
+    assert yaml.safe_load(path.read_text()) == boot
+    validate_config_file(path)
+
+
+def test_tier_mode_and_unknown_templates_are_refused_with_the_reason():
+    tier = config_from_mapping({**CONFIG, "scheduling": {"mode": "tier"}})
+    with pytest.raises(EnvoyError, match="envoy/tier.yaml"):
+        envoy_bootstrap(tier)
+    with pytest.raises(EnvoyError, match="fail-open, fail-closed"):
+        envoy_bootstrap(config_from_mapping(CONFIG), template="tier")
+    with pytest.raises(EnvoyError, match="host:port"):
+        envoy_bootstrap(config_from_mapping(CONFIG), listener="8080")

@@ -1,0 +1,89 @@
+"""Where the server listens (issue 18.3, 18.4): loopback by default, a warning for plaintext gRPC
+on another interface, TLS and mTLS on the gRPC port, and SO_REUSEPORT so a replacement process
+can bind beside one that still serves."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.config.loader import config_from_mapping
+from extproc.config.schema import ListenConfig, is_loopback
+from tests.e2e.certs import make_certs
+
+from .conftest import make_config
+
+
+def test_both_ports_default_to_loopback():
+    listen = config_from_mapping({"models": [{"name": "m"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]}, env={}).listen
+    assert (listen.grpc, listen.admin) == ("127.0.0.1:9002", "127.0.0.1:9090")
+    assert listen.reuse_port and listen.grpc_tls is None
+
+
+@pytest.mark.parametrize(("host", "expected"), [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("localhost", True), ("0.0.0.0", False), ("::", False), ("*", False), ("10.0.0.1", False), ("example.com", False)])
+def test_is_loopback(host, expected):
+    assert is_loopback(host) is expected
+
+
+def test_tls_files_must_be_readable(tmp_path: Path):
+    with pytest.raises(ValueError, match="cannot read"):
+        ListenConfig(grpc_tls={"cert_file": str(tmp_path / "nope.pem"), "key_file": str(tmp_path / "nope.pem")})
+
+
+async def test_plaintext_grpc_off_loopback_is_a_warning(make_app, caplog):
+    caplog.set_level(logging.WARNING, logger="extproc.server.app")
+    await make_app(listen={"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"})
+    assert not [r for r in caplog.records if "not loopback" in r.getMessage()]
+    await make_app(listen={"grpc": "0.0.0.0:0", "admin": "127.0.0.1:0"})
+    (warning,) = [r for r in caplog.records if "not loopback" in r.getMessage()]
+    assert warning.levelno == logging.WARNING and "grpc_tls" in warning.getMessage()
+
+
+async def _health(channel: grpc.aio.Channel) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return (await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)).status
+
+
+async def test_mtls_admits_only_clients_with_a_certificate_from_the_ca(make_app, tmp_path: Path, caplog):
+    certs = make_certs(tmp_path)
+    tls = {"cert_file": str(certs.server), "key_file": str(certs.server_key), "client_ca_file": str(certs.ca)}
+    caplog.set_level(logging.WARNING, logger="extproc.server.app")
+    app = await make_app(listen={"grpc": "0.0.0.0:0", "admin": "127.0.0.1:0", "grpc_tls": tls})
+    assert not [r for r in caplog.records if "not loopback" in r.getMessage()]  # TLS: no warning
+    target = f"127.0.0.1:{app.grpc_port}"
+    override = [("grpc.ssl_target_name_override", "llm-extproc")]
+    ca = certs.ca.read_bytes()
+    with_cert = grpc.ssl_channel_credentials(ca, certs.client_key.read_bytes(), certs.client.read_bytes())
+    async with grpc.aio.secure_channel(target, with_cert, options=override) as ch:
+        assert await _health(ch) == health_pb2.HealthCheckResponse.SERVING
+    refused = [
+        grpc.ssl_channel_credentials(ca),  # TLS without a client certificate
+        grpc.ssl_channel_credentials(ca, certs.stranger_key.read_bytes(), certs.stranger.read_bytes()),  # another CA's
+    ]
+    for creds in refused:
+        async with grpc.aio.secure_channel(target, creds, options=override) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _health(ch)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with grpc.aio.insecure_channel(target) as ch:  # plaintext
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _health(ch)
+
+
+async def test_a_replacement_binds_both_ports_beside_a_serving_process(make_app):
+    """SO_REUSEPORT (listen.reuse_port, the default): the new process gets ready before the old
+    one is told to drain; with it off, the second bind fails as it did before."""
+    old = await make_app()
+    ports = {"grpc": f"127.0.0.1:{old.grpc_port}", "admin": f"127.0.0.1:{old.admin_port}"}
+    new = await make_app(listen=ports)
+    assert (new.grpc_port, new.admin_port) == (old.grpc_port, old.admin_port)
+    with pytest.raises(RuntimeError, match="cannot listen"):
+        await make_app(listen={**ports, "reuse_port": False})
+
+
+def test_make_config_listens_on_loopback():
+    assert is_loopback(make_config().listen.grpc.rpartition(":")[0])

@@ -1,0 +1,36 @@
+"""The README's "in front of your fleet" recipe holds: its `envoy-config` command writes a
+bootstrap Envoy accepts, and the simulators it starts are the GPUs the example config's labels
+name."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from extproc.stack.envoy import validate_config_file
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+EXAMPLE = ROOT / "deploy" / "config.example.yaml"
+
+
+def test_simulators_the_readme_starts_match_the_example_configs_labels():
+    started = re.findall(r"llm-extproc sim --port (\d+) --profile ([\w.-]+)", README)
+    assert started, "the README starts its simulators with an explicit --profile"
+    labels = {e["address"]: e.get("labels", {}) for e in yaml.safe_load(EXAMPLE.read_text())["endpoints"]}
+    for port, profile in started:
+        gpu = labels[f"127.0.0.1:{port}"]["gpu"]
+        assert gpu.split("-")[0] == profile.split("-")[0], (port, profile, gpu)
+
+
+def test_the_readme_envoy_config_command_writes_a_valid_bootstrap(tmp_path: Path):
+    assert "llm-extproc envoy-config --config deploy/config.example.yaml -o envoy.yaml" in README
+    out = tmp_path / "envoy.yaml"
+    argv = [sys.executable, "-m", "extproc", "envoy-config", "--config", str(EXAMPLE), "-o", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    validate_config_file(out)
