@@ -6,8 +6,9 @@
 | `envoy-least-request`        | Envoy alone                             | Envoy `LEAST_REQUEST` (power of two choices) |
 | `llm-extproc`                | Envoy + llm-extproc                     | the server's default profile (`load-aware`) |
 | `llm-extproc-<profile>`      | Envoy + llm-extproc                     | built-in profile `<profile>`             |
+| `llm-extproc-noprefix`       | Envoy + llm-extproc                     | the default profile with `scheduling.prefix.enabled: false` (prefix-blind load-aware) |
 | `sglang-cache-aware`, `sglang-power-of-two` | sglang-router (replaces Envoy) | `--policy cache_aware` / `power_of_two` |
-| `vllm-router-cache-aware`, `vllm-router-kv-aware` | vllm-router (replaces Envoy) | `--policy cache_aware` / `kv_aware` |
+| `vllm-router-cache-aware`, `vllm-router-kv-aware`, `vllm-router-consistent-hash` | vllm-router (replaces Envoy) | `--policy cache_aware` / `kv_aware` / `consistent_hash` |
 
 Peers come from the optional `bench` extra (`pip install 'llm-extproc[bench]'`); the load
 generator talks to a peer router directly, since a peer replaces Envoy + llm-extproc.
@@ -16,9 +17,9 @@ generator talks to a peer router directly, since a peer replaces Envoy + llm-ext
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 __all__ = ["DEFAULT_PROFILE", "EXTPROC_PROFILES", "POLICIES", "Policy", "PolicyError", "parse_policies", "policy_names"]
 
@@ -45,6 +46,8 @@ class Policy:
         profile: llm-extproc's `scheduling.profile` for `extproc` policies.
         peer: `sglang` or `vllm-router` for `peer` policies.
         peer_policy: the peer's own `--policy` value.
+        server_overrides: laid over llm-extproc's generated config for this policy (before
+            `bench --extproc-config`), e.g. `{"scheduling": {"prefix": {"enabled": False}}}`.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Policy:
     profile: str | None = None
     peer: Literal["sglang", "vllm-router"] | None = None
     peer_policy: str | None = None
+    server_overrides: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def peer_module(self) -> str | None:
@@ -84,11 +88,21 @@ def _build() -> dict[str, Policy]:
     policies += [
         Policy(f"llm-extproc-{p}", "extproc", f"Envoy + llm-extproc, profile {p}", profile=p) for p in EXTPROC_PROFILES
     ]
+    policies.append(
+        Policy(
+            "llm-extproc-noprefix",
+            "extproc",
+            f"Envoy + llm-extproc, default profile ({DEFAULT_PROFILE}) without the prefix index",
+            profile=DEFAULT_PROFILE,
+            server_overrides={"scheduling": {"prefix": {"enabled": False}}},
+        )
+    )
     for peer, label, peer_policy in [
         ("sglang", "sglang", "cache_aware"),
         ("sglang", "sglang", "power_of_two"),
         ("vllm-router", "vllm-router", "cache_aware"),
         ("vllm-router", "vllm-router", "kv_aware"),
+        ("vllm-router", "vllm-router", "consistent_hash"),
     ]:
         name = f"{label}-{peer_policy.replace('_', '-')}"
         policies.append(
