@@ -18,9 +18,10 @@ machinery (`extproc.bench.commands.run_bench`):
 For each workload: the infinite-cache oracle hit rate at the engines' block size, then per
 policy the engines' own prefix hit rate (tokens), TTFT p50/p90/p99, output tokens/s, goodput,
 429 and 503 counts. Then capacity at equal p99 TTFT on `mooncake-conv`: `--capacity-policies`
-at `--capacity-multiples` of the workload's rate; capacity = the highest offered rate whose p99
-TTFT stays within `--bound` × envoy-least-request's light-load p99 (the same absolute bound for
-every policy; the lowest multiple is the light load).
+at `--capacity-multiples` of the workload's rate; a policy's capacity is the highest offered rate
+(interpolated) at which its p99 TTFT is no worse than envoy-least-request's p99 at the workload's
+own rate (1×), the same bound in ms for every policy. `--capacity-from` recomputes that table
+from saved reports (e.g. the main run plus a later run of more multiples) without running.
 
     flock /tmp/bench.lock .venv/bin/python scripts/bench_prefix.py --out bench-prefix
 
@@ -195,15 +196,20 @@ def workload_table(prepared: Prepared, runs: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def capacity_table(runs: list[dict], bound: float) -> tuple[list[str], dict]:
-    """Capacity of each policy at the same absolute p99 TTFT bound (bound × the baseline's light p99)."""
+def capacity_table(runs: list[dict]) -> tuple[list[str], dict]:
+    """Capacity of each policy at equal p99 TTFT: the bound is the baseline's p99 at scale 1
+    (ms, the same for every policy); a policy's capacity is interpolated between its runs,
+    lowest load first, up to the first run above the bound (`bench_scheduling.capacity`).
+    Several runs at one scale (repeats) are all listed; the capacity uses their mean p99."""
     by_policy: dict[str, list[dict]] = {}
     for r in runs:
         by_policy.setdefault(r["policy"], []).append(r)
-    base_light = min(by_policy[BASELINE], key=lambda r: r["offered_rps"])["ttft_ms"]["p99"]
-    limit = bound * base_light
+    at_one = [r["ttft_ms"]["p99"] for r in by_policy[BASELINE] if r["scale"] == 1.0]
+    if not at_one:
+        raise SystemExit(f"no {BASELINE} run at 1× to take the p99 bound from")
+    limit = sum(at_one) / len(at_one)
     lines = [
-        f"p99 TTFT bound: {bound:g} × {BASELINE}'s light-load p99 ({base_light:,.0f} ms) = {limit:,.0f} ms, for every policy.", "",
+        f"p99 TTFT bound: {BASELINE}'s p99 at 1× ({limit:,.0f} ms), the same for every policy.", "",
         "| policy | load (× workload rate) | offered req/s | TTFT p50 / p99 (ms) | goodput (req/s) | prefix hit | late sends |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
@@ -215,8 +221,8 @@ def capacity_table(runs: list[dict], bound: float) -> tuple[list[str], dict]:
                 f"| {policy} | {r['scale']:g} | {r['offered_rps']:.2f} | {_ms(r['ttft_ms']['p50'])} / {_ms(r['ttft_ms']['p99'])} | "
                 f"{(r['goodput_rps'] or 0):.2f} | {_pct(r['prefix_cache_hit_rate'])} | {r['behind_schedule']['fraction']:.1%} |"
             )
-        own_light = rs[0]["ttft_ms"]["p99"]
-        cap, _ = capacity(rs, limit / own_light)  # the relative bound that equals `limit` for this policy
+        merged = _mean_by_scale(rs)
+        cap, _ = capacity(merged, limit / merged[0]["ttft_ms"]["p99"])  # the relative bound that equals `limit`
         caps[policy] = {"capacity_rps": cap, "holds_at_top": cap is not None and cap >= rs[-1]["offered_rps"]}
     base_cap = caps[BASELINE]["capacity_rps"]
     lines += ["", "| policy | capacity (req/s) | × " + BASELINE + " |", "|---|---:|---:|"]
@@ -226,7 +232,20 @@ def capacity_table(runs: list[dict], bound: float) -> tuple[list[str], dict]:
         ratio = "–" if cap is None or not base_cap else f"{ge}{cap / base_cap:.2f}"
         c["ratio"] = None if cap is None or not base_cap else cap / base_cap
         lines.append(f"| {policy} | {'below the lightest load' if cap is None else f'{ge}{cap:.2f}'} | {ratio} |")
-    return lines + [""], {"limit_ms": limit, "baseline_light_p99_ms": base_light, "policies": caps}
+    return lines + [""], {"limit_ms": limit, "policies": caps}
+
+
+def _mean_by_scale(runs: list[dict]) -> list[dict]:
+    """One point per scale (mean offered rate and mean p99 of its repeats), by offered rate."""
+    scales: dict[float, list[dict]] = {}
+    for r in runs:
+        scales.setdefault(r["scale"], []).append(r)
+    points = [
+        {"offered_rps": sum(r["offered_rps"] for r in rs) / len(rs),
+         "ttft_ms": {"p99": sum(r["ttft_ms"]["p99"] for r in rs) / len(rs)}}
+        for rs in scales.values()
+    ]  # fmt: skip
+    return sorted(points, key=lambda p: p["offered_rps"])
 
 
 def main() -> None:
@@ -244,8 +263,13 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per request (simulated seconds)")
     ap.add_argument("--capacity-policies", default=f"{BASELINE},llm-extproc", help="'' skips the capacity runs")
     ap.add_argument("--capacity-multiples", default="0.5,1.5,2.0", help="mooncake-conv loads besides 1× (the lowest is the light load)")
-    ap.add_argument("--bound", type=float, default=3.0, help="capacity: p99 TTFT ≤ bound × the baseline's light-load p99")
+    ap.add_argument("--capacity-from", default="", help="only recompute the capacity table from these prefix.json files (comma-separated)")
     args = ap.parse_args()
+    if args.capacity_from:
+        reports = [json.loads(Path(f).read_text()) for f in args.capacity_from.split(",")]
+        runs = [r for rep in reports for r in rep.get("capacity", {}).get("runs", [])]
+        print("\n".join(capacity_table(runs)[0]))
+        return
     args.ramp = tuple(float(x) for x in args.ramp.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +301,7 @@ def main() -> None:
         capacity_runs = [r for r in report["workloads"]["mooncake-conv"]["runs"] if r["policy"] in cap_policies]
         for m in (float(x) for x in args.capacity_multiples.split(",")):
             capacity_runs += run(prepared, cap_policies, m, args, console)
-        lines, caps = capacity_table(capacity_runs, args.bound)
+        lines, caps = capacity_table(capacity_runs)
         report["capacity"] = {"workload": "mooncake-conv", "runs": capacity_runs, **caps}
         md += ["### Capacity at equal p99 TTFT (mooncake-conv)", "", *lines]
         _write(out, md, report)
