@@ -1,7 +1,10 @@
 """Open-loop load generator: replay a workload against an OpenAI-compatible base URL.
 
 Every request is sent at its arrival time whether or not earlier ones have finished (open loop,
-as production traffic arrives), as a streaming chat completion with the output length pinned:
+as production traffic arrives), unless `closed_loop_sessions` is set: then a turn of a session
+waits for the session's previous turn to end (answer or error) plus `think_time_s`, as a user
+reads an answer before typing the next message (a closed loop per conversation, open across
+conversations). Each request is sent as a streaming chat completion with the output length pinned:
 `max_tokens = min_tokens = output_tokens`, `ignore_eos: true`, `stream_options.include_usage`.
 All streams share one event loop and one aiohttp session (no connection limit).
 
@@ -67,6 +70,10 @@ class LoadGenConfig:
         session_header: when set, send each request's `session` in this header.
         lag_threshold_s: a send later than this behind schedule counts as behind (wall seconds).
         continuous_usage_stats: ask for usage in every chunk (vLLM), for exact tokens per chunk.
+        closed_loop_sessions: send a request with a `session` only after the previous request of
+            that session (in arrival order) ended, and not before its own arrival time.
+        think_time_s: with `closed_loop_sessions`, the wait after the previous turn ended
+            (trace seconds; wall = this / speed).
     """
 
     base_url: str
@@ -81,6 +88,8 @@ class LoadGenConfig:
     session_header: str | None = None
     lag_threshold_s: float = 0.050
     continuous_usage_stats: bool = False
+    closed_loop_sessions: bool = False
+    think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -93,6 +102,8 @@ class LoadGenConfig:
             raise ValueError(f"max_requests must be >= 0, got {self.max_requests}")
         if self.duration_s is not None and self.duration_s < 0:
             raise ValueError(f"duration_s must be >= 0, got {self.duration_s}")
+        if not (self.think_time_s >= 0 and math.isfinite(self.think_time_s)):
+            raise ValueError(f"think_time_s must be a finite number >= 0, got {self.think_time_s}")
 
 
 @dataclass(slots=True)
@@ -345,41 +356,80 @@ class LoadGenerator:
         tasks: set[asyncio.Task[None]],
         stop_waiter: asyncio.Future[bool],
     ) -> None:
-        """The schedule: start each request at its wall time (trace gap / speed) until stopped."""
+        """The schedule: start each request at its wall time (trace gap / speed) until stopped;
+        with `closed_loop_sessions`, a later turn of a session is handed to a task that waits for
+        the turn before it (`_send_after`)."""
         assert self._stop is not None
         loop = asyncio.get_running_loop()
         url = self.config.base_url.rstrip("/") + self.config.path
         t0 = loop.time()
         first = planned[0].arrival_s if planned else 0.0
+        last_turn: dict[str, asyncio.Task[None]] = {}
         for index, request in enumerate(planned):
             body = self.body(request, index)  # built while waiting for the send time
             target = t0 + (request.arrival_s - first) / self.config.speed
-            delay = target - loop.time()
-            if delay > 0:
-                await asyncio.wait({stop_waiter}, timeout=delay)
-            if self._stop.is_set():
-                return
-            now = loop.time()
-            result = RequestResult(
-                index=index,
-                scheduled_s=request.arrival_s,
-                lag_s=now - target,
-                input_tokens=request.input_tokens,
-                max_tokens=request.output_tokens,
-                session=request.session,
-                sent_wall_s=now - t0,
-                time_scale=self.config.speed,
-            )
-            results.append(result)
-            self._counts["sent"] += 1
-            self._counts["behind"] += result.lag_s > self.config.lag_threshold_s
-            headers = {"content-type": "application/json", **self.config.headers}
-            if self.config.session_header and request.session:
-                headers[self.config.session_header] = request.session
-            task = asyncio.create_task(self._send(session, url, body, headers, result, t0))
+            previous = last_turn.get(request.session) if request.session is not None else None
+            if previous is not None:
+                task = asyncio.create_task(
+                    self._send_after(previous, session, url, body, request, index, target, results, t0)
+                )
+            else:
+                delay = target - loop.time()
+                if delay > 0:
+                    await asyncio.wait({stop_waiter}, timeout=delay)
+                if self._stop.is_set():
+                    return
+                task = asyncio.create_task(self._send(session, url, body, *self._start(request, index, target, results, t0)))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            self._report()
+            if self.config.closed_loop_sessions and request.session is not None:
+                last_turn[request.session] = task
+
+    async def _send_after(
+        self,
+        previous: asyncio.Task[None],
+        session: aiohttp.ClientSession,
+        url: str,
+        body: bytes,
+        request: TraceRequest,
+        index: int,
+        target: float,
+        results: list[RequestResult],
+        t0: float,
+    ) -> None:
+        """Send a later turn once the session's previous turn ended and the think time passed
+        (never before its own arrival time `target`, a loop time); its lag counts from then."""
+        loop = asyncio.get_running_loop()
+        await asyncio.wait({previous})  # its outcome is its own; this turn goes either way
+        target = max(target, loop.time() + self.config.think_time_s / self.config.speed)
+        delay = target - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await self._send(session, url, body, *self._start(request, index, target, results, t0))
+
+    def _start(
+        self, request: TraceRequest, index: int, target: float, results: list[RequestResult], t0: float
+    ) -> tuple[dict[str, str], RequestResult, float]:
+        """Record a send now (its result, lag, counts): `(headers, result, t0)` for `_send`."""
+        now = asyncio.get_running_loop().time()
+        result = RequestResult(
+            index=index,
+            scheduled_s=request.arrival_s,
+            lag_s=now - target,
+            input_tokens=request.input_tokens,
+            max_tokens=request.output_tokens,
+            session=request.session,
+            sent_wall_s=now - t0,
+            time_scale=self.config.speed,
+        )
+        results.append(result)
+        self._counts["sent"] += 1
+        self._counts["behind"] += result.lag_s > self.config.lag_threshold_s
+        headers = {"content-type": "application/json", **self.config.headers}
+        if self.config.session_header and request.session:
+            headers[self.config.session_header] = request.session
+        self._report()
+        return headers, result, t0
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
         installed = []

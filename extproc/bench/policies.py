@@ -7,8 +7,9 @@
 | `llm-extproc`                | Envoy + llm-extproc                     | the server's default profile (`load-aware`) |
 | `llm-extproc-<profile>`      | Envoy + llm-extproc                     | built-in profile `<profile>`             |
 | `llm-extproc-precise`        | Envoy + llm-extproc, simulators publishing KV events | default profile, prefix index from the engines' KV events |
+| `llm-extproc-noprefix`       | Envoy + llm-extproc                     | the default profile with `scheduling.prefix.enabled: false` (prefix-blind load-aware) |
 | `sglang-cache-aware`, `sglang-power-of-two` | sglang-router (replaces Envoy) | `--policy cache_aware` / `power_of_two` |
-| `vllm-router-cache-aware`, `vllm-router-kv-aware` | vllm-router (replaces Envoy) | `--policy cache_aware` / `kv_aware` |
+| `vllm-router-cache-aware`, `vllm-router-kv-aware`, `vllm-router-consistent-hash` | vllm-router (replaces Envoy) | `--policy cache_aware` / `kv_aware` / `consistent_hash` |
 
 Peers come from the optional `bench` extra (`pip install 'llm-extproc[bench]'`); the load
 generator talks to a peer router directly, since a peer replaces Envoy + llm-extproc.
@@ -17,9 +18,9 @@ generator talks to a peer router directly, since a peer replaces Envoy + llm-ext
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 __all__ = ["DEFAULT_PROFILE", "EXTPROC_PROFILES", "POLICIES", "Policy", "PolicyError", "parse_policies", "policy_names"]
 
@@ -48,6 +49,8 @@ class Policy:
         peer_policy: the peer's own `--policy` value.
         kv_events: the simulators publish KV-cache events and llm-extproc subscribes to them
             (the precise prefix index, `extproc.prefix.precise`).
+        server_overrides: laid over llm-extproc's generated config for this policy (before
+            `bench --extproc-config`), e.g. `{"scheduling": {"prefix": {"enabled": False}}}`.
     """
 
     name: str
@@ -58,6 +61,7 @@ class Policy:
     peer: Literal["sglang", "vllm-router"] | None = None
     peer_policy: str | None = None
     kv_events: bool = False
+    server_overrides: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def peer_module(self) -> str | None:
@@ -90,8 +94,17 @@ def _build() -> dict[str, Policy]:
     ]
     policies.append(
         Policy(
-            "llm-extproc-precise", "extproc", f"Envoy + llm-extproc, {DEFAULT_PROFILE}, prefix index from the engines' KV events",
+            "llm-extproc-precise", "extproc", "Envoy + llm-extproc, prefix index from KV events",
             profile=DEFAULT_PROFILE, kv_events=True,
+        )
+    )
+    policies.append(
+        Policy(
+            "llm-extproc-noprefix",
+            "extproc",
+            "Envoy + llm-extproc, no prefix index",
+            profile=DEFAULT_PROFILE,
+            server_overrides={"scheduling": {"prefix": {"enabled": False}}},
         )
     )
     for peer, label, peer_policy in [
@@ -99,6 +112,7 @@ def _build() -> dict[str, Policy]:
         ("sglang", "sglang", "power_of_two"),
         ("vllm-router", "vllm-router", "cache_aware"),
         ("vllm-router", "vllm-router", "kv_aware"),
+        ("vllm-router", "vllm-router", "consistent_hash"),
     ]:
         name = f"{label}-{peer_policy.replace('_', '-')}"
         policies.append(

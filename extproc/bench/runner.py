@@ -222,12 +222,18 @@ class ReplayOptions:
         request_timeout_s: per-request limit (simulated seconds; wall = this / speed).
         lag_threshold_s: a send this late counts as behind schedule (wall seconds).
         progress: show a progress bar.
+        session_header: send each request's session id in this header (None: not sent).
+        closed_loop_sessions: a session's turn waits for its previous turn's answer
+            (`LoadGenConfig.closed_loop_sessions`), plus `think_time_s` (simulated seconds).
     """
 
     speed: float = 1.0
     request_timeout_s: float = 120.0
     lag_threshold_s: float = 0.050
     progress: bool = True
+    session_header: str | None = None
+    closed_loop_sessions: bool = False
+    think_time_s: float = 0.0
 
 
 class Interrupts:
@@ -333,6 +339,9 @@ async def replay(
         request_timeout_s=options.request_timeout_s / options.speed,
         endpoint_headers=stack.endpoint_headers or ("x-llm-endpoint",),
         lag_threshold_s=options.lag_threshold_s,
+        session_header=options.session_header,
+        closed_loop_sessions=options.closed_loop_sessions,
+        think_time_s=options.think_time_s,
     )
     label = label or stack.policy.name
     bar = _progress_bar(console, label) if options.progress else None

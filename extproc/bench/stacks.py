@@ -40,7 +40,8 @@ from extproc.stack.procs import ManagedProcess, wait_until
 from extproc.stack.server import ExtProcServerProcess
 
 __all__ = [
-    "PortBusyError", "PolicyStack", "StackSettings", "check_port_free", "envoy_only_config", "merge_config", "server_config",
+    "PortBusyError", "PolicyStack", "StackSettings", "check_port_free", "envoy_only_config", "merge_config",
+    "policy_server_config", "server_config",
 ]
 
 _HCM = "envoy.filters.network.http_connection_manager"
@@ -176,6 +177,27 @@ def merge_config(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[
     return out
 
 
+def policy_server_config(
+    policy: Policy, settings: StackSettings, addresses: Mapping[str, str], *, kv_events: Mapping[str, tuple[str, str | None]] | None = None
+) -> dict[str, Any]:
+    """llm-extproc's config for an `extproc` policy: `server_config` with the policy's profile,
+    then the policy's own `server_overrides`, then `settings.server_overrides` laid over it.
+
+    Args:
+        addresses: simulator profile name by endpoint address (`ip:port`).
+        kv_events: the simulators' KV-event endpoints, as `server_config` takes them (precise policies).
+
+    Raises:
+        ValueError: `policy` is not an llm-extproc policy (no profile).
+    """
+    if policy.profile is None:
+        raise ValueError(f"{policy.name} is not an llm-extproc policy")
+    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events)
+    for overrides in (policy.server_overrides, settings.server_overrides):
+        cfg = merge_config(cfg, overrides or {})
+    return cfg
+
+
 class PolicyStack:
     """A fleet and the front for `policy`, started and stopped as one.
 
@@ -265,10 +287,8 @@ class PolicyStack:
             raise
 
     async def _start_server(self) -> None:
-        assert self.policy.profile is not None
         path = self.workdir / "llm-extproc.yaml"
-        base = server_config(self.fleet.profiles, profile=self.policy.profile, kv_events=self.fleet.kv_events)
-        cfg = merge_config(base, self.settings.server_overrides or {})
+        cfg = policy_server_config(self.policy, self.settings, self.fleet.profiles, kv_events=self.fleet.kv_events)
         path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
         self.server = ExtProcServerProcess(path, workdir=self.workdir, log_level="warning")
         await self.server.start()

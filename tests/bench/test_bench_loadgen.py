@@ -270,6 +270,26 @@ async def test_session_header_and_extra_headers(server: tuple[web.Application, s
     assert all(h["x-tenant"] == "team-a" for h in app[HEADERS])
 
 
+async def test_closed_loop_sessions_wait_for_the_previous_answer(server: tuple[web.Application, str]) -> None:
+    """Turns of one conversation all "arrive" at 0 but go one after the other, each after the
+    previous answer plus the think time (even after an error); other sessions run alongside."""
+    _, url = server
+    think = 0.1
+    config = LoadGenConfig(url, closed_loop_sessions=True, think_time_s=think)
+    requests = [_req(0.0, 5, session="a"), _req(0.0, 429, session="a"), _req(0.0, 5, session="a"), _req(0.0, 5, session="b")]
+    run = await LoadGenerator(config).run(requests)
+    by_index = {r.index: r for r in run.results}
+    assert len(by_index) == 4 and [by_index[i].status for i in range(4)] == [200, 429, 200, 200]
+    for before, after in ((0, 1), (1, 2)):
+        ended = by_index[before].done_wall_s
+        assert ended is not None and by_index[after].sent_wall_s >= ended + think * 0.9
+        assert by_index[after].lag_s < 0.05  # late against the closed loop's own schedule: no
+    assert by_index[3].sent_wall_s < by_index[0].done_wall_s  # session b does not wait for a
+    # open loop (the default): every turn at its arrival time
+    open_run = await LoadGenerator(LoadGenConfig(url)).run(requests[:3])
+    assert max(r.sent_wall_s for r in open_run.results) < min(r.done_wall_s or 0 for r in open_run.results)
+
+
 def test_plan_applies_limits() -> None:
     requests = [_req(t, 2) for t in (5.0, 0.0, 1.0, 2.5, 9.0)]
     assert [r.arrival_s for r in LoadGenerator(LoadGenConfig("http://x", max_requests=2)).plan(requests)] == [0.0, 1.0]
@@ -291,8 +311,8 @@ def test_body_for_a_length_only_request(synth: PromptSynthesizer, qwen_counter: 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"base_url": "localhost:80"}, {"speed": 0.0}, {"request_timeout_s": 0}, {"max_requests": -1}],
-    ids=["no-scheme", "zero-speed", "zero-timeout", "negative-max"],
+    [{"base_url": "localhost:80"}, {"speed": 0.0}, {"request_timeout_s": 0}, {"max_requests": -1}, {"think_time_s": -1}],
+    ids=["no-scheme", "zero-speed", "zero-timeout", "negative-max", "negative-think"],
 )
 def test_bad_config(kwargs: dict) -> None:
     with pytest.raises(ValueError):

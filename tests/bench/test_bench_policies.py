@@ -27,11 +27,14 @@ def test_every_required_policy_exists_with_its_front() -> None:
         "llm-extproc": ("extproc", "load-aware"),
         **{f"llm-extproc-{p}": ("extproc", p) for p in EXTPROC_PROFILES},
         "llm-extproc-precise": ("extproc", "load-aware"),
+        "llm-extproc-noprefix": ("extproc", "load-aware"),
         "sglang-cache-aware": ("peer", "cache_aware"),
         "sglang-power-of-two": ("peer", "power_of_two"),
         "vllm-router-cache-aware": ("peer", "cache_aware"),
         "vllm-router-kv-aware": ("peer", "kv_aware"),
+        "vllm-router-consistent-hash": ("peer", "consistent_hash"),
     }
+    assert POLICIES["llm-extproc-noprefix"].server_overrides == {"scheduling": {"prefix": {"enabled": False}}}
     assert {p.peer_package for p in POLICIES.values() if p.kind == "peer"} == {"sglang-router", "vllm-router"}
 
 

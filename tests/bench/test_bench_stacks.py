@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.bench.stacks import PortBusyError, check_port_free, envoy_only_config, merge_config, server_config
+from extproc.bench.policies import POLICIES
+from extproc.bench.stacks import (
+    PortBusyError, StackSettings, check_port_free, envoy_only_config, merge_config, policy_server_config, server_config,
+)
 from extproc.config.loader import config_from_mapping
 from extproc.stack.envoy import EnvoyError, RunSettings, load_envoy_config, rewrite_config, validate_config_file
 
@@ -84,6 +87,18 @@ def test_merge_config_lays_mappings_over_and_replaces_the_rest() -> None:
     out = merge_config(base, {"scheduling": {"metrics": {"timeout_s": 0.2}}, "endpoints": [3]})
     assert out == {"scheduling": {"profile": "load-aware", "metrics": {"interval_s": 0.1, "timeout_s": 0.2}}, "endpoints": [3]}
     assert base["scheduling"]["metrics"] == {"interval_s": 0.1}  # untouched
+
+
+def test_policy_server_config_lays_the_policy_then_the_run_over_the_fleet() -> None:
+    """`llm-extproc-noprefix` runs the default profile with the prefix index off; a run's own
+    `--extproc-config` still goes last."""
+    fleet = {"127.0.0.1:9001": "h100-qwen3-8b"}
+    settings = StackSettings(server_overrides={"scheduling": {"explain_header": True}})
+    cfg = config_from_mapping(policy_server_config(POLICIES["llm-extproc-noprefix"], settings, fleet))
+    assert cfg.scheduling.profile == "load-aware" and not cfg.scheduling.prefix.enabled and cfg.scheduling.explain_header
+    assert config_from_mapping(policy_server_config(POLICIES["llm-extproc"], StackSettings(), fleet)).scheduling.prefix.enabled
+    with pytest.raises(ValueError, match="not an llm-extproc policy"):
+        policy_server_config(POLICIES["envoy-least-request"], settings, fleet)
 
 
 def test_check_port_free() -> None:
