@@ -336,6 +336,20 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(x) is int for x in value)
 
 
+MAX_TOKEN_ID = 2**32 - 1
+"""Largest token id accepted: ids are packed as uint32 by the prefix hasher
+(`extproc.prefix.hashing`); real vocabularies are far smaller (the engine refuses the rest)."""
+
+
+def _check_token_range(ids: list[int], where: str) -> None:
+    """Raises ValidationError when an id of `ids` is outside 0..MAX_TOKEN_ID."""
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        bad = next(x for x in ids if not 0 <= x <= MAX_TOKEN_ID)
+        raise ValidationError(
+            f"Invalid value for 'prompt': token id {bad}{where} is outside 0..{MAX_TOKEN_ID}", param="prompt"
+        )
+
+
 def _check_prompt_list(prompt: list[Any], max_prompts: int | None) -> None:
     """A list `prompt` must be token ids, strings, or lists of token ids (the schema's union),
     checked before pydantic: a completions body may carry a full context's worth of values
@@ -343,9 +357,11 @@ def _check_prompt_list(prompt: list[Any], max_prompts: int | None) -> None:
     mismatching item of every union branch cost ~1 s for 57k floats (measured).
 
     Raises:
-        ValidationError: more than `max_prompts` prompts, or an item of the wrong type.
+        ValidationError: more than `max_prompts` prompts, an item of the wrong type, or a token
+            id outside 0..MAX_TOKEN_ID (2³²−1).
     """
     if _is_token_ids(prompt):
+        _check_token_range(prompt, "")
         return
     if max_prompts is not None and len(prompt) > max_prompts:
         raise ValidationError(
@@ -366,6 +382,8 @@ def _check_prompt_list(prompt: list[Any], max_prompts: int | None) -> None:
                 "(a prompt list holds strings, token ids, or lists of token ids)",
                 param="prompt",
             )
+        if type(first) is not int and not isinstance(first, str):
+            _check_token_range(item, f" (prompt {i})")
 
 
 def with_model(body: bytes, model: str) -> bytes:

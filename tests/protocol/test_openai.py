@@ -224,3 +224,22 @@ def test_with_model_changes_only_the_model_bytes():
     duplicate keys the last one, the one parsers keep, is replaced."""
     body = b'{ "model" : "a", "x": [1e15, 123456789012345678901234567890, 1E5], "c": "h\\u00e9", "model":"alias"}'
     assert with_model(body, "Org/Served") == body.replace(b'"model":"alias"', b'"model":"Org/Served"')
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[5, -1, 7], [5, 2**32, 7], [[1, 2], [3, -4]], [[1, 2], [2**63]]],
+    ids=["negative", "past-uint32", "batch-negative", "batch-huge"],
+)
+def test_token_ids_outside_uint32_are_a_400_naming_the_item(prompt):
+    # An id no engine vocabulary holds, and one the prefix hasher cannot pack (it raised
+    # ValueError in the routing path: a 500 to the client).
+    with pytest.raises(ValidationError) as info:
+        parse_body(COMP, body(model="m", prompt=prompt))
+    assert info.value.param == "prompt"
+    assert info.value.status == 400
+    assert "0..4294967295" in info.value.message
+
+
+def test_token_ids_at_the_uint32_bounds_pass():
+    assert parse_body(COMP, body(model="m", prompt=[0, 2**32 - 1])).prompt_token_ids == [[0, 2**32 - 1]]
