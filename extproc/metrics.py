@@ -171,7 +171,7 @@ class Metrics:
 
         self.decision_log_dropped = Counter(
             "llm_extproc_decision_log_dropped_total",
-            "Decision log lines dropped because the writer thread's queue was full.",
+            "Decision log lines dropped because the writer thread's queue was full or the write failed (disk full).",
             registry=registry,
         )
 

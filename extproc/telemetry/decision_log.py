@@ -25,7 +25,8 @@ configuration, addresses, and the tenant's hash.
 Writing is off the event loop: `write` puts the record on a bounded queue (a full queue drops
 the line and counts it) and the standard library's `QueueListener` thread serialises it and
 hands it to a `RotatingFileHandler`, which rotates by size (`max_bytes`, `backup_count` old
-files `path.1` … `path.N`). The reader (`read_decision_log`) turns a log into trace requests.
+files `path.1` … `path.N`). A failed write (disk full) drops that line and counts it too, with
+one warning a minute. The reader (`read_decision_log`) turns a log into trace requests.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import hashlib
 import logging
 import logging.handlers
 import queue
+import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,6 +56,11 @@ if TYPE_CHECKING:
     from extproc.pipeline.truncate import Truncation
 
 __all__ = ["DecisionLog", "DecisionRecord", "read_decision_log", "tenant_hash"]
+
+log = logging.getLogger(__name__)
+
+WRITE_ERROR_LOG_INTERVAL_S = 60.0
+"""Least time between two warnings about failed writes (seconds): a full disk fails every line."""
 
 DETECT_KEYS = frozenset(("time", "kind", "prompt_tokens", "output_budget", "outcome"))
 """Keys every decision-log line has: how `llm-extproc analyze` tells the format."""
@@ -138,6 +146,32 @@ class _JSONLines(logging.Formatter):
         return orjson.dumps(record.msg).decode()
 
 
+class _Handler(logging.handlers.RotatingFileHandler):
+    """A rotating file whose failed writes (disk full, I/O error, failed rotation) count as
+    dropped lines and log one warning a minute, instead of logging's traceback with the whole
+    record on stderr for every line."""
+
+    def __init__(self, path: Path, config: DecisionLogConfig, dropped: PromCounter | None) -> None:
+        super().__init__(path, maxBytes=config.max_bytes, backupCount=config.backup_count, encoding="utf-8")
+        self._dropped = dropped
+        self._warned_at: float | None = None
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if self._dropped is not None:
+            self._dropped.inc()
+        now = time.monotonic()
+        if self._warned_at is None or now - self._warned_at >= WRITE_ERROR_LOG_INTERVAL_S:
+            self._warned_at = now
+            exc = sys.exc_info()[1]
+            log.warning("decision log %s: a line could not be written (%s); dropping lines until writes succeed", self.baseFilename, exc)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:  # the last flush of a full disk
+            log.warning("decision log %s: closing lost buffered lines: %s", self.baseFilename, exc)
+
+
 class _Listener(logging.handlers.QueueListener):
     """Turns queued records into lines in the listener's thread: the event loop only enqueues."""
 
@@ -150,7 +184,8 @@ class DecisionLog:
 
     Args:
         config: path, rotation and queue bound.
-        dropped: counter of lines dropped because the queue was full (or None).
+        dropped: counter of lines dropped because the queue was full or the write failed
+            (disk full, I/O error), or None.
     """
 
     def __init__(self, config: DecisionLogConfig, dropped: PromCounter | None = None) -> None:
@@ -170,9 +205,7 @@ class DecisionLog:
             OSError: the file cannot be opened.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.handlers.RotatingFileHandler(
-            self.path, maxBytes=self._config.max_bytes, backupCount=self._config.backup_count, encoding="utf-8"
-        )
+        handler = _Handler(self.path, self._config, self._dropped)
         handler.setFormatter(_JSONLines())
         self._handler = handler
         self._listener = _Listener(self._queue, handler)  # type: ignore[arg-type]

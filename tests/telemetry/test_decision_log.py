@@ -122,3 +122,18 @@ def test_a_malformed_line_names_the_line(tmp_path: Path) -> None:
         fh.write('{"time": 1, "kind": "chat", "prompt_tokens": "many", "output_budget": 5, "outcome": "routed"}\n')
     with pytest.raises(ValueError, match=r"decisions.jsonl:2: 'prompt_tokens' must be a positive integer"):
         load_trace(path)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device that is always full)")
+def test_a_full_disk_counts_lost_lines_and_closes_cleanly(capfd) -> None:
+    # On a full disk each line's write used to print a Python traceback with the record to
+    # stderr (logging's handleError), count nothing, and `close()` raised OSError at shutdown.
+    dropped = Counter("dropped_total", "", registry=CollectorRegistry())
+    log = DecisionLog(DecisionLogConfig(path="/dev/full"), dropped)
+    log.start()
+    for i in range(20):
+        log.write(record(i, 10, endpoint="10.0.0.1:8000"))
+    log.close()  # must not raise
+    assert dropped._value.get() == 20
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "10.0.0.1:8000" not in err
