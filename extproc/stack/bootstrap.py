@@ -4,9 +4,10 @@ Endpoints are typed once: `llm-extproc envoy-config --config FILE` loads a shipp
 (`envoy/fail-open.yaml` or `envoy/fail-closed.yaml`, the same files `envoy --mode validate`
 checks in the tests) and substitutes only what the deployment decides — the listener and admin
 addresses, llm-extproc's gRPC address (the `llm_extproc` cluster), the fail-open fallback
-cluster's endpoints (every configured endpoint), and the body / gRPC message limits (equal to
+cluster's endpoints (every configured endpoint), the body / gRPC message limits (equal to
 `limits.max_body_bytes` / `limits.grpc_max_message_bytes`, so both layers draw the line at the
-same byte). Everything else — header stripping, the ext_proc filter, the `ORIGINAL_DST`
+same byte), and the headers the config trusts (`ratelimit.tenant_header`,
+`admission.priority.trusted_header`) added to those stripped from clients. Everything else — header stripping, the ext_proc filter, the `ORIGINAL_DST`
 cluster, error mapping — comes from the template as shipped, so a later edit to the shipped
 YAML flows into every generated file.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 
 from extproc.config.schema import Config, parse_host_port
-from extproc.stack.envoy import EnvoyError, RunSettings, config_path, load_envoy_config, rewrite_config
+from extproc.stack.envoy import EnvoyError, RunSettings, config_path, load_envoy_config, rewrite_config, strip_request_headers
 
 __all__ = ["TEMPLATES", "envoy_bootstrap", "render_bootstrap"]
 
@@ -77,7 +78,12 @@ def envoy_bootstrap(
         )
     except ValueError as exc:
         raise EnvoyError(str(exc)) from None
-    return rewrite_config(load_envoy_config(template), settings)
+    boot = rewrite_config(load_envoy_config(template), settings)
+    # Headers this config trusts (a layer after Envoy's strip sets them): a client's copy must
+    # go, as the shipped x-llm-tenant does, or any client names any tenant or claims `critical`.
+    trusted = [cfg.ratelimit.tenant_header, cfg.admission.priority.trusted_header]
+    strip_request_headers(boot, [h for h in trusted if h])
+    return boot
 
 
 def render_bootstrap(bootstrap: dict[str, Any], *, template: str, source: str) -> str:

@@ -50,6 +50,7 @@ __all__ = [
     "load_envoy_config",
     "rewrite_config",
     "stripped_headers",
+    "strip_request_headers",
     "validate_config_file",
 ]
 
@@ -217,6 +218,28 @@ def stripped_headers(cfg: Mapping[str, Any]) -> list[str]:
         raise EnvoyError(f"the config has no {_HEADER_MUTATION} filter")
     mutations = _get(hm, "mutations", "request_mutations", what="header_mutation request_mutations")
     return [m["remove"] for m in mutations if "remove" in m]
+
+
+def strip_request_headers(cfg: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Add `names` (lower case) to the request headers the config removes from every client
+    request, in place: the header_mutation filter before ext_proc and, when the config has one,
+    the early header mutation before routing (the same list in the shipped files). Names already
+    removed are not added again.
+
+    Raises:
+        EnvoyError: the config has no header_mutation filter.
+    """
+    hm = _http_filter(cfg, _HEADER_MUTATION)
+    if hm is None:
+        raise EnvoyError(f"the config has no {_HEADER_MUTATION} filter")
+    lists = [_get(hm, "mutations", "request_mutations", what="header_mutation request_mutations")]
+    for ext in _hcm(cfg).get("early_header_mutation_extensions", []):
+        early = ext.get("typed_config", {}).get("mutations")
+        if isinstance(early, list) and all(early is not known for known in lists):
+            lists.append(early)
+    for mutations in lists:
+        removed = {m["remove"] for m in mutations if "remove" in m}
+        mutations.extend({"remove": n} for n in dict.fromkeys(names) if n not in removed)
 
 
 def served_path_regex(extra: Sequence[str] = ()) -> str:

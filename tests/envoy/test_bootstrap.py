@@ -61,3 +61,27 @@ def test_tier_mode_and_unknown_templates_are_refused_with_the_reason():
         envoy_bootstrap(config_from_mapping(CONFIG), template="tier")
     with pytest.raises(EnvoyError, match="host:port"):
         envoy_bootstrap(config_from_mapping(CONFIG), listener="8080")
+
+
+@pytest.mark.parametrize("template", ["fail-open", "fail-closed"])
+def test_configured_trusted_headers_are_stripped_from_clients(tmp_path: Path, template: str):
+    # A deployment trusting `x-tenant-id` (ratelimit) and `x-trusted-priority` (priority) got a
+    # bootstrap that stripped only the shipped x-llm-tenant: any client could name any tenant
+    # (another tenant's rate-limit budget) or claim `critical`.
+    cfg = config_from_mapping({
+        **CONFIG,
+        "ratelimit": {"enabled": True, "tenant_header": "X-Tenant-Id", "default": {"tokens_per_minute": 1000}},
+        "admission": {"priority": {"trusted_header": "x-trusted-priority"}},
+    })  # fmt: skip
+    boot = envoy_bootstrap(cfg, template=template)
+    shipped = stripped_headers(load_envoy_config(template))
+    assert stripped_headers(boot) == [*shipped, "x-tenant-id", "x-trusted-priority"]
+    early = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "early_header_mutation_extensions"][0]["typed_config"]["mutations"]  # fmt: skip
+    assert [m["remove"] for m in early] == stripped_headers(boot)  # before routing too
+    # The shipped name configured: nothing doubled.
+    same = config_from_mapping({**CONFIG, "ratelimit": {"enabled": True, "tenant_header": "x-llm-tenant"}})
+    assert stripped_headers(envoy_bootstrap(same, template=template)) == shipped
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(boot, template=template, source="cfg.yaml"), encoding="utf-8")
+    validate_config_file(path)
