@@ -224,6 +224,10 @@ def content_text(content: Any, index: int, *, field: str = "messages") -> str:
         ptype = part.get("type") if isinstance(part, dict) else None
         if ptype in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif ptype in _TEXT_PARTS:
+            raise ValidationError(
+                f"{field}[{index}].content[{j}].text must be a string", param=f"{field}[{index}].content[{j}].text"
+            )
         else:
             raise ValidationError(
                 f"{field}[{index}].content[{j}]: unsupported content part type {ptype!r}; "

@@ -243,3 +243,12 @@ def test_token_ids_outside_uint32_are_a_400_naming_the_item(prompt):
 
 def test_token_ids_at_the_uint32_bounds_pass():
     assert parse_body(COMP, body(model="m", prompt=[0, 2**32 - 1])).prompt_token_ids == [[0, 2**32 - 1]]
+
+
+def test_a_text_part_whose_text_is_not_a_string_says_so():
+    # It used to say "unsupported content part type 'text'" — the one type that is supported.
+    raw = body(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": {"nested": 1}}]}])
+    with pytest.raises(ValidationError) as info:
+        parse_body(CHAT, raw)
+    assert info.value.param == "messages[0].content[0].text"
+    assert "must be a string" in info.value.message and "unsupported" not in info.value.message
