@@ -4,6 +4,8 @@ with a real ZMQ PUB socket and vLLM's replay protocol (served by the simulator's
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -274,3 +276,33 @@ def test_endpoint_kv_events_config_errors(fields: dict, match: str) -> None:
         EndpointConfig(address="127.0.0.1:8000", models=["m"], **fields)
     ok = EndpointConfig(address="127.0.0.1:8000", models=["m"], kv_events="tcp://10.0.0.5:5557", kv_events_replay="tcp://10.0.0.5:5558")
     assert ok.kv_events == "tcp://10.0.0.5:5557"
+
+
+async def test_joining_an_engine_long_up_does_not_materialise_its_whole_history() -> None:
+    # An engine up for days publishes seq ~ 10^7..10^9 (one per step); a garbage publisher any
+    # 63-bit value. The replay check built list(range(0, seq)): gigabytes and seconds on the
+    # event loop (here 2^40: MemoryError). Now: O(batches replayed).
+    _, idx, _ = make()
+    first = [stored([901], None, PROMPT[:BS])]
+    async with publishing(first) as (publisher, ctx):
+        sub = KVEventSubscriber(EP, publisher.endpoint, publisher.replay_endpoint, idx, ctx)
+        await asyncio.wait_for(sub.handle(frames(1 << 40, *first)), 5)  # joining late
+        assert idx.last_seq(EP) == 1 << 40
+        await asyncio.wait_for(sub.handle(frames((1 << 41) + 5, *first)), 5)  # a gap no replay fills
+        assert idx.metrics.gaps.labels(EP, "reset")._value.get() == 1
+        assert idx.last_seq(EP) == (1 << 41) + 5
+
+
+@contextlib.asynccontextmanager
+async def publishing(*batches: list) -> AsyncIterator[tuple[KVEventPublisher, zmq.asyncio.Context]]:
+    """A started publisher (with its replay socket) that has published `batches`, and a context."""
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    publisher.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        for evs in batches:
+            publisher.publish(evs)
+        yield publisher, ctx
+    finally:
+        await publisher.aclose()
+        ctx.destroy(linger=0)
