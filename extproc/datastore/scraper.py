@@ -121,6 +121,19 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return bounds[-1]
 
 
+def _count_label(labels: dict[str, str], name: str, current: int | None) -> int | None:
+    """A label holding a positive count (`num_gpu_blocks`, `block_size`), else `current`: a
+    value that is not one (0, negative, fractional, inf, nan, text) says nothing we can use —
+    taken as a count it would make every request "never fit" or break block arithmetic."""
+    try:
+        value = float(labels.get(name, ""))
+    except ValueError:
+        return current
+    if not (1 <= value < 2**63) or not value.is_integer():
+        return current
+    return int(value)
+
+
 def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> EngineMetrics:
     """Parse a vLLM exposition into `EngineMetrics` (`scraped_at` left for the caller).
 
@@ -143,14 +156,8 @@ def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> Engi
             elif name == "vllm:gpu_cache_usage_perc":
                 legacy_usage = max(legacy_usage or 0.0, s.value)
             elif name == "vllm:cache_config_info":
-                try:
-                    m.num_gpu_blocks = int(float(s.labels.get("num_gpu_blocks", "")))
-                except ValueError:
-                    pass
-                try:
-                    m.block_size = int(float(s.labels.get("block_size", "")))
-                except ValueError:
-                    pass
+                m.num_gpu_blocks = _count_label(s.labels, "num_gpu_blocks", m.num_gpu_blocks)
+                m.block_size = _count_label(s.labels, "block_size", m.block_size)
             elif name == "vllm:prefix_cache_queries_total":
                 m.prefix_queries += s.value
             elif name == "vllm:prefix_cache_hits_total":

@@ -110,3 +110,14 @@ async def test_hanging_metrics_age_into_staleness_and_recover():
     finally:
         await scraper.aclose()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("bad", ["-5", "0", "inf", "-inf", "nan", "1e400", "0.5", "many"])
+def test_cache_config_values_that_are_not_positive_counts_are_unknown(bad):
+    # num_gpu_blocks="-5" made every request a 400 "can never fit" (the client blamed for the
+    # engine's garbage); "inf" raised OverflowError, failing (and logging a traceback for)
+    # every scrape of the endpoint. Unknown is what such a value tells us.
+    text = f'vllm:cache_config_info{{block_size="{bad}",num_gpu_blocks="{bad}"}} 1.0\nvllm:num_requests_running 3\n'
+    m = parse_vllm_metrics(text)
+    assert m.block_size is None and m.num_gpu_blocks is None
+    assert m.running == 3  # the rest of the scrape still counts
