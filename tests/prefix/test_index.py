@@ -6,6 +6,9 @@ import tracemalloc
 import pytest
 
 from extproc.prefix.hashing import chain_block_hashes
+from collections import OrderedDict
+
+from extproc.prefix import index as index_module
 from extproc.prefix.index import BYTES_PER_ENTRY, PrefixIndex
 
 
@@ -83,3 +86,29 @@ def test_bytes_per_entry_measured():
 def test_bounds_must_be_positive():
     with pytest.raises(ValueError):
         PrefixIndex(0, 10)
+
+
+def test_a_full_index_of_many_endpoints_scans_them_once_per_eviction_run(monkeypatch):
+    # The global bound used to rescan every endpoint for each entry evicted: with 256
+    # endpoints a 512-block prompt cost 131k len() calls, ~10 ms per pick on the event loop.
+    calls = 0
+
+    class Counting(OrderedDict):
+        def __len__(self) -> int:
+            nonlocal calls
+            calls += 1
+            return super().__len__()
+
+    monkeypatch.setattr(index_module, "OrderedDict", Counting)
+    idx = PrefixIndex(max_entries=256 * 64, default_capacity=10**6)
+    eps = [f"10.0.0.{i}:8000" for i in range(256)]
+    for n, ep in enumerate(eps):
+        idx.add(ep, list(range(n * 64, (n + 1) * 64)))
+    assert len(idx) == idx.max_entries
+    calls = 0
+    idx.add(eps[0], list(range(10**6, 10**6 + 512)))
+    assert len(idx) == idx.max_entries
+    assert calls < 20 * len(eps)
+    # Still the biggest endpoint that pays: eps[0] holds the new prompt, 512 - 64 of it evicted
+    # from itself until it is no bigger than the others.
+    assert idx.blocks(eps[0]) <= 64 + 1 and all(idx.blocks(ep) >= 63 for ep in eps[1:])
