@@ -37,6 +37,7 @@ class SessionTable:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._table: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._per_endpoint: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._table)
@@ -50,6 +51,7 @@ class SessionTable:
             return None
         if now - found[1] > self.ttl_s:
             del self._table[key]
+            self._uncount(found[0])
             return None
         return found[0]
 
@@ -57,18 +59,32 @@ class SessionTable:
         """Bind `key` to `address` as most recently used (`now`: monotonic seconds)."""
         if key is None:
             return
+        old = self._table.get(key)
+        if old is not None:
+            self._uncount(old[0])
         self._table[key] = (address, now)
         self._table.move_to_end(key)
+        self._per_endpoint[address] = self._per_endpoint.get(address, 0) + 1
         while len(self._table) > self.max_sessions:
-            self._table.popitem(last=False)
+            _, (gone, _) = self._table.popitem(last=False)
+            self._uncount(gone)
 
     def drop_endpoint(self, address: str) -> int:
         """Forget every binding to `address` (it left the fleet). Returns how many."""
         gone = [k for k, (a, _) in self._table.items() if a == address]
         for k in gone:
             del self._table[k]
+        self._per_endpoint.pop(address, None)
         return len(gone)
 
     def count_for(self, address: str) -> int:
-        """Sessions bound to `address` (count)."""
-        return sum(1 for a, _ in self._table.values() if a == address)
+        """Sessions bound to `address` (count; O(1): the admin API asks for every endpoint, and
+        scanning 100k sessions per endpoint held the event loop for seconds)."""
+        return self._per_endpoint.get(address, 0)
+
+    def _uncount(self, address: str) -> None:
+        n = self._per_endpoint.get(address, 0) - 1
+        if n > 0:
+            self._per_endpoint[address] = n
+        else:
+            self._per_endpoint.pop(address, None)

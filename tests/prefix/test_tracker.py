@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from extproc.config.schema import PrefixConfig
 from extproc.datastore.endpoints import Endpoint
 from extproc.datastore.scraper import EngineMetrics
-from extproc.prefix.sessions import SessionTable
+from extproc.prefix.sessions import SessionTable, session_key
 from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.types import LLMRequest, RequestKind
 
@@ -109,3 +109,27 @@ def test_hot_prefix_seeding_is_counted():
     assert sample("llm_extproc_prefix_hot_seeded_total") == 1.0
     hottest = tr.summary()["hot_prefixes"]
     assert hottest and hottest[0]["requests"] == 4 and hottest[0]["tokens"] == 187 * 16
+
+
+def test_sessions_per_endpoint_are_counted_as_bindings_change(monkeypatch):
+    # count_for used to scan the whole table: the admin API asks it for every endpoint, so 100k
+    # sessions × 256 endpoints held the event loop for 3 s. Now a count kept up to date.
+    import random
+
+    rng = random.Random(7)
+    t = SessionTable(max_sessions=50, ttl_s=5)
+    eps = [f"10.0.0.{i}:8000" for i in range(4)]
+    for step in range(3000):
+        now = step * 0.01
+        key = session_key(str(rng.randrange(80)))
+        op = rng.random()
+        if op < 0.6:
+            t.bind(key, rng.choice(eps), now)
+        elif op < 0.98:
+            t.get(key, now + rng.choice([0, 10]))  # sometimes expired
+        else:
+            t.drop_endpoint(rng.choice(eps))
+        truth = {ep: sum(1 for a, _ in t._table.values() if a == ep) for ep in eps}
+        assert {ep: t.count_for(ep) for ep in eps} == truth
+    monkeypatch.setattr(t, "_table", None)  # no scan left in count_for
+    assert sum(t.count_for(ep) for ep in eps) == sum(truth.values())
