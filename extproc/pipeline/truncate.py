@@ -23,6 +23,8 @@ the output budget — the request's `max_tokens`, else `min_output_tokens` — e
   (up to `head_tokens`, at most a quarter) and the tail, the middle dropped. A message whose
   content is an array of parts is cut inside its longest text part; other parts (images) keep
   their bytes. Otherwise the request gets vLLM's 400, saying why.
+- **Responses** (`/v1/responses`): not cut; its `input` items and `instructions` are not
+  rewritten yet, so an over-long one gets vLLM's context-length 400 as without truncation.
 - **Completions** (`/v1/completions`): each prompt over the budget keeps `min(head_tokens,
   n / 4)` tokens of its head (and at most half the budget) and the rest from its tail — token
   ids directly, text through the tokenizer (its ids decoded back to text).
@@ -197,8 +199,9 @@ def truncate(
     max_model_len: int,
     policy: TruncationConfig,
 ) -> Truncated | None:
-    """Cut an over-long request's prompt to fit (see the module doc), or None when it fits or
-    the output budget alone fills the context (the caller's context check then answers).
+    """Cut an over-long request's prompt to fit (see the module doc), or None when it fits, the
+    output budget alone fills the context, or it is a /v1/responses request (the caller's
+    context check then answers).
 
     Args:
         parsed: the parsed body (`parse_body`).
@@ -212,6 +215,8 @@ def truncate(
         ContextLengthError: a chat cannot be made to fit (the message says why).
         BadRequestError: the chat template rejects the shortened conversation.
     """
+    if parsed.kind is RequestKind.RESPONSES:
+        return None  # not cut (module doc): the context check answers vLLM's 400
     budget = prompt_budget(max_model_len, parsed.max_tokens, policy)
     if budget < 1 or all(n <= budget for n in prompt_tokens):
         return None

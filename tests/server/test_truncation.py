@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.protocol.openai import parse_body
 from extproc.types import RequestKind
@@ -101,3 +103,18 @@ async def test_truncation_that_cannot_fit_says_why(make_app):
     status, payload, _ = error_of((await decide(app, body))[0])
     assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
     assert "Head + tail truncation could not make it fit" in payload["error"]["message"]
+
+
+async def test_an_over_long_responses_request_gets_the_context_400_not_a_500(make_app):
+    # /v1/responses carries its conversation in `input` / `instructions`, which truncation does
+    # not rewrite: it went to the completions cutter, which looked for a `prompt` member and
+    # raised IndexError, a 500 for every over-long Responses request on a model with truncation.
+    app = await make_app(limits=LIMITS, models=model(mode="head-tail"))
+    turns = [{"role": "user", "content": "tell me about the weather in spring " * 300}] * 3
+    for body in ({"input": turns}, {"instructions": "rules " * 5000, "input": "go"}):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            raw = orjson.dumps({"model": MODEL, "max_output_tokens": 256, **body})
+            _, reply = await exchange(stub, headers_msg("POST", "/v1/responses"), body_msg(raw))
+        status, payload, _ = error_of(reply)
+        assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
