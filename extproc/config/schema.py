@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -111,6 +112,21 @@ class TLSConfig(_Strict):
         if v is not None and not os.access(v, os.R_OK):
             raise ValueError(f"cannot read {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _pem(self) -> TLSConfig:
+        # Checked here: grpc reports a bad file only as a failed bind ("address in use").
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as exc:
+            raise ValueError(f"cert_file / key_file are not a PEM certificate chain and its private key: {exc}") from None
+        if self.client_ca_file is not None:
+            try:
+                ctx.load_verify_locations(self.client_ca_file)
+            except ssl.SSLError as exc:
+                raise ValueError(f"client_ca_file is not a PEM CA bundle: {exc}") from None
+        return self
 
 
 class ListenConfig(_Strict):

@@ -87,3 +87,23 @@ async def test_a_replacement_binds_both_ports_beside_a_serving_process(make_app)
 
 def test_make_config_listens_on_loopback():
     assert is_loopback(make_config().listen.grpc.rpartition(":")[0])
+
+
+def test_tls_files_must_be_a_pem_chain_its_key_and_a_ca(tmp_path: Path):
+    # A readable file that is not PEM passed validation, then grpc refused it at bind and the
+    # server said "cannot listen on 127.0.0.1:9002 (address in use or not available)".
+    certs = make_certs(tmp_path)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = make_certs(other_dir)
+    ok = {"cert_file": str(certs.server), "key_file": str(certs.server_key)}
+    ListenConfig(grpc_tls={**ok, "client_ca_file": str(certs.ca)})
+    for bad, what in (
+        ({**ok, "cert_file": str(garbage)}, "cert_file"),
+        ({**ok, "key_file": str(other.server_key)}, "cert_file"),  # a key of another certificate
+        ({**ok, "client_ca_file": str(garbage)}, "client_ca_file"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            ListenConfig(grpc_tls=bad)
