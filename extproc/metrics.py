@@ -146,13 +146,13 @@ class Metrics:
         )
         self.health_panic = Gauge(
             "llm_extproc_health_panic",
-            "1 while fewer than scheduling.health_check.panic_threshold of the endpoints pass their "
+            "1 while fewer than scheduling.health_check.panic_threshold of some model's endpoints pass their "
             "probes and routing uses every live endpoint instead (Envoy's panic mode), else 0.",
             registry=registry,
         )
         self.health_panic_entered = Counter(
             "llm_extproc_health_panic_entered_total",
-            "Times routing entered health panic mode.",
+            "Times routing for a model entered health panic mode.",
             registry=registry,
         )
 

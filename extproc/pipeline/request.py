@@ -264,7 +264,8 @@ class RequestPipeline:
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
         self._passthrough = self.profiles["least-inflight"]
-        self._in_panic = False
+        self._in_panic: set[str] = set()
+        """Pools in health panic: model names, "" for `pick_any`'s whole fleet."""
 
     @property
     def served_models(self) -> list[str]:
@@ -408,7 +409,7 @@ class RequestPipeline:
             ctx.session_endpoint = self.prefix.session_endpoint(session)
             ctx.prefix = self.prefix.lookup(req, healthy or pool, ctx.block_size)
         result = self.profile.run(ctx, pool)
-        self._note_panic(ctx)
+        self._note_panic(ctx, model.name)
         for plugin, seconds in result.timings_s.items():
             self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
         if result.pick is None:
@@ -466,23 +467,27 @@ class RequestPipeline:
             m.child(m.truncated_tokens, model.name).inc(cut.truncation.tokens_dropped)
         return cut
 
-    def _note_panic(self, ctx: SchedulingContext) -> None:
-        """Track health panic (`healthy-filter` routed among live but unhealthy endpoints):
-        the `llm_extproc_health_panic` gauge, a counter and one log line per change."""
+    def _note_panic(self, ctx: SchedulingContext, pool: str) -> None:
+        """Track health panic (`healthy-filter` routed among live but unhealthy endpoints) per
+        pool (`pool`: the model, "" for the whole fleet): the `llm_extproc_health_panic` gauge
+        (1 while any pool is in panic), a counter and one log line per change of a pool — one
+        model's panic is not ended by another model's healthy requests."""
         panic = HEALTH_PANIC in ctx.data
-        if panic == self._in_panic:
+        if panic == (pool in self._in_panic):
             return
-        self._in_panic = panic
-        self._metrics.health_panic.set(1 if panic else 0)
+        shown = f"model `{pool}`" if pool else "any model"
         if panic:
+            self._in_panic.add(pool)
             self._metrics.health_panic_entered.inc()
             log.warning(
-                "health panic: fewer than %.0f %% of the endpoints pass their probes; routing among every live "
-                "endpoint (probes timing out) until they recover",
-                100 * self._config.scheduling.health_check.panic_threshold,
-            )
+                "health panic: fewer than %.0f %% of the endpoints of %s pass their probes; routing among every "
+                "live endpoint (probes timing out) until they recover",
+                100 * self._config.scheduling.health_check.panic_threshold, shown,
+            )  # fmt: skip
         else:
-            log.info("health panic over: routing only to endpoints that pass their probes")
+            self._in_panic.discard(pool)
+            log.info("health panic over for the endpoints of %s: routing only to those that pass their probes", shown)
+        self._metrics.health_panic.set(1 if self._in_panic else 0)
 
     def _rejection(self, result: ProfileResult, ctx: SchedulingContext, pool: list[Endpoint]) -> Exception:
         """The client-facing error for a cycle whose filters left no endpoint."""
@@ -576,7 +581,7 @@ class RequestPipeline:
             panic_threshold=self._config.scheduling.health_check.panic_threshold,
         )
         result = self._passthrough.run(ctx, pool)
-        self._note_panic(ctx)
+        self._note_panic(ctx, "")
         if result.pick is None:
             raise NoEndpointError(f"no healthy endpoint for this request ({len(pool)} configured, 0 healthy)")
         return result.pick.primary.endpoint

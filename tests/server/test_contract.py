@@ -7,6 +7,7 @@ and checks the replies message by message: one reply per request, of the same ki
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -15,6 +16,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.server.responses import OWNED_HEADERS
 from extproc.pipeline.tokens import TokenCounter
@@ -680,3 +682,27 @@ async def test_token_cache_metrics_count_each_request_once_under_concurrency(mak
     reg = app.metrics.registry
     assert reg.get_sample_value("llm_extproc_tokenizer_cache_hits_total", {"model": MODEL}) == counter.hits - hits0
     assert reg.get_sample_value("llm_extproc_tokenizer_cache_misses_total", {"model": MODEL}) == counter.misses - misses0
+
+
+async def test_health_panic_of_one_model_is_not_undone_by_another_models_requests(make_app, caplog):
+    # The panic state was one flag for the whole process: requests alternating between a model
+    # in panic and a healthy one flipped it each time — a WARNING line, an entered_total count
+    # and a gauge flap per request.
+    caplog.set_level(logging.INFO, logger="extproc.pipeline.request")
+    app = await make_app(
+        models=[{"name": MODEL, "max_model_len": 4096}, {"name": "other", "max_model_len": 4096}],
+        endpoints=[{"address": ENDPOINTS[0], "models": [MODEL]}, {"address": ENDPOINTS[1], "models": ["other"]}],
+    )
+    slow = app.store.get(ENDPOINTS[0])
+    slow.healthy, slow.last_probe_error = False, "timeout"  # probes time out: panic routes there
+    registry = app.metrics.registry
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        for _ in range(4):
+            for model in (MODEL, "other"):
+                body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+                _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(body))
+                assert reply.WhichOneof("response") == "request_body"
+    assert registry.get_sample_value("llm_extproc_health_panic_entered_total") == 1.0
+    assert registry.get_sample_value("llm_extproc_health_panic") == 1.0
+    assert len([r for r in caplog.records if "health panic" in r.getMessage()]) == 1
