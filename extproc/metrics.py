@@ -74,6 +74,13 @@ class Metrics:
             ["endpoint"],
             registry=registry,
         )
+        self.endpoint_score = Gauge(
+            "llm_extproc_endpoint_score_component",
+            "Each scorer's value (0..1, before weighting) for the endpoint under the active profile, for the "
+            "reference request of /api/v1/weights; updated on every scrape.",
+            ["endpoint", "scorer"],
+            registry=registry,
+        )
         self.endpoint_override_factor = Gauge(
             "llm_extproc_endpoint_weight_override_factor",
             "An operator's override on the endpoint's score (0 drained, <1 lowered, 1 none); set by "

@@ -117,6 +117,8 @@ class AdminServer:
         for row in self.weights():
             self._metrics.endpoint_weight.labels(row["address"]).set(row["weight"])
             self._metrics.endpoint_override_factor.labels(row["address"]).set(row["override"]["factor"])
+            for scorer, value in row["scores"].items():
+                self._metrics.endpoint_score.labels(row["address"], scorer).set(value)
         body = generate_latest(self._metrics.registry)
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 

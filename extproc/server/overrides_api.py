@@ -11,9 +11,9 @@ wrong one gets 401. The comparison is constant-time (`hmac.compare_digest`) and 
 reaches a log line, a response or a metric label.
 
 An Alertmanager alert moves a weight when its labels carry `endpoint` (an `ip:port` of a
-configured endpoint) — the rules in deploy/prometheus/alerts.yml put it there — and optionally
-`weight_action` (`lower`, the default, or `drain`); annotations may set `weight_factor` and
-`weight_duration_s`. Firing alerts set (or renew) the override; resolved ones are ignored: the
+configured endpoint) and `weight_action` (`lower` or `drain`) — the rules in
+deploy/prometheus/alerts.yml put them there; an alert without them only notifies. Annotations
+may set `weight_factor` and `weight_duration_s`. Firing alerts set (or renew) the override; resolved ones are ignored: the
 override runs out by itself (`extproc.datastore.overrides`).
 """
 
@@ -161,14 +161,15 @@ class OverridesAPI:
         applied, skipped = [], []
         for alert in alerts:
             labels = alert.get("labels") if isinstance(alert, dict) else None
-            if not isinstance(labels, dict) or alert.get("status") != "firing" or "endpoint" not in labels:
-                skipped.append({"alertname": labels.get("alertname") if isinstance(labels, dict) else None, "why": "resolved or no endpoint label"})
+            if not isinstance(labels, dict) or alert.get("status") != "firing" or "endpoint" not in labels or "weight_action" not in labels:
+                why = "resolved, or no endpoint / weight_action label"
+                skipped.append({"alertname": labels.get("alertname") if isinstance(labels, dict) else None, "why": why})
                 continue
             notes = alert.get("annotations") if isinstance(alert.get("annotations"), dict) else {}
             try:
                 applied.append(
                     self._apply(
-                        labels["endpoint"], labels.get("weight_action", "lower"), notes.get("weight_factor"),
+                        labels["endpoint"], labels["weight_action"], notes.get("weight_factor"),
                         notes.get("weight_duration_s"), str(labels.get("alertname", "")), "alertmanager",
                     )
                 )  # fmt: skip

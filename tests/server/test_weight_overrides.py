@@ -104,18 +104,19 @@ async def test_alertmanager_payload_lowers_the_labelled_endpoint(authed_app):
     payload = {
         "version": "4", "status": "firing", "receiver": "llm-extproc",
         "alerts": [
-            {"status": "firing", "labels": {"alertname": "LLMEndpointTTFTHigh", "endpoint": A}, "annotations": {"weight_factor": "0.5", "weight_duration_s": "30"}},
+            {"status": "firing", "labels": {"alertname": "LLMEndpointTTFTHigh", "endpoint": A, "weight_action": "lower"}, "annotations": {"weight_factor": "0.5", "weight_duration_s": "30"}},
             {"status": "firing", "labels": {"alertname": "LLMEndpointKVCacheWatermark", "endpoint": B, "weight_action": "drain"}, "annotations": {}},
             {"status": "resolved", "labels": {"alertname": "Old", "endpoint": B}},
-            {"status": "firing", "labels": {"alertname": "Elsewhere", "endpoint": "10.9.9.9:1"}},
-            {"status": "firing", "labels": {"alertname": "NoEndpoint"}},
+            {"status": "firing", "labels": {"alertname": "Elsewhere", "endpoint": "10.9.9.9:1", "weight_action": "lower"}},
+            {"status": "firing", "labels": {"alertname": "NoEndpoint", "weight_action": "drain"}},
+            {"status": "firing", "labels": {"alertname": "NotifyOnly", "endpoint": A}},
         ],
     }  # fmt: skip
     r = await _post(authed_app, "/api/v1/alerts", payload)
     assert r.status_code == 200, r.text
     body = r.json()
     assert [(a["endpoint"], a["action"], a["factor"]) for a in body["applied"]] == [(A, "lower", 0.5), (B, "drain", 0.0)]
-    assert len(body["skipped"]) == 3
+    assert len(body["skipped"]) == 4
     rows = await _weights(authed_app)
     assert rows[A]["override"]["source"] == "alertmanager" and rows[A]["override"]["reason"] == "LLMEndpointTTFTHigh"
 
