@@ -27,6 +27,7 @@ def load(
 
     from extproc.bench.commands import _prepare
     from extproc.bench.loadgen import LoadGenConfig, LoadGenerator
+    from extproc.bench.runner import Workload
     from extproc.bench.workload import WorkloadSpec, synthetic_workload
     from extproc.clitools import fail
 
@@ -35,8 +36,8 @@ def load(
         config = LoadGenConfig(base_url=url.rstrip("/"), model=model, request_timeout_s=timeout)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    _, workload = _prepare(synthetic_workload(spec))
-    record = asyncio.run(LoadGenerator(config).run(workload, handle_signals=True))
+    _, workload = _prepare(Workload("synthetic", synthetic_workload(spec)))
+    record = asyncio.run(LoadGenerator(config).run(workload.requests, handle_signals=True))
     outcomes = Counter(r.error or "ok" for r in record.results)
     endpoints = Counter(r.endpoint for r in record.results if r.error is None)
     typer.echo(f"sent {len(record.results)} in {record.wall_duration_s:.1f} s: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
