@@ -28,6 +28,7 @@ FROM python:3.11.11-slim-bookworm
 ENV PATH=/opt/llm-extproc/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
+    HF_HOME=/tmp/huggingface \
     TRANSFORMERS_OFFLINE=1 \
     LLM_EXTPROC_GRPC_ADDRESS=0.0.0.0:9002 \
     LLM_EXTPROC_ADMIN_ADDRESS=0.0.0.0:9090

@@ -4,6 +4,9 @@ routing that follows a drain or a lowered weight, `/api/v1/weights` and metrics,
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import grpc
 import httpx
@@ -80,6 +83,8 @@ async def test_drain_moves_all_traffic_and_shows_in_weights_and_metrics(authed_a
         text = (await c.get(f"http://127.0.0.1:{authed_app.admin_port}/metrics")).text
     assert f'llm_extproc_endpoint_weight_override_factor{{endpoint="{A}"}} 0.0' in text
     assert 'llm_extproc_weight_overrides_total{action="drain",source="api"} 1.0' in text
+    assert f'llm_extproc_endpoint_score_component{{endpoint="{A}",scorer="weight-override-scorer"}} 0.0' in text
+    assert f'llm_extproc_endpoint_score_component{{endpoint="{B}",scorer="weight-override-scorer"}} 1.0' in text
     # Both drained: a drain is a preference, the fleet keeps serving.
     await _post(authed_app, "/api/v1/weights/override", {"endpoint": B, "action": "drain"})
     assert await _route(stub) in ENDPOINTS
@@ -147,3 +152,10 @@ def test_token_from_file_wins_and_unreadable_file_is_a_clear_error(tmp_path):
     assert load_admin_token({}) is None
     with pytest.raises(ValueError, match=TOKEN_FILE_ENV):
         load_admin_token({TOKEN_FILE_ENV: str(tmp_path / "missing")})
+
+
+def test_serve_stops_with_a_clear_message_when_the_token_file_is_unreadable(tmp_path):
+    env = {**os.environ, TOKEN_FILE_ENV: str(tmp_path / "missing")}
+    done = subprocess.run([sys.executable, "-m", "extproc", "serve"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert TOKEN_FILE_ENV in done.stderr and "Traceback" not in done.stderr
