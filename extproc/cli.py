@@ -1,4 +1,4 @@
-"""The `llm-extproc` command: serve | envoy-config | agent | sim | demo | up | bench | analyze.
+"""The `llm-extproc` command: serve | envoy-config | agent | sim | demo | up | bench | load | analyze.
 
 Each subcommand's options live beside its implementation; heavy imports happen inside the
 command bodies so `llm-extproc --help` stays fast.
@@ -10,6 +10,7 @@ import typer
 
 from extproc.agent.cli import agent
 from extproc.bench.cli import analyze, bench, demo, up
+from extproc.bench.load_cli import load
 from extproc.server.cli import envoy_config, serve
 from extproc.sim.cli import sim
 
@@ -49,6 +50,7 @@ app.command("agent")(agent)
 app.command("demo")(demo)
 app.command("up")(up)
 app.command("bench")(bench)
+app.command("load")(load)
 app.command("analyze")(analyze)
 
 

@@ -74,6 +74,26 @@ class Metrics:
             ["endpoint"],
             registry=registry,
         )
+        self.endpoint_score = Gauge(
+            "llm_extproc_endpoint_score_component",
+            "Each scorer's value (0..1, before weighting) for the endpoint under the active profile, for the "
+            "reference request of /api/v1/weights; updated on every scrape.",
+            ["endpoint", "scorer"],
+            registry=registry,
+        )
+        self.endpoint_override_factor = Gauge(
+            "llm_extproc_endpoint_weight_override_factor",
+            "An operator's override on the endpoint's score (0 drained, <1 lowered, 1 none); set by "
+            "the admin webhook or POST /api/v1/weights/override, expires by itself.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.weight_overrides = Counter(
+            "llm_extproc_weight_overrides_total",
+            "Weight overrides applied, by source (alertmanager, api) and action (lower, drain, clear).",
+            ["source", "action"],
+            registry=registry,
+        )
         self.scrape_seconds = Histogram(
             "llm_extproc_endpoint_scrape_duration_seconds",
             "Time to scrape and parse an endpoint's engine metrics, in seconds.",

@@ -485,7 +485,8 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # the prompt's uncached tokens (the prefix index), so prefix affinity lives there, in
     # seconds (decision 0007); a session's last endpoint gets one point.
     "load-aware": ProfileConfig(
-        filters=[_p(name) for name in SAFE_FILTERS],
+        # weight-override: an operator's drain/lower (admin webhook), decision 0170.
+        filters=[*(_p(name) for name in SAFE_FILTERS), _p("weight-override-filter")],
         scorers=[
             _p("ttft-estimate-scorer", 10.0),
             _p("queue-depth-scorer", 1.0),
@@ -495,6 +496,7 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("backpressure-scorer", 0.5),
             _p("inflight-scorer", 2.0),
             _p("session-affinity-scorer", 1.0),
+            _p("weight-override-scorer"),
         ],
     ),
     # GIE-style weighted prefix affinity (the inference extension's default shape: prefix 3,

@@ -73,6 +73,7 @@ class Endpoint:
             routed after it are not in the engine's numbers yet.
         node: latest node-agent report (`extproc.datastore.agent_client.NodeReport`), or None.
         stream_stats: response-path statistics (`extproc.telemetry.stats.EndpointStreamStats`), or None.
+        override: an operator's weight override (`extproc.datastore.overrides.WeightOverride`), or None.
     """
 
     address: EndpointAddress
@@ -100,6 +101,7 @@ class Endpoint:
     routed_at_scrape: int = 0
     node: Any = None
     stream_stats: Any = None
+    override: Any = None
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
 
     @property

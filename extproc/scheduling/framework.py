@@ -177,7 +177,8 @@ class Profile:
     Args:
         name: profile name (from config).
         filters: applied in order.
-        scorers: weighted; the total is Σ weight × clamp(score, 0, 1).
+        scorers: weighted; the total is Σ weight × clamp(score, 0, 1), times the clamped value
+            of every scorer marked `multiplies` (operator overrides).
         picker: chooses from the scored endpoints.
     """
 
@@ -201,6 +202,7 @@ class Profile:
                 return ProfileResult(None, filtered, f.name, timings)
             candidates = kept
         totals = [0.0] * len(candidates)
+        factors = [1.0] * len(candidates)
         parts: list[dict[str, float]] = [{} for _ in candidates]
         for ws in self.scorers:
             t = time.perf_counter()
@@ -209,8 +211,11 @@ class Profile:
             for i, v in enumerate(values):
                 v = 0.0 if v != v else min(1.0, max(0.0, v))  # NaN → 0, then clamp
                 parts[i][ws.scorer.name] = v
-                totals[i] += ws.weight * v
-        scored = [ScoredEndpoint(ep, totals[i], parts[i]) for i, ep in enumerate(candidates)]
+                if getattr(ws.scorer, "multiplies", False):
+                    factors[i] *= v  # an operator override (weight-override-scorer): scales the total
+                else:
+                    totals[i] += ws.weight * v
+        scored = [ScoredEndpoint(ep, totals[i] * factors[i], parts[i]) for i, ep in enumerate(candidates)]
         t = time.perf_counter()
         pick = self.picker.pick(ctx, scored)
         timings[self.picker.name] = time.perf_counter() - t

@@ -1,5 +1,6 @@
 """The admin HTTP server (default port 9090): `/metrics`, `/healthz`, `/api/v1/endpoints`,
-`/api/v1/weights`, `/api/v1/tenants` (each rate-limited tenant's window).
+`/api/v1/weights`, `/api/v1/tenants` (each rate-limited tenant's window), and the authenticated
+override routes of `extproc.server.overrides_api`.
 
 `/api/v1/weights` is what an external balancer (or Grafana) pulls: per endpoint, the active
 profile's weighted score for a reference request (a 512-token prompt with the model's default
@@ -22,6 +23,7 @@ from extproc.aio import start_site
 from extproc.datastore.endpoints import Datastore
 from extproc.metrics import Metrics
 from extproc.scheduling.framework import SchedulingContext
+from extproc.server.overrides_api import OverridesAPI, describe, load_admin_token
 from extproc.scheduling.plugins.scorers.compute_aware import components
 from extproc.types import LLMRequest, RequestKind, TokenCount
 
@@ -83,7 +85,10 @@ class AdminServer:
         ratelimit: RateLimiter | None = None,
         reuse_port: bool = False,
         sample_rate: float | None = None,
+        admin_token: str | None = None,
     ) -> None:
+        # The write routes' credential: given, else from the environment (None refuses them).
+        self._overrides = OverridesAPI(store, metrics, admin_token if admin_token is not None else load_admin_token())
         self._reuse_port = reuse_port
         self._pipeline = pipeline
         self._ratelimit = ratelimit
@@ -103,6 +108,7 @@ class AdminServer:
         app.router.add_get("/api/v1/endpoints", self._endpoints)
         app.router.add_get("/api/v1/weights", self._weights)
         app.router.add_get("/api/v1/tenants", self._tenants)
+        self._overrides.add_routes(app)
         return app
 
     async def start(self) -> None:
@@ -127,6 +133,9 @@ class AdminServer:
                 self._metrics.endpoint_metrics_age.labels(ep.address).set(age)
         for row in self.weights():
             self._metrics.endpoint_weight.labels(row["address"]).set(row["weight"])
+            self._metrics.endpoint_override_factor.labels(row["address"]).set(row["override"]["factor"])
+            for scorer, part in row["scores"].items():
+                self._metrics.endpoint_score.labels(row["address"], scorer).set(part["score"])
         body = generate_latest(self._metrics.registry)
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
@@ -217,12 +226,18 @@ class AdminServer:
             rng=random.Random(0),
         )
         totals = [0.0] * len(endpoints)
+        factors = [1.0] * len(endpoints)
         parts: list[dict[str, dict[str, float]]] = [{} for _ in endpoints]
         for ws in profile.scorers:
+            multiplies = getattr(ws.scorer, "multiplies", False)
             for i, v in enumerate(ws.scorer.score(ctx, endpoints)):
                 v = min(1.0, max(0.0, v))
-                parts[i][ws.scorer.name] = {"score": round(v, 4), "weight": ws.weight, "weighted": round(ws.weight * v, 4)}
-                totals[i] += ws.weight * v
+                if multiplies:  # scales the total (weight-override-scorer) instead of adding to it
+                    parts[i][ws.scorer.name] = {"score": round(v, 4), "weight": ws.weight, "multiplies": True}
+                    factors[i] *= v
+                else:
+                    parts[i][ws.scorer.name] = {"score": round(v, 4), "weight": ws.weight, "weighted": round(ws.weight * v, 4)}
+                    totals[i] += ws.weight * v
         comp = components(endpoints)
         rows = []
         for i, ep in enumerate(endpoints):
@@ -230,7 +245,8 @@ class AdminServer:
             rows.append(
                 {
                     "address": ep.address,
-                    "weight": round(totals[i], 4) if ep.healthy else 0.0,
+                    "weight": round(totals[i] * factors[i], 4) if ep.healthy else 0.0,
+                    "override": describe(ep.override, ctx.now),
                     "healthy": ep.healthy,
                     "scores": parts[i],
                     "compute_aware": {k: (None if v is None else round(v, 4)) for k, v in comp[i].items()},

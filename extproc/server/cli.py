@@ -36,6 +36,12 @@ def serve(
             cfg = default_config(endpoint or None)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+    from extproc.server.overrides_api import load_admin_token
+
+    try:
+        load_admin_token()  # an unreadable token file stops the start with its variable named
+    except ValueError as exc:
+        raise fail(str(exc)) from None
 
     async def run() -> None:
         app = ExtProcApp(cfg)

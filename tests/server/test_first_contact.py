@@ -185,9 +185,15 @@ async def test_weights_page_shows_each_scorers_weight_beside_its_score(app):
     weights = {s.scorer.name: s.weight for s in app.pipeline.profile.scorers}
     for row in body["endpoints"]:
         assert set(row["scores"]) == set(weights)
+        factor = 1.0
         for name, part in row["scores"].items():
-            assert part["weight"] == weights[name] and part["weighted"] == pytest.approx(part["score"] * weights[name], abs=1e-3)
-        assert row["weight"] == pytest.approx(sum(p["weighted"] for p in row["scores"].values()), abs=1e-3)
+            assert part["weight"] == weights[name]
+            if part.get("multiplies"):  # weight-override-scorer scales the total
+                factor *= part["score"]
+                continue
+            assert part["weighted"] == pytest.approx(part["score"] * weights[name], abs=1e-3)
+        additive = sum(p["weighted"] for p in row["scores"].values() if not p.get("multiplies"))
+        assert row["weight"] == pytest.approx(additive * factor, abs=1e-3)
 
 
 async def test_endpoints_page_says_what_learned_values_rest_on(app, stub):

@@ -47,7 +47,11 @@ Parameters:
     work_weight (float ≥ 0, default 1): weight of the delay imposed on later requests.
     decode_s_per_context_token (float ≥ 0, default 4.4e-8): `d` above (seconds per context
         token per decode step).
-    decode_weight (float ≥ 0, default 1): weight of the decode term (0: TTFT alone).
+    decode_weight (float ≥ 0, default 0.25): weight of the decode term (0: TTFT alone). At 1
+        (a request's whole decode slowdown against its TTFT) the term outweighed every prefix
+        saving on the shared-system-prompt benchmark (hit rate 53 % of 73 % possible); at 0 a
+        burst of identical prompts piles onto one engine; 0.25 kept 90 % of the oracle hit rate
+        there with the burst spread (docs/benchmarks.md, "Prefix-cache-aware routing").
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ class TTFTEstimateScorer(Plugin):
         relearn_after_s: float = Field(default=10.0, gt=0)
         work_weight: float = Field(default=1.0, ge=0)
         decode_s_per_context_token: float = Field(default=4.4e-8, ge=0)
-        decode_weight: float = Field(default=1.0, ge=0)
+        decode_weight: float = Field(default=0.25, ge=0)
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
         work = [ctx.uncached_tokens(ep) for ep in endpoints]

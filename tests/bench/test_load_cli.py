@@ -1,0 +1,33 @@
+"""`llm-extproc load`: the synthetic workload against a running server (here one simulator)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extproc.stack.fleet import SimProcess
+
+
+def _load(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "extproc", "load", *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+async def test_load_sends_the_workload_and_reports(tmp_path: Path):
+    sim = SimProcess("h100-qwen3-8b", name="sim", workdir=tmp_path, speed=20.0)
+    await sim.start()
+    try:
+        done = _load("--url", sim.url, "--rate", "50", "--requests", "6")
+    finally:
+        await sim.aclose()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sent 6 in" in done.stdout and "ok 6" in done.stdout
+
+
+@pytest.mark.parametrize("args", [["--url", "localhost:8080"], ["--rate", "0"]])
+def test_bad_arguments_are_clear_errors(args: list[str]):
+    done = _load(*args, "--requests", "1")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and ("http://" in done.stderr + done.stdout or "rate" in done.stderr + done.stdout)
