@@ -79,9 +79,10 @@ class HotPrefixes:
         return self.count(prefix_hash, now) >= self.min_count
 
     def hottest(self, now: float, limit: int = 10) -> list[tuple[int, int, int]]:
-        """The hottest prefixes: (hash, tokens, count in window), most requests first."""
+        """The hot prefixes (at least `min_count` requests in the window): (hash, tokens, count
+        in window), most requests first."""
         slot = self._slot(now)
         rows = [(h, it.tokens, self._count(it, slot)) for h, it in self._items.items()]
-        rows = [r for r in rows if r[2] > 0]
+        rows = [r for r in rows if r[2] >= self.min_count]
         rows.sort(key=lambda r: (-r[2], -r[1]))
         return rows[:limit]

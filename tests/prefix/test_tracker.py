@@ -109,6 +109,8 @@ def test_hot_prefix_seeding_is_counted():
     assert sample("llm_extproc_prefix_hot_seeded_total") == 1.0
     hottest = tr.summary()["hot_prefixes"]
     assert hottest and hottest[0]["requests"] == 4 and hottest[0]["tokens"] == 187 * 16
+    clock.now += 61  # the window slid past them: nothing is hot any more
+    assert tr.summary()["hot_prefixes"] == []
 
 
 def test_sessions_per_endpoint_are_counted_as_bindings_change(monkeypatch):
