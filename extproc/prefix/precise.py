@@ -220,7 +220,6 @@ class PreciseIndexer:
             elif isinstance(ev, AllBlocksCleared):
                 self.reset(address, "cleared")
                 self.metrics.events.labels(address, "cleared", "applied").inc()
-        self.tracker.metrics.index_blocks.labels(address).set(self.tracker.index.blocks(address))
 
     def _stored(self, address: str, m: _Mirror, ev: BlockStored) -> None:
         count = self.metrics.events
@@ -335,7 +334,6 @@ class PreciseIndexer:
             if gone:
                 dropped += self.tracker.index.remove(address, gone)
                 self.metrics.speculative.labels(address, "expired").inc(len(gone))
-                self.tracker.metrics.index_blocks.labels(address).set(self.tracker.index.blocks(address))
         return dropped
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -62,6 +62,9 @@ class EndpointPrefixStats:
     engine_hits_at: float | None = None
     last_engine_queries: float | None = None
     resets: int = 0
+    counters: tuple[Any, Any] | None = None
+    """This endpoint's (routed prompt tokens, predicted hit tokens) counter children, taken once:
+    prometheus_client's `labels()` validates and locks on every call."""
 
 
 class PrefixMetrics:
@@ -159,18 +162,12 @@ class PrefixTracker:
             return None
         prompt = int(request.prompt_tokens) or len(ids)
         match = PrefixMatch(prompt_tokens=prompt)
-        any_blocks = False
-        for ep in candidates:
-            bs = block_size_of(ep)
-            hashes = match.hashes.get(bs)
-            if hashes is None:
-                n = min(cacheable_blocks(len(ids), bs), len(ids) // bs)
-                hashes = match.hashes[bs] = chain_block_hashes(ids[: n * bs], bs) if n > 0 else []
-                if hashes:
-                    any_blocks = True
-                    for addr, blocks in self.index.match(hashes).items():
-                        match.matched[addr] = blocks
-                        match.block_size[addr] = bs
+        for bs in {block_size_of(ep) for ep in candidates}:
+            hashes = match.hashes[bs] = chain_block_hashes(ids[: cacheable_blocks(len(ids), bs) * bs], bs)
+            for addr, blocks in self.index.match(hashes).items():
+                match.matched[addr] = blocks
+                match.block_size[addr] = bs
+        any_blocks = any(match.hashes.values())
         if not any_blocks:
             return None
         # An endpoint matched at another block size than its own cannot really hold it; a match
@@ -202,16 +199,16 @@ class PrefixTracker:
             self.sessions.bind(session, addr, now)
         if match is None:
             return
-        st = self.stats.get(addr)
-        if st is None:
-            st = self.stats[addr] = EndpointPrefixStats()
+        st = self._stats(addr)
         cached = match.cached_tokens(addr)
         st.routed_prompt_tokens += match.prompt_tokens
         st.predicted_hit_tokens += cached
         m = self.metrics
-        m.routed_prompt_tokens.labels(addr).inc(match.prompt_tokens)
+        if st.counters is None:
+            st.counters = (m.routed_prompt_tokens.labels(addr), m.predicted_hit_tokens.labels(addr))
+        st.counters[0].inc(match.prompt_tokens)
         if cached:
-            m.predicted_hit_tokens.labels(addr).inc(cached)
+            st.counters[1].inc(cached)
         hashes = match.hashes.get(block_size) or []
         # Hot prefixes: the longest shared part any endpoint held at routing time.
         best = max((b for a, b in match.matched.items() if match.block_size.get(a) == block_size), default=0)
@@ -235,7 +232,6 @@ class PrefixTracker:
             self.on_precise_pick(addr, hashes)
         else:
             self.index.add(addr, hashes)
-        m.index_blocks.labels(addr).set(self.index.blocks(addr))
 
     def session_endpoint(self, session: bytes | None) -> str | None:
         """The endpoint `session` was last routed to, or None."""
@@ -251,9 +247,7 @@ class PrefixTracker:
         addr = endpoint.address
         if engine.num_gpu_blocks:
             self.index.set_capacity(addr, int(engine.num_gpu_blocks))
-        st = self.stats.get(addr)
-        if st is None:
-            st = self.stats[addr] = EndpointPrefixStats()
+        st = self._stats(addr)
         queries = float(engine.prefix_queries)
         if st.engine_queries_at is None:
             st.engine_queries_at, st.engine_hits_at = queries, float(engine.prefix_hits)
@@ -262,7 +256,15 @@ class PrefixTracker:
             st.engine_queries_at, st.engine_hits_at = queries, float(engine.prefix_hits)
             st.routed_prompt_tokens = st.predicted_hit_tokens = 0
         st.last_engine_queries = queries
-        self.metrics.index_blocks.labels(addr).set(self.index.blocks(addr))
+
+    def _stats(self, address: str) -> EndpointPrefixStats:
+        """The endpoint's statistics, created (with its index-size gauge, read at scrape time)
+        the first time it is seen."""
+        st = self.stats.get(address)
+        if st is None:
+            st = self.stats[address] = EndpointPrefixStats()
+            self.metrics.index_blocks.labels(address).set_function(lambda: self.index.blocks(address))
+        return st
 
     def reset(self, address: str, reason: str) -> int:
         """Drop everything the index holds for `address` (`reason`: restart, cleared, removed,
@@ -274,7 +276,6 @@ class PrefixTracker:
         if st is not None:
             st.resets += 1
         self.metrics.index_resets.labels(address, reason).inc()
-        self.metrics.index_blocks.labels(address).set(0)
         return gone
 
     def drop_endpoint(self, address: str) -> None:

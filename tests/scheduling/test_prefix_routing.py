@@ -59,9 +59,11 @@ async def test_second_identical_long_prompt_follows_the_first(stack):  # noqa: F
 
 async def test_identical_short_prompts_spread(stack):  # noqa: F811
     app, sims, stub = await stack(*FOUR)
-    counts = collections.Counter([await choose(stub, "hello there, how are you today?") for _ in range(200)])
+    prompt = long_text(30, "short")  # several full blocks, under min_match_tokens (128 tokens)
+    counts = collections.Counter([await choose(stub, prompt) for _ in range(200)])
     assert len(counts) == 4 and min(counts.values()) >= 20, counts
-    assert app.prefix.index.match([1]) == {}
+    # the prompt's blocks are indexed, but a match under min_match_tokens carried no affinity
+    assert all(app.prefix.describe(ep)["predicted_hit_tokens"] == 0 for ep in app.store.all())
 
 
 async def test_burst_of_identical_long_prompts_spreads_once_the_warm_queue_costs_more(stack):  # noqa: F811
