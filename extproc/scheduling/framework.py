@@ -188,6 +188,28 @@ class Profile:
         self.scorers = list(scorers)
         self.picker = picker
 
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint], timings: dict[str, float] | None = None) -> list[ScoredEndpoint]:
+        """Every candidate's weighted total and each scorer's clamped value (same order), with no
+        filter and no pick (the cycle's scoring step; `/api/v1/weights` shows it for all
+        endpoints). Seconds per scorer go into `timings` when given."""
+        totals = [0.0] * len(candidates)
+        factors = [1.0] * len(candidates)
+        parts: list[dict[str, float]] = [{} for _ in candidates]
+        for ws in self.scorers:
+            t = time.perf_counter()
+            values = ws.scorer.score(ctx, candidates)
+            if timings is not None:
+                timings[ws.scorer.name] = time.perf_counter() - t
+            multiplies = getattr(ws.scorer, "multiplies", False)
+            for i, v in enumerate(values):
+                v = 0.0 if v != v else min(1.0, max(0.0, v))  # NaN → 0, then clamp
+                parts[i][ws.scorer.name] = v
+                if multiplies:
+                    factors[i] *= v  # an operator override (weight-override-scorer): scales the total
+                else:
+                    totals[i] += ws.weight * v
+        return [ScoredEndpoint(ep, totals[i] * factors[i], parts[i]) for i, ep in enumerate(candidates)]
+
     def run(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> ProfileResult:
         """One scheduling cycle over `endpoints` (already restricted to the request's model)."""
         timings: dict[str, float] = {}
@@ -201,21 +223,7 @@ class Profile:
             if not kept:
                 return ProfileResult(None, filtered, f.name, timings)
             candidates = kept
-        totals = [0.0] * len(candidates)
-        factors = [1.0] * len(candidates)
-        parts: list[dict[str, float]] = [{} for _ in candidates]
-        for ws in self.scorers:
-            t = time.perf_counter()
-            values = ws.scorer.score(ctx, candidates)
-            timings[ws.scorer.name] = time.perf_counter() - t
-            for i, v in enumerate(values):
-                v = 0.0 if v != v else min(1.0, max(0.0, v))  # NaN → 0, then clamp
-                parts[i][ws.scorer.name] = v
-                if getattr(ws.scorer, "multiplies", False):
-                    factors[i] *= v  # an operator override (weight-override-scorer): scales the total
-                else:
-                    totals[i] += ws.weight * v
-        scored = [ScoredEndpoint(ep, totals[i] * factors[i], parts[i]) for i, ep in enumerate(candidates)]
+        scored = self.score(ctx, candidates, timings)
         t = time.perf_counter()
         pick = self.picker.pick(ctx, scored)
         timings[self.picker.name] = time.perf_counter() - t

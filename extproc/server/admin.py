@@ -167,7 +167,6 @@ class AdminServer:
                         "prefill_fit": {
                             "t0_s": ep.prefill_fit.t0_s,
                             "s_per_token": ep.prefill_fit.s_per_token,
-                            "samples": ep.prefill_fit.samples,
                         },
                         "prefix": prefix.describe(ep) if prefix is not None else None,
                         "prefill_samples": ep.prefill_fit.samples,
@@ -225,19 +224,17 @@ class AdminServer:
             now=time.monotonic(),
             rng=random.Random(0),
         )
-        totals = [0.0] * len(endpoints)
-        factors = [1.0] * len(endpoints)
-        parts: list[dict[str, dict[str, float]]] = [{} for _ in endpoints]
+        scored = profile.score(ctx, endpoints)
+        parts: list[dict[str, dict[str, float | bool]]] = [{} for _ in endpoints]
         for ws in profile.scorers:
-            multiplies = getattr(ws.scorer, "multiplies", False)
-            for i, v in enumerate(ws.scorer.score(ctx, endpoints)):
-                v = min(1.0, max(0.0, v))
-                if multiplies:  # scales the total (weight-override-scorer) instead of adding to it
-                    parts[i][ws.scorer.name] = {"score": round(v, 4), "weight": ws.weight, "multiplies": True}
-                    factors[i] *= v
+            for i, se in enumerate(scored):
+                v = se.parts[ws.scorer.name]
+                part: dict[str, float | bool] = {"score": round(v, 4), "weight": ws.weight}
+                if getattr(ws.scorer, "multiplies", False):  # scales the total instead of adding to it
+                    part["multiplies"] = True
                 else:
-                    parts[i][ws.scorer.name] = {"score": round(v, 4), "weight": ws.weight, "weighted": round(ws.weight * v, 4)}
-                    totals[i] += ws.weight * v
+                    part["weighted"] = round(ws.weight * v, 4)
+                parts[i][ws.scorer.name] = part
         comp = components(endpoints)
         rows = []
         for i, ep in enumerate(endpoints):
@@ -245,7 +242,7 @@ class AdminServer:
             rows.append(
                 {
                     "address": ep.address,
-                    "weight": round(totals[i] * factors[i], 4) if ep.healthy else 0.0,
+                    "weight": round(scored[i].total, 4) if ep.healthy else 0.0,
                     "override": describe(ep.override, ctx.now),
                     "healthy": ep.healthy,
                     "scores": parts[i],

@@ -165,4 +165,4 @@ async def test_decisions_explain_matched_blocks_and_the_admin_api_shows_the_inde
     by_addr = {e["address"]: e for e in shown["endpoints"]}
     assert by_addr[first]["prefix"]["blocks"] == blocks and by_addr[first]["prefix"]["source"] == "approximate"
     assert by_addr[first]["prefix"]["predicted_hit_rate"] == 0.0  # the first of that prompt hit nothing
-    assert by_addr[first]["prefill_fit"]["samples"] == 0
+    assert by_addr[first]["prefill_samples"] == 0 and set(by_addr[first]["prefill_fit"]) == {"t0_s", "s_per_token"}
