@@ -10,6 +10,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     admission: {kv: {...}, priority: {...}}
     ratelimit: {enabled, backend, tenant_header, default, tenants: {...}, redis: {...}}
     decision_log: {path, max_bytes, backup_count, queue_size}
+    protocol:  {mode: buffered | epp, fallbacks, destination_namespace, subset_namespace, chunk_bytes}
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "EndpointConfig",
     "HealthCheckConfig",
     "LimitsConfig",
+    "ProtocolConfig",
     "ListenConfig",
     "TLSConfig",
     "is_loopback",
@@ -793,6 +795,32 @@ class DecisionLogConfig(_Strict):
     queue_size: int = Field(default=10_000, ge=1)
 
 
+class ProtocolConfig(_Strict):
+    """How the server speaks to its proxy.
+
+    Attributes:
+        mode: `buffered` — our own Envoy configs (envoy/*.yaml): the request body BUFFERED,
+            per-request mode overrides; `epp` — the Gateway API Inference Extension's Endpoint
+            Picker Protocol, as an InferencePool's picker behind a gateway that configures
+            FULL_DUPLEX_STREAMED bodies with trailers SEND (`extproc.server.epp`, docs/epp.md).
+        fallbacks: (epp) endpoints after the primary in the destination list, best first;
+            only for a proxy that retries down the list (a bare Envoy's ORIGINAL_DST cluster
+            reads one address: keep 0 there).
+        destination_namespace: (epp) the dynamic-metadata namespace of the destination and
+            of the served endpoint read back (the protocol's default `envoy.lb`).
+        subset_namespace: (epp) the filter-metadata namespace of the endpoint subset hint
+            (the protocol's default `envoy.lb.subset_hint`).
+        chunk_bytes: (epp) largest body piece sent back in one streamed body response
+            (bytes; the reference picker's 62,000, under the 64 KiB some proxies accept).
+    """
+
+    mode: Literal["buffered", "epp"] = "buffered"
+    fallbacks: int = Field(default=0, ge=0, le=16)
+    destination_namespace: str = Field(default="envoy.lb", min_length=1)
+    subset_namespace: str = Field(default="envoy.lb.subset_hint", min_length=1)
+    chunk_bytes: int = Field(default=62_000, ge=1024, le=4 * 1024 * 1024)
+
+
 class Config(_Strict):
     """The whole configuration."""
 
@@ -806,9 +834,12 @@ class Config(_Strict):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     ratelimit: RateLimitConfig = Field(default_factory=RateLimitConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
+    protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        if self.protocol.mode == "epp" and self.scheduling.mode != "endpoint":
+            raise ValueError("protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
         names: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for n in [m.name, *m.aliases]:

@@ -297,6 +297,7 @@ class RequestPipeline:
         truncate_header: str | None = None,
         record: DecisionRecord | None = None,
         before_count: Callable[[str, int | None, int, int], Awaitable[None]] | None = None,
+        subset: Callable[[Endpoint], bool] | None = None,
     ) -> Routed:
         """Decide for one request body (reserves nothing).
 
@@ -314,6 +315,8 @@ class RequestPipeline:
             before_count: awaited with (served model, max_tokens, n, body bytes) once the body is
                 parsed and before its tokens are counted; may raise an `ExtProcError` to refuse
                 cheaply (the rate limiter's precheck).
+            subset: a hard filter on the model's endpoints, applied before every other step
+                (the Endpoint Picker Protocol's subset hint); None admits all.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -322,7 +325,8 @@ class RequestPipeline:
                 truncation, where the model allows it).
             NotFoundError: unknown model.
             RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
-            NoEndpointError: no healthy endpoint (503), or no KV fit with `reject_status: 503`.
+            NoEndpointError: no healthy endpoint (503), no endpoint of the model in `subset`
+                (503), or no KV fit with `reject_status: 503`.
         """
         t0 = time.perf_counter()
         cfg = self._config
@@ -390,6 +394,10 @@ class RequestPipeline:
             return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         pool = self._store.for_model(model.name)
+        if subset is not None:
+            pool = [ep for ep in pool if subset(ep)]
+            if not pool:
+                raise NoEndpointError(f"no endpoint of model `{model.name}` is in the subset the gateway allowed", code="no_endpoint_in_subset")
         healthy = [ep for ep in pool if ep.healthy]
         if healthy:
             check_shedding(priority, fleet_saturation(healthy, cfg.admission.priority.queue_saturation_depth), cfg.admission.priority)
@@ -560,18 +568,26 @@ class RequestPipeline:
             self._metrics.child(self._metrics.priority_claims_bounded, claim.claimed, "downgraded").inc()
         return claim.priority
 
+    def endpoint(self, address: str) -> Endpoint | None:
+        """The configured endpoint at `address` ("host:port"), or None."""
+        return self._store.get(address)
+
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:
         """Hold an in-flight slot for a request that is not a generation (no KV)."""
         return self._store.reserve(endpoint)
 
-    def pick_any(self) -> Endpoint:
+    def pick_any(self, subset: Callable[[Endpoint], bool] | None = None) -> Endpoint:
         """A healthy endpoint for a non-generation request (GET /v1/models, /health, ...):
-        fewest in-flight, random tie-break, any model.
+        fewest in-flight, random tie-break, any model; only among those `subset` accepts when given.
 
         Raises:
-            NoEndpointError: none is healthy.
+            NoEndpointError: none is healthy (or none is in `subset`).
         """
         pool = self._store.all()
+        if subset is not None:
+            pool = [ep for ep in pool if subset(ep)]
+            if not pool:
+                raise NoEndpointError("no endpoint is in the subset the gateway allowed", code="no_endpoint_in_subset")
         ctx = SchedulingContext(
             request=LLMRequest(kind=RequestKind.CHAT, model=""),
             expected_output_tokens=0,

@@ -31,6 +31,7 @@ from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.ratelimit.limiter import RateLimiter, build_backend
 from extproc.ratelimit.metrics import RateLimitMetrics
 from extproc.server.admin import AdminServer
+from extproc.server.epp import EppServicer
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.decision_log import DecisionLog
 from extproc.telemetry.metrics import TelemetryMetrics
@@ -182,9 +183,15 @@ class ExtProcApp:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
         od = cfg.scheduling.outlier_detection
-        self.servicer = ExtProcServicer(
+        servicer_kwargs = {}
+        servicer_class = ExtProcServicer
+        if cfg.protocol.mode == "epp":
+            servicer_class = EppServicer
+            servicer_kwargs = {"protocol": cfg.protocol, "max_body_bytes": cfg.limits.max_body_bytes}
+        self.servicer = servicer_class(
             pipeline,
             self.metrics,
+            **servicer_kwargs,
             priority_header=cfg.admission.priority.header,
             session_header=cfg.scheduling.prefix.session_header or None,
             trusted_priority_header=cfg.admission.priority.trusted_header,
@@ -227,7 +234,8 @@ class ExtProcApp:
         self.grpc_port = port
         await server.start()
         self._grpc = server
-        for svc in ("", EXTPROC_SERVICE):
+        # "liveness" and "readiness": the names the Endpoint Picker Protocol's gateways probe.
+        for svc in ("", EXTPROC_SERVICE, "liveness", "readiness"):
             await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
 

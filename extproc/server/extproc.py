@@ -34,7 +34,8 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -56,9 +57,20 @@ from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
 
-__all__ = ["ExtProcServicer"]
+__all__ = ["Decision", "ExtProcServicer"]
 
 log = logging.getLogger(__name__)
+
+class Decision(NamedTuple):
+    """A routed generation request, reserved: what the stream holds until its end, and what
+    goes upstream (`headers` to set; `body` to send instead of the client's, or None)."""
+
+    routed: Routed
+    reservation: Reservation | None
+    admission: Admission | None
+    headers: dict[str, str]
+    body: bytes | None
+
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
@@ -163,11 +175,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
-                        sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
-                        if self._ratelimit is not None:
-                            tenant = self._ratelimit.tenant(hdrs)
-                        # A token-limited tenant's usage settles its reservation: read every response.
-                        observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))
+                        sampled, tenant, observe = self._watch_plan(hdrs)
                         mode = responses.GENERATION_MODE_STREAMED if observe else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
                     elif kind is not None:
@@ -193,17 +201,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         # The tenant's id (a configured name or a key's hash; hashed again when written).
                         record = DecisionRecord(time=time.time(), kind=kind.value, tenant=tenant.id if tenant is not None else None)
                     response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, record, tenant)
-                    if routed is not None and observe and (routed.endpoint is not None or admission is not None):
-                        observer = StreamObserver(
-                            endpoint=routed.endpoint.address if routed.endpoint is not None else str(routed.tier),
-                            model=routed.request.served_model,
-                            request_start_ns=start_ns,
-                            stats=routed.endpoint.stream_stats if sampled and routed.endpoint is not None else None,
-                            metrics=self._telemetry if sampled else None,
-                            options=self._observer_options,
-                            route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
-                            prompt_tokens=routed.request.prompt_tokens,
-                        )
+                    if routed is not None and observe:
+                        observer = self._observer_for(routed, admission, start_ns, sampled)
                     yield response
                 elif phase == "response_headers":
                     reply, error_status = self._on_response_headers(
@@ -235,20 +234,59 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed")
             raise
         finally:
-            if observer is not None:
-                try:
-                    observer.on_end("complete")  # judged from what it saw, never the gRPC status
-                except Exception:
-                    log.exception("stream observer failed at end of stream")
-            if record is not None and routed is not None and self._log is not None:
-                record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
-                self._log.write(record)
-            if admission is not None:
-                self._settle(admission, observer, routed)
-            if reservation is not None:
-                reservation.release()
-            self.active_streams -= 1
-            self._metrics.streams_active.dec()
+            self._end_stream(observer, record, routed, admission, reservation)
+
+    def _watch_plan(self, hdrs: dict[str, str]) -> tuple[bool, Tenant | None, bool]:
+        """For a generation request: (sampled for telemetry?, its rate-limit tenant or None,
+        observe its response?). A token-limited tenant's usage settles its reservation, so
+        its every response is observed."""
+        sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
+        tenant = self._ratelimit.tenant(hdrs) if self._ratelimit is not None else None
+        observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))  # type: ignore[union-attr]
+        return sampled, tenant, observe
+
+    def _observer_for(self, routed: Routed, admission: Admission | None, start_ns: int, sampled: bool) -> StreamObserver | None:
+        """The response observer of an observed request (None when there is nothing to feed:
+        a tier-mode request without a rate-limit charge). `start_ns`: the request's start
+        (monotonic ns); `sampled`: whether it feeds telemetry, not only its usage."""
+        if routed.endpoint is None and admission is None:
+            return None
+        return StreamObserver(
+            endpoint=routed.endpoint.address if routed.endpoint is not None else str(routed.tier),
+            model=routed.request.served_model,
+            request_start_ns=start_ns,
+            stats=routed.endpoint.stream_stats if sampled and routed.endpoint is not None else None,
+            metrics=self._telemetry if sampled else None,
+            options=self._observer_options,
+            route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
+            prompt_tokens=routed.request.prompt_tokens,
+        )
+
+    def _end_stream(
+        self,
+        observer: StreamObserver | None,
+        record: DecisionRecord | None,
+        routed: Routed | None,
+        admission: Admission | None,
+        reservation: Reservation | None,
+    ) -> None:
+        """A stream's end, however it came: close the observer (success judged from what it
+        saw, never the gRPC status), write the decision-log line, settle the rate-limit charge
+        and release the reservation. Never raises past the release."""
+        if observer is not None:
+            try:
+                observer.on_end("complete")
+            except Exception:
+                log.exception("stream observer failed at end of stream")
+        if record is not None and routed is not None and self._log is not None:
+            record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
+            self._log.write(record)
+        if admission is not None:
+            self._settle(admission, observer, routed)
+        if reservation is not None:
+            reservation.release()
+        self.active_streams -= 1
+        self._metrics.streams_active.dec()
 
     def _settle(self, admission: Admission, observer: StreamObserver | None, routed: Routed | None) -> None:
         """Settle a rate-limit charge with what the response really cost (never raises)."""
@@ -281,7 +319,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def _decide(
         self, body: bytes, kind: RequestKind, hdrs: dict[str, str], record: DecisionRecord | None = None, tenant: Tenant | None = None
     ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None, Admission | None]:
+        """`_route`, answered in BUFFERED mode: the routing headers (and a rewritten body) on
+        the body reply, or the error's `ImmediateResponse`."""
+        decided = await self._route(body, kind, hdrs, record, tenant)
+        if isinstance(decided, pb.ProcessingResponse):
+            return decided, None, None, None
+        return responses.route_in_body(decided.headers, decided.body), decided.routed, decided.reservation, decided.admission
+
+    async def _route(
+        self,
+        body: bytes,
+        kind: RequestKind,
+        hdrs: dict[str, str],
+        record: DecisionRecord | None = None,
+        tenant: Tenant | None = None,
+        subset: Callable[[Endpoint], bool] | None = None,
+    ) -> Decision | pb.ProcessingResponse:
         """Run the pipeline on a body, charge the tenant's rate limit, reserve the decision.
+
+        `subset` (Endpoint Picker Protocol) admits only the endpoints it accepts; None admits
+        every endpoint. Returns the decision, or the `ImmediateResponse` refusing the request.
 
         Only the rate-limit charge may await between the decision and the KV reservation: the
         memory backend never suspends, and a remote one gives a charge back when the stream is
@@ -301,6 +358,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 record=record,
                 trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
                 before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
+                subset=subset,
             )
             admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
         except ExtProcError as exc:
@@ -331,13 +389,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             rewritten = routed.body
             if req.model != req.served_model:
                 rewritten = with_model(rewritten or body, req.served_model)
-            return responses.route_in_body(headers, rewritten), routed, reservation, admission
+            return Decision(routed, reservation, admission, headers, rewritten)
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         if record is not None and self._log is not None:
             record.outcome, record.reason, record.status = "rejected", err.code, err.status
             record.decision_s = time.perf_counter() - start
             self._log.write(record)
-        return self._reject(err, hdrs), None, None, None
+        return self._reject(err, hdrs)
 
     def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
         """Feed one answer's status to outlier detection; count and log an ejection."""
