@@ -232,11 +232,16 @@ class EppServicer(ExtProcServicer):
         super().__init__(*args, **kwargs)
         self._protocol = protocol
         self._max_body = max_body_bytes
-        self._served_elsewhere = Counter(
-            "llm_extproc_epp_served_elsewhere",
-            "Requests the gateway served on another endpoint than the primary it was given (a retry down the fallback list)",
+        self._served = Counter(
+            "llm_extproc_epp_served",
+            "Routed generation requests by what the gateway reported at the response: served on the primary, on "
+            "another endpoint (a retry down the fallback list), or not reported (the gateway sends no "
+            "x-gateway-destination-endpoint-served)",
+            ["endpoint"],
             registry=self._metrics.registry,
         )
+        for label in ("primary", "other", "unreported"):
+            self._served.labels(label)
 
     def _destination(self, routed: Routed) -> str:
         """The primary endpoint, then up to `protocol.fallbacks` runners-up, comma-separated."""
@@ -252,8 +257,9 @@ class EppServicer(ExtProcServicer):
         (in-flight slot, KV blocks, prefix blocks) so the next decisions see the real load."""
         endpoint = self._pipeline.endpoint(served)
         if endpoint is None or routed.endpoint is None or endpoint is routed.endpoint:
+            self._served.labels("primary" if endpoint is routed.endpoint else "other").inc()
             return routed, reservation
-        self._served_elsewhere.inc()
+        self._served.labels("other").inc()
         if reservation is not None:
             reservation.release()
         moved = dataclasses.replace(routed, endpoint=endpoint)
@@ -356,7 +362,9 @@ class EppServicer(ExtProcServicer):
                     yield _streamed("request_body", msg.request_body.body, msg.request_body.end_of_stream)
                 elif phase == "response_headers":
                     served = served_endpoint(msg, proto.destination_namespace)
-                    if served is not None and routed is not None:
+                    if served is None and routed is not None:
+                        self._served.labels("unreported").inc()
+                    elif served is not None and routed is not None:
                         routed, reservation = self._moved(routed, reservation, served)
                         if observer is not None and routed.endpoint is not None and observer.endpoint != routed.endpoint.address:
                             observer = self._observer_for(routed, admission, start_ns, sampled)

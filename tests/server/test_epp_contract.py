@@ -248,8 +248,9 @@ async def test_response_is_streamed_back_and_the_served_endpoint_takes_the_load(
     reply = await call.read()
     assert reply.response_headers is not None and reply.mode_override is None
     assert inflight(epp, primary) == 0 and inflight(epp, other) == 1
-    served = epp.metrics.registry.get_sample_value("llm_extproc_epp_served_elsewhere_total")
-    assert served == 1
+    served = epp.metrics.registry.get_sample_value
+    assert served("llm_extproc_epp_served_total", {"endpoint": "other"}) == 1
+    assert served("llm_extproc_epp_served_total", {"endpoint": "primary"}) == 0
     events = [
         b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}\n\n',
         b'data: {"choices":[{"index":0,"delta":{"content":" there"}}]}\n\ndata: [DONE]\n\n',
