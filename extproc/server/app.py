@@ -37,11 +37,15 @@ from extproc.telemetry.decision_log import DecisionLog
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.stats import EndpointStreamStats
 
-__all__ = ["ExtProcApp", "load_models", "EXTPROC_SERVICE"]
+__all__ = ["ExtProcApp", "load_models", "EXTPROC_SERVICE", "PICKER_HEALTH_SERVICES"]
 
 log = logging.getLogger(__name__)
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+PICKER_HEALTH_SERVICES = ("liveness", "readiness")
+"""The grpc.health.v1 service names the Endpoint Picker Protocol defines (its "Health Checking"
+section); served in every mode, SERVING while the ext_proc service is."""
 
 
 def load_models(config: Config) -> dict[str, ModelRuntime]:
@@ -234,8 +238,7 @@ class ExtProcApp:
         self.grpc_port = port
         await server.start()
         self._grpc = server
-        # "liveness" and "readiness": the names the Endpoint Picker Protocol's gateways probe.
-        for svc in ("", EXTPROC_SERVICE, "liveness", "readiness"):
+        for svc in ("", EXTPROC_SERVICE, *PICKER_HEALTH_SERVICES):
             await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
 
