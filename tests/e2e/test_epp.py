@@ -7,6 +7,7 @@ ORIGINAL_DST from the destination header or from the `envoy.lb` metadata), with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -191,3 +192,31 @@ async def test_every_reservation_is_released(by_header, picker, engines):
     assert all(r.status_code == 200 for r in rs)
     assert {r.headers["x-backend"] for r in rs} == {"a", "b"}, "load-aware spreads a burst"
     await wait_released(picker, [e.address for e in engines.serving])
+
+
+async def test_a_client_hanging_up_mid_upload_leaves_nothing_open(by_header, picker, engines):
+    engines.clear()
+    sent = asyncio.Event()
+
+    async def half_then_stall():
+        yield orjson.dumps(chat("x" * 50_000))[:30_000]
+        sent.set()
+        await asyncio.sleep(30)  # never finishes: the client gives up first
+        yield b"}"
+
+    async with httpx.AsyncClient(base_url=by_header.url, trust_env=False, timeout=30) as c:
+        task = asyncio.create_task(c.post("/v1/chat/completions", content=half_then_stall(), headers={"content-type": "application/json"}))
+        await sent.wait()
+        deadline = asyncio.get_running_loop().time() + 10
+        while await metric(picker, "llm_extproc_grpc_streams_active") < 1:  # the picker holds the partial body
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    deadline = asyncio.get_running_loop().time() + 10
+    while await metric(picker, "llm_extproc_grpc_streams_active") > 0:
+        assert asyncio.get_running_loop().time() < deadline, "the stream of the abandoned upload is still open"
+        await asyncio.sleep(0.05)
+    await wait_released(picker, [e.address for e in engines.serving])
+    assert not any(e.received for e in (engines.a, engines.b, engines.intruder)), "nothing was routed"
