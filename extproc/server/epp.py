@@ -280,14 +280,12 @@ class EppServicer(ExtProcServicer):
         hdrs: dict[str, str] = {}
         body = bytearray()
         buffering = False  # a generation request's body is being held for the decision
-        passthrough = False  # routed at the headers: its request body is echoed
         done = False  # answered with an ImmediateResponse: nothing more to say
         error_status = 0
         error_body = bytearray()
         start_ns = 0
         sampled = observe = False
-        self.active_streams += 1
-        self._metrics.streams_active.inc()
+        self._begin_stream()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
@@ -318,7 +316,6 @@ class EppServicer(ExtProcServicer):
                             yield self._reject(err, hdrs)
                             continue
                         reservation = self._pipeline.reserve_endpoint(endpoint)
-                        passthrough = not end
                         self._metrics.child(self._metrics.requests, "passthrough", "ok").inc()
                         headers = self._routing_headers(None, None, None, hdrs.get("x-request-id"))
                         yield _destination_reply(headers, endpoint.address, proto.destination_namespace)
@@ -376,21 +373,16 @@ class EppServicer(ExtProcServicer):
                     yield reply
                 elif phase == "response_body":
                     chunk = msg.response_body
-                    now = time.monotonic_ns()
                     if error_status:
                         if observer is not None:
-                            observer.on_body_chunk(chunk.body, chunk.end_of_stream, now)
+                            observer.on_body_chunk(chunk.body, chunk.end_of_stream, time.monotonic_ns())
                         error_body += chunk.body
                         if chunk.end_of_stream:
                             for piece in _pieces("response_body", openai_error_body(error_status, bytes(error_body)), True, proto.chunk_bytes):
                                 yield piece
                             error_status = 0
                         continue
-                    replacement = None
-                    if observer is not None:
-                        replacement = observer.on_body_chunk(chunk.body, chunk.end_of_stream, now)
-                        if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
-                            reservation.mark_first_token(learn=routed is not None and routed.request.stream)
+                    replacement = self._observe_chunk(chunk, observer, reservation, routed) if observer is not None else None
                     yield _streamed("response_body", chunk.body if replacement is None else replacement, chunk.end_of_stream)
                 elif phase == "response_trailers":
                     if error_status:  # the error body ends with the trailers: send it first

@@ -159,8 +159,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         error_body = bytearray()
         start_ns = 0
         observe = sampled = False
-        self.active_streams += 1
-        self._metrics.streams_active.inc()
+        self._begin_stream()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
@@ -221,11 +220,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     else:
                         yield responses.response_body_cleared()
                 elif phase == "response_body" and observer is not None:
-                    body = msg.response_body
-                    replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
-                    if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
-                        reservation.mark_first_token(learn=routed is not None and routed.request.stream)
-                    yield responses.response_body(replacement)
+                    yield responses.response_body(self._observe_chunk(msg.response_body, observer, reservation, routed))
                 else:
                     yield responses.continue_for(phase)
         except asyncio.CancelledError:
@@ -235,6 +230,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             self._end_stream(observer, record, routed, admission, reservation)
+
+    @staticmethod
+    def _observe_chunk(
+        chunk: pb.HttpBody, observer: StreamObserver, reservation: Reservation | None, routed: Routed | None
+    ) -> bytes | None:
+        """Feed one response body chunk to the observer; the first content event moves the
+        request from prefill to decode. Returns the chunk's replacement (marker lines), or None
+        to send it unchanged."""
+        replacement = observer.on_body_chunk(chunk.body, chunk.end_of_stream, time.monotonic_ns())
+        if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
+            reservation.mark_first_token(learn=routed is not None and routed.request.stream)
+        return replacement
 
     def _watch_plan(self, hdrs: dict[str, str]) -> tuple[bool, Tenant | None, bool]:
         """For a generation request: (sampled for telemetry?, its rate-limit tenant or None,
@@ -261,6 +268,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
             prompt_tokens=routed.request.prompt_tokens,
         )
+
+    def _begin_stream(self) -> None:
+        """Count an open stream (`_end_stream` uncounts it)."""
+        self.active_streams += 1
+        self._metrics.streams_active.inc()
 
     def _end_stream(
         self,
