@@ -336,3 +336,23 @@ async def test_response_trailers_close_a_streamed_response(epp, channel):
     await call.done_writing()
     assert await call.read() == grpc.aio.EOF
     await wait_until(lambda: epp.store.open_reservations == 0, timeout=5)
+
+
+async def test_rate_limits_answer_429_and_settle_in_epp_mode(make_app):
+    # The spec's 429 for a request that must be dropped: here a tenant over its token budget.
+    app = await make_app(protocol={"mode": "epp"}, ratelimit={"enabled": True, "default": {"tokens_per_minute": 300}})
+    auth = {"authorization": "Bearer sk-epp-ratelimit-test"}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        first = open_stream(ch)  # admitted and still in flight: its charge is held
+        await first.write(request_headers("POST", CHAT, extra=auth))
+        await first.write(request_body(chat_body(max_tokens=200), end=True))
+        held = Exchange()
+        held.take(await first.read())
+        held.take(await first.read())
+        assert held.destination in ENDPOINTS
+        second = await send_request(ch, [request_headers("POST", CHAT, extra=auth), request_body(chat_body(max_tokens=200), end=True)])
+        first.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert second.kinds == ["immediate_response"]
+    assert second.immediate_status == 429
+    assert orjson.loads(second.immediate_body)["error"]["type"] == "tokens"  # the limit that ran out
