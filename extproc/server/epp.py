@@ -228,6 +228,8 @@ class EppServicer(ExtProcServicer):
         max_body_bytes: request bodies over this (bytes) get a 413 as soon as they pass it.
     """
 
+    full_duplex = True
+
     def __init__(self, *args, protocol: ProtocolConfig, max_body_bytes: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._protocol = protocol
@@ -296,6 +298,10 @@ class EppServicer(ExtProcServicer):
                 if phase == "request_headers":
                     start_ns = time.monotonic_ns()
                     hdrs = self._headers(msg.request_headers)
+                    if (wrong := self._proxy_mode_error(msg)) is not None:
+                        done = True
+                        yield self._reject(wrong, hdrs)
+                        continue
                     subset = _subset_of(msg, proto.subset_namespace)
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -171,6 +172,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     start_ns = time.monotonic_ns()
                     hdrs = self._headers(msg.request_headers)
+                    if (wrong := self._proxy_mode_error(msg)) is not None:
+                        yield self._reject(wrong, hdrs)
+                        return
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
@@ -268,6 +272,30 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
             prompt_tokens=routed.request.prompt_tokens,
         )
+
+    full_duplex = False
+    """Whether this servicer speaks FULL_DUPLEX_STREAMED bodies (the Endpoint Picker Protocol)."""
+
+    def _proxy_mode_error(self, msg: pb.ProcessingRequest) -> ExtProcError | None:
+        """A clear 500 when the proxy's body mode (the `protocol_config` Envoy sends with the
+        first message) is not the one `protocol.mode` speaks: the two cannot work together, and
+        without this the request would hang until a timeout. None when they agree or the proxy
+        does not say. Logged once per process."""
+        if not msg.HasField("protocol_config"):
+            return None
+        full = msg.protocol_config.request_body_mode == processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        if full == self.full_duplex:
+            return None
+        if full:
+            message = "the proxy streams bodies FULL_DUPLEX_STREAMED (a Gateway API Inference Extension gateway?): set protocol.mode: epp"
+        else:
+            message = "the proxy does not stream bodies FULL_DUPLEX_STREAMED, which protocol.mode: epp needs: use protocol.mode: buffered with our envoy/*.yaml"
+        if not ExtProcServicer._mode_logged:
+            ExtProcServicer._mode_logged = True
+            log.error("ext_proc body mode mismatch, every request gets a 500: %s (docs/epp.md)", message)
+        return ExtProcError(f"gateway misconfigured: {message}", code="proxy_mode_mismatch")
+
+    _mode_logged = False
 
     def _begin_stream(self) -> None:
         """Count an open stream (`_end_stream` uncounts it)."""

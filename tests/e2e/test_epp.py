@@ -20,7 +20,7 @@ from extproc.stack.envoy import EnvoyProcess
 from extproc.stack.epp_envoy import gateway_config
 from extproc.stack.ports import free_port
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import ALIAS, DEAD_MODEL, MODEL, Engines, assert_openai_error, chat, start_server
+from tests.e2e.e2e_helpers import ALIAS, DEAD_MODEL, MODEL, Engines, assert_openai_error, chat, start_envoy, start_server
 from tests.e2e.fake_engines import JSON_BODY, SSE_BODY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -220,3 +220,15 @@ async def test_a_client_hanging_up_mid_upload_leaves_nothing_open(by_header, pic
         await asyncio.sleep(0.05)
     await wait_released(picker, [e.address for e in engines.serving])
     assert not any(e.received for e in (engines.a, engines.b, engines.intruder)), "nothing was routed"
+
+
+async def test_the_picker_behind_our_buffered_envoy_says_what_is_wrong(workdir, picker, engines):
+    # A picker in epp mode behind envoy/fail-open.yaml (BUFFERED): a clear 500, not a hang.
+    envoy = await start_envoy("fail-open", workdir=workdir, server=picker, engines=engines)
+    try:
+        async with httpx.AsyncClient(base_url=envoy.url, trust_env=False, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=chat())
+        error = assert_openai_error(r, 500)
+        assert error["code"] == "proxy_mode_mismatch" and "protocol.mode: buffered" in error["message"]
+    finally:
+        await envoy.aclose()

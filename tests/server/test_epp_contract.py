@@ -356,3 +356,31 @@ async def test_rate_limits_answer_429_and_settle_in_epp_mode(make_app):
     assert second.kinds == ["immediate_response"]
     assert second.immediate_status == 429
     assert orjson.loads(second.immediate_body)["error"]["type"] == "tokens"  # the limit that ran out
+
+
+@pytest.mark.parametrize(
+    ("mode", "proxy_body_mode", "hint"),
+    [
+        pytest.param("epp", "BUFFERED", "protocol.mode: buffered", id="epp-picker-behind-our-buffered-envoy"),
+        pytest.param("buffered", "FULL_DUPLEX_STREAMED", "protocol.mode: epp", id="buffered-server-behind-an-inference-gateway"),
+    ],
+)
+async def test_a_proxy_in_the_other_body_mode_gets_a_clear_500(make_app, mode, proxy_body_mode, hint):
+    from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode
+    from envoy_data_plane.envoy.service.ext_proc.v3 import ProtocolConfiguration
+
+    app = await make_app(protocol={"mode": mode})
+    first = request_headers("POST", CHAT)
+    first.protocol_config = ProtocolConfiguration(request_body_mode=ProcessingModeBodySendMode[proxy_body_mode])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        ex = await send_request(ch, [first])
+        # The same body mode as the server speaks: served as usual.
+        ok = request_headers("GET", "/v1/models", end=True)
+        ok.protocol_config = ProtocolConfiguration(
+            request_body_mode=ProcessingModeBodySendMode["FULL_DUPLEX_STREAMED" if mode == "epp" else "NONE"]
+        )
+        served = await send_request(ch, [ok])
+    assert ex.kinds == ["immediate_response"] and ex.immediate_status == 500
+    error = orjson.loads(ex.immediate_body)["error"]
+    assert error["code"] == "proxy_mode_mismatch" and hint in error["message"]
+    assert served.kinds == ["request_headers"] and served.destination in ENDPOINTS
