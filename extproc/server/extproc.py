@@ -20,6 +20,10 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
    goes back unchanged, or with marker comment lines when markers are on.
 5. anything else — continue unchanged.
 
+`extproc.server.epp.EppServicer` (`protocol.mode: epp`) reuses this class's decision, response
+and end-of-stream steps with the Endpoint Picker Protocol's FULL_DUPLEX_STREAMED messages. Either
+class answers a proxy in the other body mode with a 500 saying which mode to set.
+
 The stream's end, however it comes (clean close after the response, CANCELLED, a client abort,
 a server error), releases the request's reservation and settles its rate-limit charge with what
 the response really cost: that is the `finally` below. Success is
@@ -62,6 +66,7 @@ __all__ = ["Decision", "ExtProcServicer"]
 
 log = logging.getLogger(__name__)
 
+
 class Decision(NamedTuple):
     """A routed generation request, reserved: what the stream holds until its end, and what
     goes upstream (`headers` to set; `body` to send instead of the client's, or None)."""
@@ -94,6 +99,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         ratelimit: tenants' rate limits, or None. A token-limited tenant's responses are always
             observed (for their usage) but only the sampled ones feed telemetry.
     """
+
+    full_duplex = False
+    """Whether this servicer speaks FULL_DUPLEX_STREAMED bodies (the Endpoint Picker Protocol)."""
+    _mode_logged = False
+    """Whether a body-mode mismatch was logged (once per process)."""
 
     def __init__(
         self,
@@ -273,9 +283,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             prompt_tokens=routed.request.prompt_tokens,
         )
 
-    full_duplex = False
-    """Whether this servicer speaks FULL_DUPLEX_STREAMED bodies (the Endpoint Picker Protocol)."""
-
     def _proxy_mode_error(self, msg: pb.ProcessingRequest) -> ExtProcError | None:
         """A clear 500 when the proxy's body mode (the `protocol_config` Envoy sends with the
         first message) is not the one `protocol.mode` speaks: the two cannot work together, and
@@ -294,8 +301,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             ExtProcServicer._mode_logged = True
             log.error("ext_proc body mode mismatch, every request gets a 500: %s (docs/epp.md)", message)
         return ExtProcError(f"gateway misconfigured: {message}", code="proxy_mode_mismatch")
-
-    _mode_logged = False
 
     def _begin_stream(self) -> None:
         """Count an open stream (`_end_stream` uncounts it)."""
