@@ -383,8 +383,8 @@ class OutlierDetectionConfig(_Strict):
 
     An endpoint whose last `consecutive_5xx` answers were 5xx is left out by `healthy-filter`
     for `ejection_s` × its ejections so far (at most `max_ejection_s`), then tried again (one
-    more 5xx ejects it again at once), unless `max_ejected_share` of the endpoints are out
-    already; only answers to requests routed after an ejection began count against or for it
+    more 5xx ejects it again at once), unless `max_ejected_share` of its model's endpoints are
+    out already; only answers to requests routed after an ejection began count against or for it
     (`extproc.datastore.outliers`). Probes
     cannot see this failure: an engine may pass `/health` and still fail every generation,
     and one that fails fast never produces a first token, so it would look idle and fast.
@@ -394,8 +394,8 @@ class OutlierDetectionConfig(_Strict):
         consecutive_5xx: 5xx answers in a row that eject (count).
         ejection_s: how long a first ejection lasts (seconds); the n-th lasts n times as long.
         max_ejection_s: the longest ejection (seconds; Envoy's max_ejection_time default).
-        max_ejected_share: no new ejection while this share of the endpoints is ejected
-            (0..1; Envoy's max_ejection_percent, here 50 %).
+        max_ejected_share: no new ejection while this share of the endpoints serving the same
+            model(s) is ejected (0..1; Envoy's max_ejection_percent, here 50 %).
     """
 
     enabled: bool = True

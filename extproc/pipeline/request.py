@@ -37,7 +37,7 @@ from extproc.metrics import Metrics
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
-from extproc.pipeline.truncate import Truncated, Truncation, prompt_budget, truncate, wanted
+from extproc.pipeline.truncate import TRUNCATE_HEADER, Truncated, Truncation, prompt_budget, truncate, wanted
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
@@ -371,7 +371,21 @@ class RequestPipeline:
                     if record is not None:
                         record.counted(prompt_tokens, parsed.max_tokens, model)
                         record.truncation = cut.truncation
-            self._check_context(parsed, model, prompt_tokens)
+            try:
+                self._check_context(parsed, model, prompt_tokens)
+            except ContextLengthError as exc:
+                if (
+                    model.truncation.mode == "on-request"
+                    and truncate_header is None
+                    and parsed.kind is not RequestKind.RESPONSES  # not cut: `input` is not rewritten
+                ):
+                    # The model would cut this prompt if asked: say how, or the client never learns.
+                    raise ContextLengthError(
+                        f"{exc.message} This gateway can shorten it for you (keeping the start and the newest "
+                        f"turns): send the header '{TRUNCATE_HEADER}: head-tail'.",
+                        param=exc.param,
+                    ) from exc
+                raise
         t_cut = time.perf_counter() - t2
         total_prompt = sum(prompt_tokens)
         req = LLMRequest(

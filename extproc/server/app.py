@@ -119,6 +119,8 @@ class ExtProcApp:
             PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
+        # A warm-up is prefill work on its endpoint like any request: counted in flight there.
+        self.prefix.warmer.reserve = lambda ep, tokens: self.store.reserve(ep, prompt_tokens=tokens, context_tokens=tokens)
         self.kv_events = PreciseSource(
             self.prefix,
             [(e.address, e.kv_events, e.kv_events_replay) for e in config.endpoints if e.kv_events and config.scheduling.prefix.enabled],

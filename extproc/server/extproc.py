@@ -512,6 +512,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
+        if routed is not None and status >= 400 and msg.end_of_stream:
+            # No body at all (a proxy's or a crashed handler's bare 5xx): give it one, so the
+            # client reads the same JSON error shape as from any other refusal.
+            extra["content-type"] = "application/json"
+            return responses.response_headers_with_body(extra, openai_error_body(status, b"")), 0
         if routed is not None and status >= 400 and not msg.end_of_stream and found.get("content-encoding") in (None, "identity"):
             # The engine's own error shape (vLLM's {"object": "error", ...}, a text/plain 404):
             # take the body whole and answer it in the gateway's shape.
