@@ -16,7 +16,7 @@ from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess
 from extproc.stack.epp_envoy import gateway_config
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import in_process_sims, start_server
+from tests.e2e.e2e_helpers import assert_openai_error, in_process_sims, start_server
 from tests.e2e.test_epp import metric, wait_released
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -83,4 +83,23 @@ async def test_client_hanging_up_mid_stream_releases_everything(gateway, picker,
             async for chunk in r.aiter_bytes():
                 if b'"content"' in chunk:
                     break  # hang up with most of the answer still to come
+    await wait_released(picker, [f"127.0.0.1:{s.port}" for s in sims])
+
+
+@pytest.mark.parametrize("error_body", [True, False], ids=["engine-json-body", "bare-500"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_engine_errors_reach_the_client_in_the_gateway_shape(gateway, picker, sims, error_body, stream):
+    # An engine's own error body is held by the picker and rewritten with its last chunk; a bare
+    # 5xx gets its body at the response headers. Both through FULL_DUPLEX_STREAMED.
+    request = {**body(7, max_tokens=2), "stream": stream}
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as c:
+        for s in sims:
+            assert (await c.post(f"http://127.0.0.1:{s.port}/sim/faults", json={"error_rate": 1.0, "error_body": error_body})).status_code == 200
+        try:
+            r = await c.post(f"{gateway.url}/v1/chat/completions", json=request)
+        finally:
+            for s in sims:
+                assert (await c.delete(f"http://127.0.0.1:{s.port}/sim/faults")).status_code == 200
+    err = assert_openai_error(r, 500)
+    assert err["message"]
     await wait_released(picker, [f"127.0.0.1:{s.port}" for s in sims])
