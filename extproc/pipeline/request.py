@@ -272,6 +272,11 @@ class RequestPipeline:
         """Every name a client may use (canonical names and aliases), sorted."""
         return sorted(self._aliases)
 
+    def encoders(self) -> dict[str, dict[str, str]]:
+        """Per served model (canonical name): the token encoder in use ("tiktoken" or
+        "tokenizers") and, for `tokenizers`, why (`TokenCounter.encoder_note`)."""
+        return {name: {"encoder": rt.counter.encoder, "note": rt.counter.encoder_note} for name, rt in sorted(self._models.items())}
+
     def resolve_model(self, name: str) -> ModelRuntime:
         """The runtime for a requested model name or alias.
 
