@@ -87,6 +87,10 @@ def _add_port(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> i
     return server.add_secure_port(address, creds)
 
 
+
+TOKENIZE_THREADS = 2
+"""Threads that render and tokenize long prompts (and check huge JSON bodies) off the event loop."""
+
 class ExtProcApp:
     """The whole ext_proc server process.
 
@@ -179,8 +183,10 @@ class ExtProcApp:
             except OSError as exc:
                 raise RuntimeError(f"cannot open decision_log.path {cfg.decision_log.path}: {exc.strerror or exc}") from None
             self._decision_log = decision_log
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
+        self._executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        pipeline = RequestPipeline(
+            cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix, executor_workers=TOKENIZE_THREADS
+        )
         od = cfg.scheduling.outlier_detection
         self.servicer = ExtProcServicer(
             pipeline,

@@ -649,8 +649,10 @@ async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_
 async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app):
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    # A 200 ms decision budget leaves 100 ms for counting: ~40k new words take several times that.
+    # A 200 ms decision budget leaves 100 ms for counting: ~40k new words take several times that
+    # with `tokenizers` (tiktoken takes ~40 ms: this test keeps the slower encoder).
     app = await make_app(
+        counter=TokenCounter.from_source("builtin:qwen3", encoder="tokenizers"),
         limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000, "decision_timeout_ms": 200},
         models=[{"name": MODEL, "aliases": ["qwen3-8b"], "max_model_len": 131072}],
     )
@@ -662,6 +664,36 @@ async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app)
     # the character estimate: every string of the message (keys, role, content) + 16 per message
     assert int(hdrs["x-llm-prompt-tokens"]) == int((len("role") + len("user") + len("content") + len(text) + 16) / 3.5)
     assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
+
+
+async def test_a_count_that_would_queue_past_its_budget_routes_on_the_estimate_at_once(make_app):
+    """A flood of huge prompts must not make each decision wait its whole budget behind the
+    others' tokenization: with the tokenizer threads holding more work than the budget allows,
+    a new long prompt is routed on the character estimate without being queued (nothing is
+    tokenized); once the work is done, the same prompt is counted exactly."""
+    counter = TokenCounter.from_source("builtin:qwen3")
+    app = await make_app(
+        counter=counter,
+        limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000},
+        models=[{"name": MODEL, "max_model_len": 131072}],
+    )
+    gate = app.pipeline.offload
+    flood = 10**9  # characters some other requests' counts still hold in the threads
+    assert gate.admit(flood)
+    text = " ".join(f"w{i}" for i in range(20_000))  # ~110k characters: counted off the loop
+    body = chat_body(text)
+    cached = counter.cache_stats()["tokens"]
+    routed = await app.pipeline.route(RequestKind.CHAT, body)
+    # the character estimate: every string of the message (keys, role, content) + 16 per message
+    assert routed.request.prompt_tokens == int((len("role") + len("user") + len("content") + len(text) + 16) / 3.5)
+    assert counter.cache_stats()["tokens"] == cached and gate.refused == 1  # nothing was tokenized
+    assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
+    gate.done(flood, None)
+    routed = await app.pipeline.route(RequestKind.CHAT, body)
+    messages = [{"role": "user", "content": text}]
+    exact = counter.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+    assert routed.request.prompt_tokens == len(exact)
+    assert (gate.jobs, gate.queued_chars) == (0, 0)
 
 
 async def test_token_cache_metrics_count_each_request_once_under_concurrency(make_app):
