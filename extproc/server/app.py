@@ -44,17 +44,18 @@ EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
 def load_models(config: Config) -> dict[str, ModelRuntime]:
-    """Load every model's tokenizer (shared between models with the same source).
+    """Load every model's tokenizer (shared between models with the same source and encoder).
 
     Raises:
         TokenizerLoadError: a tokenizer source cannot be loaded.
     """
-    counters: dict[str, TokenCounter] = {}
+    counters: dict[tuple[str, str], TokenCounter] = {}
     out: dict[str, ModelRuntime] = {}
     for m in config.models:
-        if m.tokenizer not in counters:
-            counters[m.tokenizer] = TokenCounter.from_source(m.tokenizer)
-        out[m.name] = ModelRuntime(m, counters[m.tokenizer])
+        key = (m.tokenizer, m.token_encoder)
+        if key not in counters:
+            counters[key] = TokenCounter.from_source(m.tokenizer, encoder=m.token_encoder)
+        out[m.name] = ModelRuntime(m, counters[key])
     return out
 
 
@@ -163,6 +164,27 @@ class ExtProcApp:
             endpoint.scrape_errors += 1
             m.scrape_errors.labels(endpoint.address).inc()
 
+    def _skip_response_headers(self, cfg: Config) -> bool:
+        """`telemetry.response_headers: when_needed` and nothing configured reads a response's
+        headers (outlier detection, the explain header, rate limits, truncation); when it is set
+        but something does, say so once and keep them."""
+        if cfg.telemetry.response_headers != "when_needed":
+            return False
+        needs = [
+            name
+            for name, on in (
+                ("scheduling.outlier_detection", cfg.scheduling.outlier_detection.enabled),
+                ("scheduling.explain_header", cfg.scheduling.explain_header),
+                ("rate limits", self.ratelimit is not None),
+                ("truncation", any(m.truncation.mode != "off" for m in cfg.models)),
+            )
+            if on
+        ]
+        if needs:
+            log.info("telemetry.response_headers: when_needed has no effect: %s read every response's headers", ", ".join(needs))
+            return False
+        return True
+
     async def start(self) -> None:
         """Load tokenizers, probe endpoints, then listen (gRPC, then admin).
 
@@ -201,6 +223,7 @@ class ExtProcApp:
             outlier_detection=OutlierDetector(self.store, od) if od.enabled else None,
             ratelimit=self.ratelimit,
             decision_log=self._decision_log,
+            skip_response_headers=self._skip_response_headers(cfg),
         )
         self.pipeline = pipeline
         await self._checker.start()

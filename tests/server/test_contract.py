@@ -358,6 +358,48 @@ async def test_generation_mode_streams_responses_only_with_telemetry(make_app, t
     assert mode.request_trailer_mode == PM.SKIP and mode.response_trailer_mode == PM.SKIP
 
 
+async def test_unneeded_response_headers_are_skipped_and_prefill_ends_at_the_predicted_ttft(make_app):
+    """`telemetry.response_headers: when_needed` with nothing reading the response headers: an
+    unobserved request asks for two messages only, leaves prefill at its endpoint's predicted
+    TTFT (teaching the fit nothing), and releases everything when its stream ends."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    app = await make_app(
+        telemetry={"enabled": False, "response_headers": "when_needed"},
+        scheduling={"health_check": {"enabled": False}, "outlier_detection": {"enabled": False}},
+    )
+    PM = processing_mode_pb2.ProcessingMode
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        mode = (await call.read()).mode_override
+        assert mode.request_body_mode == PM.BUFFERED and mode.response_header_mode == PM.SKIP
+        await call.write(body_msg(chat_body("hello " * 50)))
+        ep = app.store.get(set_headers((await call.read()).request_body.response)["x-gateway-destination-endpoint"])
+        assert ep.inflight == 1
+        for _ in range(500):  # the fit's prior: 20 ms plus the prompt's share
+            if ep.decode_inflight == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert (ep.prefill_inflight, ep.decode_inflight, ep.prefill_fit.samples) == (0, 1, 0)
+        await call.done_writing()
+        await call.read()
+    for _ in range(100):
+        if ep.inflight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (ep.inflight, ep.decode_inflight) == (0, 0)
+
+
+async def test_response_headers_stay_while_outlier_detection_reads_them(make_app):
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    app = await make_app(telemetry={"enabled": False, "response_headers": "when_needed"})  # outlier detection on (default)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        (reply,) = await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions"))
+    assert reply.mode_override.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
+
+
 async def test_observed_stream_marks_first_token_on_first_content(app, stub):
     call = stub.Process()
     await call.write(headers_msg("POST", "/v1/chat/completions"))
