@@ -379,6 +379,8 @@ async def main() -> None:
     ap.add_argument("--rss-rounds", type=int, default=2, help="rounds of --rss-requests, RSS read after each")
     ap.add_argument("--telemetry", choices=("on", "off"), default="on", help="server response telemetry (off: no response body messages)")
     ap.add_argument("--baseline", type=Path, help="source tree of a second llm-extproc to compare with (before / after)")
+    ap.add_argument("--variant", type=json.loads, help="JSON laid over the server config for a third server (this tree), e.g. "
+                    "'{\"telemetry\": {\"response_headers\": \"when_needed\"}}'")
     ap.add_argument("--flood", action="store_true", help="also measure decisions under a flood of long prompts")
     ap.add_argument("--flood-chars", type=int, default=200_000)
     ap.add_argument("--flood-concurrency", type=int, default=150)
@@ -409,6 +411,13 @@ async def main() -> None:
         )
     )
     server = ExtProcServerProcess(server_cfg, workdir=work, log_level="warning")
+    variant = None
+    if args.variant:
+        from extproc.bench.stacks import merge_config
+
+        variant_cfg = work / "variant.yaml"
+        variant_cfg.write_text(yaml.safe_dump(merge_config(yaml.safe_load(server_cfg.read_text()), args.variant)))
+        variant = ExtProcServerProcess(variant_cfg, workdir=work, log_level="warning", name="variant")
     baseline = None
     if args.baseline is not None:
         tree = args.baseline.resolve()
@@ -418,7 +427,7 @@ async def main() -> None:
     base = without_access_log(load_envoy_config("fail-open"))
     floor_port = free_port()
     floor: subprocess.Popen | None = None
-    gw = floor_gw = alone = base_gw = None
+    gw = floor_gw = alone = base_gw = var_gw = None
     rows = []
     floods = {}
     try:
@@ -430,6 +439,13 @@ async def main() -> None:
                 workdir=work, name="gateway-baseline", concurrency=1,
             )  # fmt: skip
             await base_gw.start()
+        if variant is not None:
+            await variant.start()
+            var_gw = EnvoyProcess(
+                rewrite_config(base, RunSettings(extproc=variant.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
+                workdir=work, name="gateway-variant", concurrency=1,
+            )  # fmt: skip
+            await var_gw.start()
         gw = EnvoyProcess(
             rewrite_config(base, RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
             workdir=work, name="gateway", concurrency=1,
@@ -475,6 +491,8 @@ async def main() -> None:
                 b0 = await decision_totals(baseline.admin_url)
                 rows[-1]["baseline"] = run_wrk_cpu(base_gw.url, script, args.duration, args.concurrency, baseline.process.pid)
                 rows[-1]["baseline_decision_ms"] = mean_ms(b0, await decision_totals(baseline.admin_url))
+            if variant is not None:
+                rows[-1]["variant"] = run_wrk_cpu(var_gw.url, script, args.duration, args.concurrency, variant.process.pid)
             print(json.dumps(rows[-1]), flush=True)
         # Memory: RSS before and after each of `--rss-rounds` rounds of many more requests
         # (unique 1k-token prompts: the token cache churns at its bound the whole time).
@@ -504,15 +522,16 @@ async def main() -> None:
                 floods[name] = result
                 print(json.dumps({"flood": name, **result}), flush=True)
     finally:
-        for envoy in (gw, floor_gw, alone, base_gw):
+        for envoy in (gw, floor_gw, alone, base_gw, var_gw):
             if envoy is not None:
                 await envoy.aclose()
         if floor is not None:
             floor.terminate()
             floor.wait(timeout=10)
         await server.aclose()
-        if baseline is not None:
-            await baseline.aclose()
+        for extra in (baseline, variant):
+            if extra is not None:
+                await extra.aclose()
         await backend.aclose()
         shutil.rmtree(work, ignore_errors=True)
 
@@ -553,6 +572,15 @@ async def main() -> None:
                 f"{b['server_cpu_ms'] - f['server_cpu_ms']:.2f} / {e['server_cpu_ms'] - f['server_cpu_ms']:.2f} | "
                 f"{tb:.3f} / {ta:.3f} | {tb / ta if ta else float('nan'):.1f}× | {b['rps']:.0f} / {e['rps']:.0f} |"
             )
+    if any("variant" in row for row in rows):
+        print()
+        print(f"Variant {json.dumps(args.variant)} (this tree), same run:")
+        print("| prompt tokens | server CPU per request, after / variant (ms) | req/s after / variant |")
+        print("|---:|---:|---:|")
+        for row in rows:
+            e, v = row["extproc"], row["variant"]
+            label = f"{row['prompt_tokens']} (shared context)" if row["shared"] else str(row["prompt_tokens"])
+            print(f"| {label} | {e['server_cpu_ms']:.2f} / {v['server_cpu_ms']:.2f} | {e['rps']:.0f} / {v['rps']:.0f} |")
     if floods:
         print()
         print(f"Flood: {args.flood_chars} characters per prompt, concurrency {args.flood_concurrency}, {args.flood_duration:.0f} s, straight to gRPC")

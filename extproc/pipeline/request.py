@@ -270,9 +270,9 @@ class RequestPipeline:
         # Past this, a burst of long new prompts waiting for a tokenizer thread is routed on a
         # character estimate instead of refused: the rest of the decision needs the remainder.
         self._count_budget_s = config.limits.decision_timeout_ms / 1000 * COUNT_BUDGET_FRACTION
-        # ... and one that could not finish within that budget behind the counts already queued
-        # is routed on the estimate at once, never queued (a flood of huge prompts would make
-        # every decision wait the whole budget).
+        # ... and one that would wait more than ~50 ms for a thread, or not finish within that
+        # budget behind the counts already queued, is routed on the estimate at once, never
+        # queued (a flood of huge prompts would make every decision wait the whole budget).
         self.offload = OffloadGate(executor_workers, self._count_budget_s)
         sched = config.scheduling
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}

@@ -7,21 +7,26 @@ import pytest
 from extproc.pipeline.offload import OffloadGate
 
 
-def test_an_idle_pool_admits_any_job():
+def test_a_job_that_finds_a_thread_free_is_admitted_whatever_its_size():
     gate = OffloadGate(workers=2, max_wait_s=0.5, chars_per_s=1e6)
     assert gate.admit(10**9)  # alone, a huge prompt still gets its exact count
-    assert (gate.jobs, gate.queued_chars) == (1, 10**9)
+    assert gate.admit(10**9)  # the second thread is free: it waits for nobody
+    assert (gate.jobs, gate.queued_chars) == (2, 2 * 10**9)
+    assert not gate.admit(1)  # the third would queue behind 1,000 s of work
 
 
-def test_a_job_that_could_not_finish_within_the_budget_is_refused():
-    gate = OffloadGate(workers=2, max_wait_s=0.5, chars_per_s=1e6)
-    assert gate.admit(400_000)
-    # (400k / 2 threads + 200k) / 1M chars/s = 0.4 s: fits; then (600k / 2 + 250k) / 1M = 0.55 s does not.
-    assert gate.admit(200_000)
-    assert not gate.admit(250_000)
-    assert (gate.jobs, gate.queued_chars, gate.refused) == (2, 600_000, 1)
-    gate.done(400_000, 0.4)
-    assert gate.admit(250_000)  # the work ahead finished: room again
+def test_a_job_that_would_queue_is_bounded_by_its_wait_and_its_budget():
+    gate = OffloadGate(workers=2, max_wait_s=0.5, max_queue_s=0.05, chars_per_s=1e6)
+    assert gate.admit(40_000) and gate.admit(40_000)
+    assert gate.queue_s() == pytest.approx(0.04)  # 80k characters ahead on 2 threads at 1M/s
+    assert gate.admit(10_000)  # starts after 40 ms, done after 50
+    assert not gate.admit(500_000)  # would start in time but finish after the 0.5 s budget
+    assert gate.admit(20_000)  # 90k ahead: 45 ms
+    assert gate.queue_s() == pytest.approx(0.055)
+    assert not gate.admit(1)  # past the 50 ms queue bound
+    assert (gate.jobs, gate.queued_chars, gate.refused) == (4, 110_000, 2)
+    gate.done(40_000, 0.04)
+    assert gate.admit(1)  # the work ahead shrank: room again
 
 
 def test_the_rate_is_learned_from_finished_jobs():
@@ -37,7 +42,9 @@ def test_the_rate_is_learned_from_finished_jobs():
     assert (gate.jobs, gate.queued_chars) == (0, 0)
 
 
-@pytest.mark.parametrize("kwargs", [{"workers": 0}, {"max_wait_s": 0}, {"chars_per_s": 0}, {"alpha": 0}, {"alpha": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"workers": 0}, {"max_wait_s": 0}, {"max_queue_s": -1}, {"chars_per_s": 0}, {"alpha": 0}, {"alpha": 1.5}]
+)
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         OffloadGate(**{"workers": 1, "max_wait_s": 1.0, **kwargs})

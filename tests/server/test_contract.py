@@ -720,8 +720,8 @@ async def test_a_count_that_would_queue_past_its_budget_routes_on_the_estimate_a
         models=[{"name": MODEL, "max_model_len": 131072}],
     )
     gate = app.pipeline.offload
-    flood = 10**9  # characters some other requests' counts still hold in the threads
-    assert gate.admit(flood)
+    flood = 10**9  # characters some other requests' counts still hold in both threads
+    assert gate.admit(flood) and gate.admit(flood)
     text = " ".join(f"w{i}" for i in range(20_000))  # ~110k characters: counted off the loop
     body = chat_body(text)
     cached = counter.cache_stats()["tokens"]
@@ -730,6 +730,7 @@ async def test_a_count_that_would_queue_past_its_budget_routes_on_the_estimate_a
     assert routed.request.prompt_tokens == int((len("role") + len("user") + len("content") + len(text) + 16) / 3.5)
     assert counter.cache_stats()["tokens"] == cached and gate.refused == 1  # nothing was tokenized
     assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
+    gate.done(flood, None)
     gate.done(flood, None)
     routed = await app.pipeline.route(RequestKind.CHAT, body)
     messages = [{"role": "user", "content": text}]
