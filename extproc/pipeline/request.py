@@ -79,6 +79,12 @@ INLINE_TOKENIZE_CHARS = 6000
 thread hop costs more than the work. More go to the executor, where the Rust tokenizer's
 `encode_batch` releases the GIL."""
 
+TIKTOKEN_CHARS_PER_S = 5e6
+TOKENIZERS_CHARS_PER_S = 1e6
+"""The tokenizer threads' starting rate (characters per second, learned from finished counts
+afterwards) with tiktoken and with `tokenizers`: Qwen3 on 90k characters of English prose,
+15.6 vs 108 ms on this machine (docs/decisions/0200)."""
+
 BIG_CHARS = 32 * INLINE_TOKENIZE_CHARS
 """A chat with more characters than this renders its template off the event loop too."""
 
@@ -273,7 +279,8 @@ class RequestPipeline:
         # ... and one that would wait more than ~50 ms for a thread, or not finish within that
         # budget behind the counts already queued, is routed on the estimate at once, never
         # queued (a flood of huge prompts would make every decision wait the whole budget).
-        self.offload = OffloadGate(executor_workers, self._count_budget_s)
+        fast = all(rt.counter.encoder == "tiktoken" for rt in self._models.values())
+        self.offload = OffloadGate(executor_workers, self._count_budget_s, chars_per_s=TIKTOKEN_CHARS_PER_S if fast else TOKENIZERS_CHARS_PER_S)
         sched = config.scheduling
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
@@ -664,7 +671,10 @@ class RequestPipeline:
         plans = plan()
         missing = sum(p.missing_chars for p in plans)
         if missing > INLINE_TOKENIZE_CHARS and self._executor is not None:
-            return self._offload_count(None, plans, runtime, missing)
+            task = self._offload_count(None, plans, runtime, missing)
+            if task is None:  # routed on the estimate: the plans' cache lookups still count
+                self._count_cache_use(runtime, plans)
+            return task
         results = [counter.complete(p) for p in plans]
         self._count_cache_use(runtime, plans)
         return [r.count for r in results], results[0].token_ids
