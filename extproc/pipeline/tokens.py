@@ -16,7 +16,7 @@ they interact with their neighbours.
 
 The encoder: for byte-level BPE tokenizers with a regex split (Qwen2/3, Llama 3, ...) the
 segments are encoded by `tiktoken` built from the same `tokenizer.json` (extproc/pipeline/
-fastbpe.py, 5-15× faster), but only once it gave the same ids as `tokenizers` on a built-in
+fastbpe.py, ~7× faster on prose), but only once it gave the same ids as `tokenizers` on a built-in
 corpus at load time; otherwise, or for any other tokenizer, `tokenizers` encodes them
 (`TokenCounter.encoder` says which, `encoder_note` why). docs/decisions/0200.
 """
