@@ -19,12 +19,23 @@ comes from `wrk` (Debian package `wrk`), a C load generator that stays off the P
 The token cache's effect shows in a fourth case: an 8k-token shared context (a long document or
 chat history every request resends) with a unique 20-token question.
 
+Before / after in one run: `--baseline TREE` runs a second `llm-extproc serve` from another
+source tree (e.g. `git worktree add /tmp/base main`, or `git archive`), behind its own gateway,
+in the same loop; the tables then show both servers' CPU per request and tokenize phase.
+
+The flood (`--flood`): 200 KB unique prompts (`--flood-chars`) at concurrency 150
+(`--flood-concurrency`), sent straight to each server's gRPC port (the decision alone: request
+headers, then the body; the stream is cancelled once the body is answered) for
+`--flood-duration` seconds: decisions per second, p50/p99 decision latency (body sent → body
+answered) and the share routed on the character estimate. After each flood the script waits
+for the server to go idle (its abandoned counts finish) before the next.
+
 Reports per prompt size: p50/p99 latency and requests/s of each, the added p50/p99, the
 throughput ratios to Envoy alone, each ext_proc server's CPU time per request (from /proc, over
 the measurement), the server's decision cost split (parse / tokenize / pick, mean from its
 Prometheus histogram), and the server's resident memory before and after each of two rounds of 10,000 requests.
 
-    .venv/bin/python scripts/bench_overhead.py [--duration 10] [--concurrency 8] [--markdown]
+    .venv/bin/python scripts/bench_overhead.py [--duration 10] [--concurrency 8] [--baseline TREE] [--flood]
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -288,6 +300,79 @@ def mean_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float
     return out
 
 
+async def flood(address: tuple[str, int], duration_s: float, concurrency: int, chars: int) -> dict:
+    """Decisions under a flood of unique `chars`-character chat prompts at `concurrency`, straight
+    to an ext_proc server: decisions/s, p50/p99 decision latency (ms), errors."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    hdrs = {":method": b"POST", ":path": b"/v1/chat/completions", ":authority": b"llm.local", "content-type": b"application/json"}
+    headers = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hdrs.items()]))
+    )
+    text = prompt_words(chars // 5)[:chars]
+    latencies: list[float] = []
+    errors = answered = 0
+    stop = time.monotonic() + duration_s
+
+    async def worker(stub, n: int) -> None:
+        nonlocal errors, answered
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            body = json.dumps({"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"req {n}-{i} {text}"}]}).encode()
+            call = stub.Process()
+            try:
+                await call.write(headers)
+                await call.read()
+                t0 = time.perf_counter()
+                await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+                reply = await call.read()
+                answered += 1
+                if time.monotonic() < stop:
+                    latencies.append(time.perf_counter() - t0)
+                    errors += reply.WhichOneof("response") != "request_body"
+            finally:
+                call.cancel()
+
+    options = [("grpc.max_send_message_length", 8 * 1024 * 1024)]
+    async with grpc.aio.insecure_channel(f"{address[0]}:{address[1]}", options=options) as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        t_start = time.monotonic()
+        await asyncio.gather(*(worker(stub, n) for n in range(concurrency)))
+        elapsed = min(time.monotonic(), stop) - t_start
+    latencies.sort()
+
+    def pct(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000 if latencies else float("nan")
+
+    return {
+        "decisions_per_s": len(latencies) / elapsed, "p50_ms": pct(0.50), "p99_ms": pct(0.99),
+        "decisions": len(latencies), "answered": answered, "errors": errors,
+    }  # fmt: skip
+
+
+def wait_idle(pid: int, limit_s: float = 120.0) -> float:
+    """Wait until process `pid` uses under 5% of a core over a second (or `limit_s` passes);
+    returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        before = cpu_seconds(pid)
+        time.sleep(1.0)
+        if cpu_seconds(pid) - before < 0.05:
+            break
+    return time.monotonic() - t0
+
+
+async def metric_value(admin_url: str, name: str) -> float:
+    """Sum of a metric's samples named `name` on a server's /metrics."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        text = (await client.get(f"{admin_url}/metrics")).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
@@ -297,6 +382,13 @@ async def main() -> None:
     ap.add_argument("--rss-requests", type=int, default=10_000, help="requests per memory round")
     ap.add_argument("--rss-rounds", type=int, default=2, help="rounds of --rss-requests, RSS read after each")
     ap.add_argument("--telemetry", choices=("on", "off"), default="on", help="server response telemetry (off: no response body messages)")
+    ap.add_argument("--baseline", type=Path, help="source tree of a second llm-extproc to compare with (before / after)")
+    ap.add_argument("--variant", type=json.loads, help="JSON laid over the server config for a third server (this tree), e.g. "
+                    "'{\"telemetry\": {\"response_headers\": \"when_needed\"}}'")
+    ap.add_argument("--flood", action="store_true", help="also measure decisions under a flood of long prompts")
+    ap.add_argument("--flood-chars", type=int, default=200_000)
+    ap.add_argument("--flood-concurrency", type=int, default=150)
+    ap.add_argument("--flood-duration", type=float, default=20.0)
     ap.add_argument("--passthrough-server", nargs=2, metavar=("PORT", "DESTINATION"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.passthrough_server:
@@ -323,13 +415,41 @@ async def main() -> None:
         )
     )
     server = ExtProcServerProcess(server_cfg, workdir=work, log_level="warning")
+    variant = None
+    if args.variant:
+        from extproc.bench.stacks import merge_config
+
+        variant_cfg = work / "variant.yaml"
+        variant_cfg.write_text(yaml.safe_dump(merge_config(yaml.safe_load(server_cfg.read_text()), args.variant)))
+        variant = ExtProcServerProcess(variant_cfg, workdir=work, log_level="warning", name="variant")
+    baseline = None
+    if args.baseline is not None:
+        tree = args.baseline.resolve()
+        if not (tree / "extproc" / "__init__.py").is_file():
+            sys.exit(f"--baseline {tree}: no extproc package there")
+        baseline = ExtProcServerProcess(server_cfg, workdir=work, log_level="warning", env={"PYTHONPATH": str(tree)}, cwd=tree, name="baseline")
     base = without_access_log(load_envoy_config("fail-open"))
     floor_port = free_port()
     floor: subprocess.Popen | None = None
-    gw = floor_gw = alone = None
+    gw = floor_gw = alone = base_gw = var_gw = None
     rows = []
+    floods = {}
     try:
         await server.start()
+        if baseline is not None:
+            await baseline.start()
+            base_gw = EnvoyProcess(
+                rewrite_config(base, RunSettings(extproc=baseline.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
+                workdir=work, name="gateway-baseline", concurrency=1,
+            )  # fmt: skip
+            await base_gw.start()
+        if variant is not None:
+            await variant.start()
+            var_gw = EnvoyProcess(
+                rewrite_config(base, RunSettings(extproc=variant.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
+                workdir=work, name="gateway-variant", concurrency=1,
+            )  # fmt: skip
+            await var_gw.start()
         gw = EnvoyProcess(
             rewrite_config(base, RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
             workdir=work, name="gateway", concurrency=1,
@@ -371,6 +491,12 @@ async def main() -> None:
                 "size": size, "shared": shared, "prompt_tokens": n, "alone": r_alone, "passthrough": r_floor, "extproc": r_ext,
                 "decision_ms": mean_ms(before, after),
             })  # fmt: skip
+            if baseline is not None:
+                b0 = await decision_totals(baseline.admin_url)
+                rows[-1]["baseline"] = run_wrk_cpu(base_gw.url, script, args.duration, args.concurrency, baseline.process.pid)
+                rows[-1]["baseline_decision_ms"] = mean_ms(b0, await decision_totals(baseline.admin_url))
+            if variant is not None:
+                rows[-1]["variant"] = run_wrk_cpu(var_gw.url, script, args.duration, args.concurrency, variant.process.pid)
             print(json.dumps(rows[-1]), flush=True)
         # Memory: RSS before and after each of `--rss-rounds` rounds of many more requests
         # (unique 1k-token prompts: the token cache churns at its bound the whole time).
@@ -386,14 +512,30 @@ async def main() -> None:
                 served += int(r["rps"] * 5)
             rss.append(rss_bytes(pid) / 2**20)
             print(json.dumps({"rss_mib": rss, "requests": served}), flush=True)
+        if args.flood:
+            for name, srv in (("after", server), ("before", baseline)):
+                if srv is None:
+                    continue
+                wait_idle(srv.process.pid)
+                est0 = await metric_value(srv.admin_url, "llm_extproc_tokenizer_estimates_total")
+                cpu0 = cpu_seconds(srv.process.pid)
+                result = await flood(srv.grpc_address, args.flood_duration, args.flood_concurrency, args.flood_chars)
+                result["server_cpu_s"] = cpu_seconds(srv.process.pid) - cpu0
+                result["estimated"] = await metric_value(srv.admin_url, "llm_extproc_tokenizer_estimates_total") - est0
+                result["idle_after_s"] = wait_idle(srv.process.pid)
+                floods[name] = result
+                print(json.dumps({"flood": name, **result}), flush=True)
     finally:
-        for envoy in (gw, floor_gw, alone):
+        for envoy in (gw, floor_gw, alone, base_gw, var_gw):
             if envoy is not None:
                 await envoy.aclose()
         if floor is not None:
             floor.terminate()
             floor.wait(timeout=10)
         await server.aclose()
+        for extra in (baseline, variant):
+            if extra is not None:
+                await extra.aclose()
         await backend.aclose()
         shutil.rmtree(work, ignore_errors=True)
 
@@ -416,6 +558,44 @@ async def main() -> None:
             f"{f['server_cpu_ms']:.2f} / {e['server_cpu_ms']:.2f} | "
             f"{d.get('parse', 0):.3f} / {d.get('tokenize', 0):.3f} / {d.get('schedule', 0):.3f} |"
         )
+
+    if any("baseline" in row for row in rows):
+        print()
+        print("Before (--baseline) / after, same run:")
+        print(
+            "| prompt tokens | server CPU per request, pass-through / before / after (ms) | CPU above the pass-through, before / after (ms) "
+            "| tokenize phase, before / after (ms, mean) | speed-up | req/s before / after |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|")
+        for row in rows:
+            f, e, b = row["passthrough"], row["extproc"], row["baseline"]
+            tb, ta = row["baseline_decision_ms"].get("tokenize", 0), row["decision_ms"].get("tokenize", 0)
+            label = f"{row['prompt_tokens']} (shared context)" if row["shared"] else str(row["prompt_tokens"])
+            print(
+                f"| {label} | {f['server_cpu_ms']:.2f} / {b['server_cpu_ms']:.2f} / {e['server_cpu_ms']:.2f} | "
+                f"{b['server_cpu_ms'] - f['server_cpu_ms']:.2f} / {e['server_cpu_ms'] - f['server_cpu_ms']:.2f} | "
+                f"{tb:.3f} / {ta:.3f} | {tb / ta if ta else float('nan'):.1f}× | {b['rps']:.0f} / {e['rps']:.0f} |"
+            )
+    if any("variant" in row for row in rows):
+        print()
+        print(f"Variant {json.dumps(args.variant)} (this tree), same run:")
+        print("| prompt tokens | server CPU per request, after / variant (ms) | req/s after / variant |")
+        print("|---:|---:|---:|")
+        for row in rows:
+            e, v = row["extproc"], row["variant"]
+            label = f"{row['prompt_tokens']} (shared context)" if row["shared"] else str(row["prompt_tokens"])
+            print(f"| {label} | {e['server_cpu_ms']:.2f} / {v['server_cpu_ms']:.2f} | {e['rps']:.0f} / {v['rps']:.0f} |")
+    if floods:
+        print()
+        print(f"Flood: {args.flood_chars} characters per prompt, concurrency {args.flood_concurrency}, {args.flood_duration:.0f} s, straight to gRPC")
+        print("| server | decisions/s | decision p50 / p99 (ms) | routed on the estimate | server CPU (s) | busy after the flood (s) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, r in floods.items():
+            share = r["estimated"] / r["answered"] if r["answered"] else float("nan")  # those answered after the window too
+            print(
+                f"| {name} | {r['decisions_per_s']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | {share:.0%} | "
+                f"{r['server_cpu_s']:.1f} | {r['idle_after_s']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -260,6 +260,9 @@ class ModelConfig(_Strict):
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
         truncation: head + tail truncation of over-long prompts (off by default); a mode alone
             (`truncation: head-tail`) keeps the other settings' defaults.
+        token_encoder: `auto` (tiktoken built from the tokenizer when it is a byte-level BPE
+            with a regex split and agrees with `tokenizers` on a load-time cross-check, else
+            `tokenizers`) or `tokenizers` (always the reference encoder; docs/decisions/0200).
     """
 
     name: str = Field(min_length=1)
@@ -270,6 +273,7 @@ class ModelConfig(_Strict):
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+    token_encoder: Literal["auto", "tokenizers"] = "auto"
 
     @field_validator("truncation", mode="before")
     @classmethod
@@ -768,10 +772,18 @@ class TelemetryConfig(_Strict):
         observer: markers (`: x-chunk-id=N x-sent-at-us=T` SSE comments, opt-in) and body bounds.
         stats: per-endpoint windows and backpressure thresholds (σ of inter-token gaps ≥ 15 ms
             light, ≥ 25 ms heavy; latency buckets 50 / 200 ms).
+        response_headers: `always` (every generation response's headers cross the server: its
+            status feeds outlier detection and the error-shape rewrite, they carry the
+            rate-limit, truncation and explain headers, and they end prefill) or `when_needed`:
+            unobserved requests skip that message (~0.15 ms of server CPU each) when nothing
+            configured needs it — outlier detection off, no explain header, no rate limits, no
+            truncation — and leave prefill at their endpoint's predicted TTFT instead; engines'
+            errors then reach clients in the engines' own shape. docs/decisions/0201.
     """
 
     enabled: bool = True
     sample_rate: float = Field(default=0.1, gt=0, le=1)
+    response_headers: Literal["always", "when_needed"] = "always"
     observer: ObserverOptions = Field(default_factory=ObserverOptions)
     stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
 

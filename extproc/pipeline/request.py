@@ -34,6 +34,7 @@ from extproc.errors import (
     ValidationError,
 )
 from extproc.metrics import Metrics
+from extproc.pipeline.offload import OffloadGate
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
@@ -77,6 +78,12 @@ INLINE_TOKENIZE_CHARS = 6000
 """Up to this many uncached characters (~1.5k tokens) are tokenized on the event loop: a
 thread hop costs more than the work. More go to the executor, where the Rust tokenizer's
 `encode_batch` releases the GIL."""
+
+TIKTOKEN_CHARS_PER_S = 5e6
+TOKENIZERS_CHARS_PER_S = 1e6
+"""The tokenizer threads' starting rate (characters per second, learned from finished counts
+afterwards) with tiktoken and with `tokenizers`: Qwen3 on 90k characters of English prose,
+15.6 vs 108 ms on this machine (docs/decisions/0200)."""
 
 BIG_CHARS = 32 * INLINE_TOKENIZE_CHARS
 """A chat with more characters than this renders its template off the event loop too."""
@@ -183,6 +190,12 @@ def _message_chars(parsed: ParsedRequest) -> int:
     return _text_chars(parsed.messages, parsed.tools)
 
 
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """`fn(*args)` and the seconds it took (run in a worker thread: its service time)."""
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
 def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
     """Prompt tokens from characters (ESTIMATE_CHARS_PER_TOKEN), when exact counting ran out of time."""
     if parsed.kind is not RequestKind.COMPLETION:
@@ -222,6 +235,8 @@ class RequestPipeline:
         models: canonical model name → runtime (tokenizer).
         metrics: metrics sink.
         executor: where long prompts are tokenized.
+        executor_workers: its threads (the counting jobs admitted to it are bounded by the time
+            they would take on that many threads: `extproc.pipeline.offload.OffloadGate`).
         rng: tie-break randomness (seeded in tests).
         prefix: the prefix tracker (prefix index, sessions), or None for none.
     """
@@ -235,6 +250,7 @@ class RequestPipeline:
         executor: Executor | None = None,
         rng: random.Random | None = None,
         prefix: PrefixTracker | None = None,
+        executor_workers: int = 2,
     ) -> None:
         self._config = config
         self.prefix = prefix
@@ -260,6 +276,11 @@ class RequestPipeline:
         # Past this, a burst of long new prompts waiting for a tokenizer thread is routed on a
         # character estimate instead of refused: the rest of the decision needs the remainder.
         self._count_budget_s = config.limits.decision_timeout_ms / 1000 * COUNT_BUDGET_FRACTION
+        # ... and one that would wait more than ~50 ms for a thread, or not finish within that
+        # budget behind the counts already queued, is routed on the estimate at once, never
+        # queued (a flood of huge prompts would make every decision wait the whole budget).
+        fast = all(rt.counter.encoder == "tiktoken" for rt in self._models.values())
+        self.offload = OffloadGate(executor_workers, self._count_budget_s, chars_per_s=TIKTOKEN_CHARS_PER_S if fast else TOKENIZERS_CHARS_PER_S)
         sched = config.scheduling
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
@@ -271,6 +292,11 @@ class RequestPipeline:
     def served_models(self) -> list[str]:
         """Every name a client may use (canonical names and aliases), sorted."""
         return sorted(self._aliases)
+
+    def encoders(self) -> dict[str, dict[str, str]]:
+        """Per served model (canonical name): the token encoder in use ("tiktoken" or
+        "tokenizers") and, for `tokenizers`, why (`TokenCounter.encoder_note`)."""
+        return {name: {"encoder": rt.counter.encoder, "note": rt.counter.encoder_note} for name, rt in sorted(self._models.items())}
 
     def resolve_model(self, name: str) -> ModelRuntime:
         """The runtime for a requested model name or alias.
@@ -354,6 +380,9 @@ class RequestPipeline:
         counted = self._count(parsed, runtime, len(body))
         if isinstance(counted, tuple):  # counted on the event loop: nothing to wait for
             (prompt_tokens, token_ids), exact = counted, True
+        elif counted is None:  # the tokenizer threads are full for longer than the budget
+            self._metrics.token_estimates.labels(model.name).inc()
+            prompt_tokens, token_ids, exact = _estimate_tokens(parsed), None, False
         else:
             # The budget runs from the start of counting: the inline part (rendering, cutting)
             # already spent some of it.
@@ -618,10 +647,11 @@ class RequestPipeline:
 
     def _count(
         self, parsed: ParsedRequest, runtime: ModelRuntime, body_bytes: int
-    ) -> tuple[list[int], list[int] | None] | Awaitable[tuple[list[int], list[int] | None]]:
+    ) -> tuple[list[int], list[int] | None] | Awaitable[tuple[list[int], list[int] | None]] | None:
         """Prompt tokens per prompt (a list: completions may batch several prompts) and the ids of
         the first prompt (kept for prefix hashing) — directly, or an awaitable when the work goes
-        to the executor.
+        to the executor, or None when the executor's admitted work would not leave this count
+        time to finish within the budget (`self.offload`: the caller uses the estimate).
 
         The chat template is rendered and the text cut and looked up in the segment cache on the
         event loop (sub-millisecond); only when more than INLINE_TOKENIZE_CHARS characters miss
@@ -667,26 +697,51 @@ class RequestPipeline:
         if self._executor is not None and big:
             # Rendering a template is pure Python: a huge conversation renders in a thread so
             # the event loop keeps serving other streams in between (the GIL switches every 5 ms).
-            return self._count_off_loop(plan, None, runtime)
+            return self._offload_count(plan, None, runtime, chars)
         plans = plan()
-        if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS and self._executor is not None:
-            return self._count_off_loop(None, plans, runtime)
+        missing = sum(p.missing_chars for p in plans)
+        if missing > INLINE_TOKENIZE_CHARS and self._executor is not None:
+            task = self._offload_count(None, plans, runtime, missing)
+            if task is None:  # routed on the estimate: the plans' cache lookups still count
+                self._count_cache_use(runtime, plans)
+            return task
         results = [counter.complete(p) for p in plans]
         self._count_cache_use(runtime, plans)
         return [r.count for r in results], results[0].token_ids
 
+    def _offload_count(
+        self, plan: Callable[[], list[EncodePlan]] | None, plans: list[EncodePlan] | None, runtime: ModelRuntime, chars: int
+    ) -> asyncio.Task[tuple[list[int], list[int] | None]] | None:
+        """The off-loop count of a job of `chars` characters as a task, or None when
+        `self.offload` refuses it. The gate hears of the task's end however it ends (a task
+        cancelled before it starts never runs its body, hence the done-callback)."""
+        if not self.offload.admit(chars):
+            return None
+        service: list[float] = []
+        task = asyncio.ensure_future(self._count_off_loop(plan, plans, runtime, service))
+        task.add_done_callback(lambda t: self.offload.done(chars, service[0] if service and not t.cancelled() else None))
+        return task
+
     async def _count_off_loop(
-        self, plan: Callable[[], list[EncodePlan]] | None, plans: list[EncodePlan] | None, runtime: ModelRuntime
+        self, plan: Callable[[], list[EncodePlan]] | None, plans: list[EncodePlan] | None, runtime: ModelRuntime, service: list[float]
     ) -> tuple[list[int], list[int] | None]:
-        """`_count`'s slow path: render (when `plans` is None) and tokenize in the executor."""
+        """`_count`'s slow path: render (when `plans` is None) and tokenize in the executor;
+        the seconds that took in the threads go into `service`."""
         loop = asyncio.get_running_loop()
         counter = runtime.counter
+        spent = 0.0
         if plans is None:
-            plans = await loop.run_in_executor(self._executor, plan)
+            plans, s = await loop.run_in_executor(self._executor, _timed, plan)
+            spent += s
         if sum(p.missing_chars for p in plans) > INLINE_TOKENIZE_CHARS:
-            results = [await loop.run_in_executor(self._executor, counter.complete, p) for p in plans]
+            results = []
+            for p in plans:
+                result, s = await loop.run_in_executor(self._executor, _timed, counter.complete, p)
+                results.append(result)
+                spent += s
         else:
             results = [counter.complete(p) for p in plans]
+        service.append(spent)
         self._count_cache_use(runtime, plans)
         return [r.count for r in results], results[0].token_ids
 

@@ -151,6 +151,9 @@ class AdminServer:
         return web.json_response(
             {
                 "prefix_index": prefix.summary() if prefix is not None else None,
+                # Which encoder counts each model's tokens (tiktoken once cross-checked, else
+                # tokenizers and why): docs/decisions/0200.
+                "token_encoders": self._pipeline.encoders() if self._pipeline is not None else None,
                 # How much each learned value rests on: `prefill_samples` first tokens for the
                 # prefill speed; stream statistics from this share of responses only.
                 "telemetry_sample_rate": self._sample_rate,

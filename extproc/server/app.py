@@ -49,17 +49,18 @@ section); served in every mode, SERVING while the ext_proc service is."""
 
 
 def load_models(config: Config) -> dict[str, ModelRuntime]:
-    """Load every model's tokenizer (shared between models with the same source).
+    """Load every model's tokenizer (shared between models with the same source and encoder).
 
     Raises:
         TokenizerLoadError: a tokenizer source cannot be loaded.
     """
-    counters: dict[str, TokenCounter] = {}
+    counters: dict[tuple[str, str], TokenCounter] = {}
     out: dict[str, ModelRuntime] = {}
     for m in config.models:
-        if m.tokenizer not in counters:
-            counters[m.tokenizer] = TokenCounter.from_source(m.tokenizer)
-        out[m.name] = ModelRuntime(m, counters[m.tokenizer])
+        key = (m.tokenizer, m.token_encoder)
+        if key not in counters:
+            counters[key] = TokenCounter.from_source(m.tokenizer, encoder=m.token_encoder)
+        out[m.name] = ModelRuntime(m, counters[key])
     return out
 
 
@@ -91,6 +92,10 @@ def _add_port(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> i
     creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
     return server.add_secure_port(address, creds)
 
+
+
+TOKENIZE_THREADS = 2
+"""Threads that render and tokenize long prompts (and check huge JSON bodies) off the event loop."""
 
 class ExtProcApp:
     """The whole ext_proc server process.
@@ -166,6 +171,28 @@ class ExtProcApp:
             endpoint.scrape_errors += 1
             m.scrape_errors.labels(endpoint.address).inc()
 
+    def _skip_response_headers(self, cfg: Config) -> bool:
+        """`telemetry.response_headers: when_needed` and nothing configured reads a response's
+        headers (outlier detection, the explain header, rate limits, truncation); when it is set
+        but something does, say so once and keep them."""
+        if cfg.telemetry.response_headers != "when_needed":
+            return False
+        needs = [
+            name
+            for name, on in (
+                ("scheduling.outlier_detection", cfg.scheduling.outlier_detection.enabled),
+                ("scheduling.explain_header", cfg.scheduling.explain_header),
+                ("rate limits", self.ratelimit is not None),
+                ("truncation", any(m.truncation.mode != "off" for m in cfg.models)),
+                ("protocol.mode: epp (FULL_DUPLEX_STREAMED takes no mode override)", cfg.protocol.mode == "epp"),
+            )
+            if on
+        ]
+        if needs:
+            log.info("telemetry.response_headers: when_needed has no effect: %s read every response's headers", ", ".join(needs))
+            return False
+        return True
+
     async def start(self) -> None:
         """Load tokenizers, probe endpoints, then listen (gRPC, then admin).
 
@@ -186,8 +213,10 @@ class ExtProcApp:
             except OSError as exc:
                 raise RuntimeError(f"cannot open decision_log.path {cfg.decision_log.path}: {exc.strerror or exc}") from None
             self._decision_log = decision_log
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
+        self._executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        pipeline = RequestPipeline(
+            cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix, executor_workers=TOKENIZE_THREADS
+        )
         od = cfg.scheduling.outlier_detection
         servicer_kwargs = {}
         servicer_class = ExtProcServicer
@@ -208,6 +237,7 @@ class ExtProcApp:
             outlier_detection=OutlierDetector(self.store, od) if od.enabled else None,
             ratelimit=self.ratelimit,
             decision_log=self._decision_log,
+            skip_response_headers=self._skip_response_headers(cfg),
         )
         self.pipeline = pipeline
         await self._checker.start()

@@ -98,6 +98,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         outlier_detection: ejects endpoints answering 5xx, or None for no ejection.
         ratelimit: tenants' rate limits, or None. A token-limited tenant's responses are always
             observed (for their usage) but only the sampled ones feed telemetry.
+        skip_response_headers: unobserved generation requests skip the response-headers
+            message and leave prefill at their endpoint's predicted TTFT (a timer) instead;
+            only when nothing else needs those headers (`telemetry.response_headers`).
     """
 
     full_duplex = False
@@ -120,7 +123,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         outlier_detection: OutlierDetector | None = None,
         decision_log: DecisionLog | None = None,
         ratelimit: RateLimiter | None = None,
+        skip_response_headers: bool = False,
     ) -> None:
+        self._skip_response_headers = skip_response_headers
         self._ratelimit = ratelimit
         self._pipeline = pipeline
         self._log = decision_log
@@ -170,6 +175,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         error_body = bytearray()
         start_ns = 0
         observe = sampled = False
+        first_token: asyncio.TimerHandle | None = None  # the predicted end of prefill, headers skipped
         self._begin_stream()
         try:
             async for msg in request_iterator:
@@ -189,7 +195,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
                         sampled, tenant, observe = self._watch_plan(hdrs)
-                        mode = responses.GENERATION_MODE_STREAMED if observe else responses.GENERATION_MODE
+                        if observe:
+                            mode = responses.GENERATION_MODE_STREAMED
+                        else:
+                            mode = responses.GENERATION_MODE_NO_RESPONSE if self._skip_response_headers else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
                     elif kind is not None:
                         yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
@@ -216,6 +225,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, record, tenant)
                     if routed is not None and observe:
                         observer = self._observer_for(routed, admission, start_ns, sampled)
+                    elif reservation is not None and not observe and self._skip_response_headers:
+                        first_token = self._predict_first_token(reservation)
                     yield response
                 elif phase == "response_headers":
                     reply, error_status = self._on_response_headers(
@@ -243,6 +254,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed")
             raise
         finally:
+            if first_token is not None:
+                first_token.cancel()
             self._end_stream(observer, record, routed, admission, reservation)
 
     @staticmethod
@@ -452,6 +465,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 "endpoint %s ejected for %.0f s (ejection %d): %d answers in a row with a 5xx status",
                 endpoint.address, seconds, endpoint.ejections, self._outliers.threshold,
             )  # fmt: skip
+
+    @staticmethod
+    def _predict_first_token(reservation: Reservation) -> asyncio.TimerHandle:
+        """Without its response headers, a request leaves prefill when its endpoint's fit says
+        the first token comes (`PrefillFit.predict` of the prefill queued ahead of it, its own
+        included); nothing is learned from that guess."""
+        delay = max(0.0, reservation.endpoint.prefill_fit.predict(reservation.backlog_tokens))
+        return asyncio.get_running_loop().call_later(delay, functools.partial(reservation.mark_first_token, learn=False))
 
     def _on_response_headers(
         self,

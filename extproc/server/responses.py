@@ -24,6 +24,7 @@ __all__ = [
     "response_body_cleared",
     "GENERATION_MODE_STREAMED",
     "GENERATION_MODE",
+    "GENERATION_MODE_NO_RESPONSE",
     "ERROR_BODY_MODE",
     "PASSTHROUGH_MODE",
     "route_in_headers",
@@ -87,6 +88,12 @@ GENERATION_MODE_STREAMED = _PM(
 )
 """GENERATION_MODE with the response body streamed through the server (telemetry on): each
 body chunk is one message, answered in order, unchanged unless markers are injected."""
+
+GENERATION_MODE_NO_RESPONSE = _PM()
+GENERATION_MODE_NO_RESPONSE.CopyFrom(GENERATION_MODE)
+GENERATION_MODE_NO_RESPONSE.response_header_mode = _PM.SKIP
+"""GENERATION_MODE without the response headers (`telemetry.response_headers: when_needed`,
+unobserved requests): two messages per request."""
 
 ERROR_BODY_MODE = _PM()
 ERROR_BODY_MODE.CopyFrom(GENERATION_MODE)

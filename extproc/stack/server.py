@@ -33,6 +33,8 @@ class ExtProcServerProcess(ChildHandle):
         grpc_port / admin_port: fixed ports; 0 picks free ones at `start()`.
         log_level: the server's `--log-level`.
         env: extra environment variables for the child.
+        cwd: the child's working directory (default: this process's); with `PYTHONPATH` in
+            `env`, runs another source tree's `extproc` (benchmarks compare against a baseline).
 
     Nothing happens until `start()`.
     """
@@ -47,8 +49,10 @@ class ExtProcServerProcess(ChildHandle):
         log_level: str = "info",
         env: Mapping[str, str] | None = None,
         name: str = "llm-extproc",
+        cwd: Path | None = None,
     ) -> None:
         self.config_path = Path(config_path)
+        self._cwd = cwd
         self.workdir = Path(workdir)
         self.grpc_port = grpc_port
         self.admin_port = admin_port
@@ -85,7 +89,7 @@ class ExtProcServerProcess(ChildHandle):
         env["LLM_EXTPROC_GRPC_ADDRESS"] = f"127.0.0.1:{self.grpc_port}"
         env["LLM_EXTPROC_ADMIN_ADDRESS"] = f"127.0.0.1:{self.admin_port}"
         argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.config_path), "--log-level", self._log_level]
-        self._proc = ManagedProcess(argv, name=self.name, log_path=self.workdir / f"{self.name}.log", env=env)
+        self._proc = ManagedProcess(argv, name=self.name, log_path=self.workdir / f"{self.name}.log", env=env, cwd=self._cwd)
         self._proc.spawn()
         try:
             # A fresh connection per probe: a kept-alive one may belong to the old process.

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+import unicodedata
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.errors import BadRequestError
+from extproc.models import builtin_tokenizer_dir
+from extproc.pipeline.fastbpe import UnsupportedTokenizer, build_fast_encoder, cross_check_corpus
 from extproc.pipeline.tokens import TokenCounter, TokenizerLoadError
 
 CONVERSATIONS = {
@@ -24,63 +32,75 @@ CONVERSATIONS = {
 }
 
 
+@pytest.fixture(scope="module", params=["tiktoken", "tokenizers"])
+def counter(request, qwen_counter) -> TokenCounter:
+    """The Qwen3 counter with each encoder: the fast one (cross-checked at load) and the
+    reference `tokenizers` one; every exactness test below runs on both."""
+    if request.param == "tiktoken":
+        assert qwen_counter.encoder == "tiktoken", qwen_counter.encoder_note
+        return qwen_counter
+    reference = TokenCounter.from_source("builtin:qwen3", encoder="tokenizers")
+    assert reference.encoder == "tokenizers"
+    return reference
+
+
 def reference(counter: TokenCounter, messages, **kw) -> list[int]:
     return counter.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True, **kw)
 
 
 @pytest.mark.parametrize("name", CONVERSATIONS)
-def test_chat_count_equals_apply_chat_template(qwen_counter, name):
+def test_chat_count_equals_apply_chat_template(counter, name):
     msgs = CONVERSATIONS[name]
-    ref = reference(qwen_counter, msgs)
-    got = qwen_counter.count_chat(msgs)
+    ref = reference(counter, msgs)
+    got = counter.count_chat(msgs)
     assert got.token_ids == ref
     # A second time is served from the segment cache and must not change the answer.
-    assert qwen_counter.count_chat(msgs).token_ids == ref
+    assert counter.count_chat(msgs).token_ids == ref
 
 
-def test_tools_rendered_into_the_prompt(qwen_counter):
+def test_tools_rendered_into_the_prompt(counter):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     msgs = [{"role": "user", "content": "weather in Paris?"}]
-    with_tools = qwen_counter.count_chat(msgs, tools=tools)
-    assert with_tools.token_ids == reference(qwen_counter, msgs, tools=tools)
-    assert with_tools.count > qwen_counter.count_chat(msgs).count + 20
+    with_tools = counter.count_chat(msgs, tools=tools)
+    assert with_tools.token_ids == reference(counter, msgs, tools=tools)
+    assert with_tools.count > counter.count_chat(msgs).count + 20
 
 
-def test_chat_template_kwargs_passed_through(qwen_counter):
+def test_chat_template_kwargs_passed_through(counter):
     msgs = [{"role": "user", "content": "hi"}]
-    off = qwen_counter.count_chat(msgs, chat_template_kwargs={"enable_thinking": False})
-    assert off.token_ids == reference(qwen_counter, msgs, enable_thinking=False)
-    assert off.count != qwen_counter.count_chat(msgs).count  # Qwen3 adds an empty think block
+    off = counter.count_chat(msgs, chat_template_kwargs={"enable_thinking": False})
+    assert off.token_ids == reference(counter, msgs, enable_thinking=False)
+    assert off.count != counter.count_chat(msgs).count  # Qwen3 adds an empty think block
 
 
-def test_multi_turn_history_hits_the_cache(qwen_counter):
+def test_multi_turn_history_hits_the_cache(counter):
     history = [{"role": "user", "content": f"question {i} " * 50} for i in range(6)]
-    qwen_counter.count_chat(history)
-    before = qwen_counter.cache_stats()
-    qwen_counter.count_chat(history + [{"role": "user", "content": "a brand new follow-up question"}])
-    after = qwen_counter.cache_stats()
+    counter.count_chat(history)
+    before = counter.cache_stats()
+    counter.count_chat(history + [{"role": "user", "content": "a brand new follow-up question"}])
+    after = counter.cache_stats()
     assert after["hits"] - before["hits"] >= len(history)
     # Only the new message segment (and the generation prompt, if new) were tokenized afresh.
     assert after["misses"] - before["misses"] <= 2
 
 
-def test_completion_prompt_matches_plain_tokenization(qwen_counter):
+def test_completion_prompt_matches_plain_tokenization(counter):
     text = "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)\n"
-    assert qwen_counter.count_text(text).token_ids == qwen_counter.tokenizer(text)["input_ids"]
+    assert counter.count_text(text).token_ids == counter.tokenizer(text)["input_ids"]
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.text(min_size=0, max_size=200), min_size=1, max_size=4))
-def test_any_text_counts_exactly(qwen_counter, contents):
+def test_any_text_counts_exactly(counter, contents):
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(contents)]
     if msgs[-1]["role"] != "user":
         msgs.append({"role": "user", "content": "ok"})
-    assert qwen_counter.count_chat(msgs).token_ids == reference(qwen_counter, msgs)
+    assert counter.count_chat(msgs).token_ids == reference(counter, msgs)
 
 
-def test_template_rejection_is_a_bad_request(qwen_counter):
+def test_template_rejection_is_a_bad_request(counter):
     with pytest.raises(BadRequestError):
-        qwen_counter.count_chat([{"role": "user", "content": None}])  # the template concatenates content
+        counter.count_chat([{"role": "user", "content": None}])  # the template concatenates content
 
 
 @pytest.mark.parametrize("source", ["builtin:llama9", "/nonexistent/tokenizer"], ids=["unknown-builtin", "missing-dir"])
@@ -88,3 +108,78 @@ def test_bad_tokenizer_source(source):
     with pytest.raises(TokenizerLoadError) as info:
         TokenCounter.from_source(source)
     assert source.split(":")[-1] in str(info.value)
+
+
+# --- the fast encoder and its load-time cross-check ------------------------------------------
+
+
+def test_the_cross_check_corpus_covers_what_tokenizers_differ_on(qwen_counter):
+    """The corpus has CJK, emoji, code, whitespace runs, non-NFC text and every added token, and
+    the fast encoder agrees with `tokenizers` on all of it (whole texts, added tokens included)."""
+    added = list(qwen_counter._added_ids)
+    assert {"<|im_start|>", "<think>", "</tool_call>"} <= set(added)
+    corpus = cross_check_corpus(added)
+    joined = "".join(corpus)
+    for needle in ("你好", "한국어", "😀", "👨\u200d👩", "def fib", "\r\n", "   \n", "e\u0301", "\u212b", *added):
+        assert needle in joined
+    assert unicodedata.normalize("NFC", joined) != joined  # non-NFC text is in it
+    backend = qwen_counter.tokenizer.backend_tokenizer
+    for text in corpus:
+        assert qwen_counter.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
+
+
+def _altered_copy(tmp_path: Path, change) -> Path:
+    """A copy of the built-in Qwen3 tokenizer directory with `change` applied to its tokenizer.json."""
+    src = builtin_tokenizer_dir("qwen3")
+    dst = tmp_path / "tok"
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "tokenizer.json").read_text(encoding="utf-8"))
+    change(data)
+    (dst / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return dst
+
+
+def test_an_altered_tokenizer_fails_the_cross_check_and_keeps_tokenizers(tmp_path, caplog):
+    """Dropping the merge `i` + `n` leaves the vocabulary (tiktoken's ranks) as it was but changes
+    what `tokenizers` does with every word holding "in": the cross-check must catch it, and the
+    counts stay `tokenizers`' own."""
+
+    def drop_merge(data):
+        merges = data["model"]["merges"]
+        merges.remove(next(m for m in merges if (m.split(" ") if isinstance(m, str) else m) == ["i", "n"]))
+
+    with caplog.at_level(logging.WARNING, logger="extproc.pipeline.tokens"):
+        counter = TokenCounter.from_source(str(_altered_copy(tmp_path, drop_merge)))
+    assert counter.encoder == "tokenizers"
+    assert counter.encoder_note.startswith("cross-check failed")
+    assert [r.levelno for r in caplog.records if "cross-check failed" in r.getMessage()] == [logging.WARNING]
+    msgs = [{"role": "user", "content": "nothing in the inn is interesting"}]
+    assert counter.count_chat(msgs).token_ids == reference(counter, msgs)
+
+
+def test_an_unsupported_normalizer_keeps_tokenizers():
+    """What the loaded tokenizer does is what counts (transformers' Qwen2Tokenizer rebuilds its
+    normalizer and pre-tokenizer itself, whatever tokenizer.json says): a backend given a
+    Lowercase normalizer is not one tiktoken can run."""
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(builtin_tokenizer_dir("qwen3")), local_files_only=True)
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    counter = TokenCounter(tok)
+    assert counter.encoder == "tokenizers"
+    assert "Lowercase" in counter.encoder_note
+    assert counter.count_text("HeLLo World").token_ids == tok("HeLLo World")["input_ids"]
+
+
+def test_build_refuses_ids_out_of_merge_order():
+    data = json.loads((builtin_tokenizer_dir("qwen3") / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    vocab["in"], vocab["er"] = vocab["er"], vocab["in"]  # two early merges' results swap ids
+    with pytest.raises(UnsupportedTokenizer, match="merge order"):
+        build_fast_encoder(data)
+
+
+def test_unknown_encoder_is_refused(qwen_counter):
+    with pytest.raises(ValueError, match="encoder"):
+        TokenCounter(qwen_counter.tokenizer, encoder="fast")

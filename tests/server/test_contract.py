@@ -358,6 +358,48 @@ async def test_generation_mode_streams_responses_only_with_telemetry(make_app, t
     assert mode.request_trailer_mode == PM.SKIP and mode.response_trailer_mode == PM.SKIP
 
 
+async def test_unneeded_response_headers_are_skipped_and_prefill_ends_at_the_predicted_ttft(make_app):
+    """`telemetry.response_headers: when_needed` with nothing reading the response headers: an
+    unobserved request asks for two messages only, leaves prefill at its endpoint's predicted
+    TTFT (teaching the fit nothing), and releases everything when its stream ends."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    app = await make_app(
+        telemetry={"enabled": False, "response_headers": "when_needed"},
+        scheduling={"health_check": {"enabled": False}, "outlier_detection": {"enabled": False}},
+    )
+    PM = processing_mode_pb2.ProcessingMode
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = pb_grpc.ExternalProcessorStub(ch).Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions"))
+        mode = (await call.read()).mode_override
+        assert mode.request_body_mode == PM.BUFFERED and mode.response_header_mode == PM.SKIP
+        await call.write(body_msg(chat_body("hello " * 50)))
+        ep = app.store.get(set_headers((await call.read()).request_body.response)["x-gateway-destination-endpoint"])
+        assert ep.inflight == 1
+        for _ in range(500):  # the fit's prior: 20 ms plus the prompt's share
+            if ep.decode_inflight == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert (ep.prefill_inflight, ep.decode_inflight, ep.prefill_fit.samples) == (0, 1, 0)
+        await call.done_writing()
+        await call.read()
+    for _ in range(100):
+        if ep.inflight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (ep.inflight, ep.decode_inflight) == (0, 0)
+
+
+async def test_response_headers_stay_while_outlier_detection_reads_them(make_app):
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    app = await make_app(telemetry={"enabled": False, "response_headers": "when_needed"})  # outlier detection on (default)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        (reply,) = await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions"))
+    assert reply.mode_override.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
+
+
 async def test_observed_stream_marks_first_token_on_first_content(app, stub):
     call = stub.Process()
     await call.write(headers_msg("POST", "/v1/chat/completions"))
@@ -665,8 +707,10 @@ async def test_prompt_with_more_characters_than_the_context_can_hold_is_refused_
 async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app):
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    # A 200 ms decision budget leaves 100 ms for counting: ~40k new words take several times that.
+    # A 200 ms decision budget leaves 100 ms for counting: ~40k new words take several times that
+    # with `tokenizers` (tiktoken takes ~40 ms: this test keeps the slower encoder).
     app = await make_app(
+        counter=TokenCounter.from_source("builtin:qwen3", encoder="tokenizers"),
         limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000, "decision_timeout_ms": 200},
         models=[{"name": MODEL, "aliases": ["qwen3-8b"], "max_model_len": 131072}],
     )
@@ -678,6 +722,37 @@ async def test_slow_counting_routes_on_an_estimate_instead_of_refusing(make_app)
     # the character estimate: every string of the message (keys, role, content) + 16 per message
     assert int(hdrs["x-llm-prompt-tokens"]) == int((len("role") + len("user") + len("content") + len(text) + 16) / 3.5)
     assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
+
+
+async def test_a_count_that_would_queue_past_its_budget_routes_on_the_estimate_at_once(make_app):
+    """A flood of huge prompts must not make each decision wait its whole budget behind the
+    others' tokenization: with the tokenizer threads holding more work than the budget allows,
+    a new long prompt is routed on the character estimate without being queued (nothing is
+    tokenized); once the work is done, the same prompt is counted exactly."""
+    counter = TokenCounter.from_source("builtin:qwen3")
+    app = await make_app(
+        counter=counter,
+        limits={"max_body_bytes": 300_000, "grpc_max_message_bytes": 600_000},
+        models=[{"name": MODEL, "max_model_len": 131072}],
+    )
+    gate = app.pipeline.offload
+    flood = 10**9  # characters some other requests' counts still hold in both threads
+    assert gate.admit(flood) and gate.admit(flood)
+    text = " ".join(f"w{i}" for i in range(20_000))  # ~110k characters: counted off the loop
+    body = chat_body(text)
+    cached = counter.cache_stats()["tokens"]
+    routed = await app.pipeline.route(RequestKind.CHAT, body)
+    # the character estimate: every string of the message (keys, role, content) + 16 per message
+    assert routed.request.prompt_tokens == int((len("role") + len("user") + len("content") + len(text) + 16) / 3.5)
+    assert counter.cache_stats()["tokens"] == cached and gate.refused == 1  # nothing was tokenized
+    assert app.metrics.registry.get_sample_value("llm_extproc_tokenizer_estimates_total", {"model": MODEL}) == 1
+    gate.done(flood, None)
+    gate.done(flood, None)
+    routed = await app.pipeline.route(RequestKind.CHAT, body)
+    messages = [{"role": "user", "content": text}]
+    exact = counter.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+    assert routed.request.prompt_tokens == len(exact)
+    assert (gate.jobs, gate.queued_chars) == (0, 0)
 
 
 async def test_token_cache_metrics_count_each_request_once_under_concurrency(make_app):
