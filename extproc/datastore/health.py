@@ -51,6 +51,10 @@ class HealthChecker:
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="health-checker")
 
+    def forget(self, ep: Endpoint) -> None:
+        """An endpoint left the fleet: drop its probe streak."""
+        self._timeouts.pop(ep.address, None)
+
     async def aclose(self) -> None:
         await cancel_and_wait([self._task])
         self._task = None
@@ -71,7 +75,8 @@ class HealthChecker:
         await asyncio.gather(*(self._probe(ep) for ep in self._store.all()))
 
     async def _probe(self, ep: Endpoint) -> None:
-        assert self._session is not None
+        if self._session is None:  # closed while this round ran
+            return
         error: str | None = None
         try:
             async with self._session.get(f"http://{ep.address}{self._cfg.path}") as resp:
@@ -88,6 +93,8 @@ class HealthChecker:
             ep.healthy = error is None
             if error is not None:
                 log.warning("endpoint %s unhealthy at start: %s", ep.address, error)
+        if self._store.get(ep.address) is not ep:
+            return  # removed while the probe ran: keep no state under its address
         if error is None:
             self._timeouts[ep.address] = 0
             ep.consecutive_failures = 0

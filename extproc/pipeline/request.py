@@ -571,7 +571,7 @@ class RequestPipeline:
         Raises:
             NoEndpointError: none is healthy.
         """
-        pool = self._store.all()
+        pool = self._store.routable()
         ctx = SchedulingContext(
             request=LLMRequest(kind=RequestKind.CHAT, model=""),
             expected_output_tokens=0,
