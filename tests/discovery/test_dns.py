@@ -4,8 +4,7 @@ name gone, and the server down then back."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest_asyncio
 from extproc.datastore.endpoints import Datastore
 from extproc.discovery.dns import Params, ResolverDown, Source
 from extproc.discovery.manager import Discovery
+from tests.agent.agent_helpers import eventually
 from tests.discovery.dnsmasq import DNSMASQ, Dnsmasq
 
 pytestmark = pytest.mark.skipif(not Path(DNSMASQ).exists(), reason="dnsmasq is not installed (apt-get install dnsmasq)")
@@ -30,14 +30,6 @@ def dnsmasq(tmp_path: Path):
         yield server
     finally:
         server.stop()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def source(port: int, **kw) -> Source:
@@ -74,21 +66,21 @@ async def test_endpoints_follow_the_records(fleet):
     assert first.models == frozenset({"m"}) and first.labels == {"engine": "vllm"}
 
     dns.write({NAME: ["10.0.0.1", "10.0.0.2", "10.0.0.3", "fd00::3"]})  # scale up
-    await until(lambda: addresses(store) == {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "[fd00::3]:8000"})
+    await eventually(lambda: addresses(store) == {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "[fd00::3]:8000"})
     assert store.get("10.0.0.1:8000") is first  # unchanged ones keep their state
 
     held = store.reserve(store.get("10.0.0.2:8000"))
     dns.write({NAME: ["10.0.0.1", "10.0.0.3", "fd00::3"]})  # 10.0.0.2 leaves with a request in flight
-    await until(lambda: store.get("10.0.0.2:8000") is not None and store.get("10.0.0.2:8000").draining)
+    await eventually(lambda: store.get("10.0.0.2:8000") is not None and store.get("10.0.0.2:8000").draining)
     assert "10.0.0.2:8000" not in {e.address for e in store.for_model("m")}
     held.release()
     assert store.get("10.0.0.2:8000") is None
 
     dns.write({NAME: ["10.0.0.1", "10.0.0.4", "fd00::3"]})  # a pod replaced: new IP
-    await until(lambda: addresses(store) == {"10.0.0.1:8000", "10.0.0.4:8000", "[fd00::3]:8000"})
+    await eventually(lambda: addresses(store) == {"10.0.0.1:8000", "10.0.0.4:8000", "[fd00::3]:8000"})
 
     dns.write({"other.svc.test": ["10.9.9.9"]})  # the name is gone (NXDOMAIN): scaled to zero
-    await until(lambda: addresses(store) == set())
+    await eventually(lambda: addresses(store) == set())
 
 
 async def test_a_resolver_outage_keeps_the_endpoints_and_recovery_applies_the_new_records(fleet):
@@ -96,10 +88,10 @@ async def test_a_resolver_outage_keeps_the_endpoints_and_recovery_applies_the_ne
     port = dns.port
     dns.stop()
     failures = src.failures
-    await until(lambda: src.failures >= failures + 2)
+    await eventually(lambda: src.failures >= failures + 2)
     assert addresses(store) == {"10.0.0.1:8000", "10.0.0.2:8000"}  # unknown is not empty
     with pytest.raises(ResolverDown):
         await source(port).resolve()
     dns.write({NAME: ["10.0.0.2", "10.0.0.5"]})
     dns.start(port)
-    await until(lambda: addresses(store) == {"10.0.0.2:8000", "10.0.0.5:8000"})
+    await eventually(lambda: addresses(store) == {"10.0.0.2:8000", "10.0.0.5:8000"})
