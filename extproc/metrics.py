@@ -11,7 +11,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["Metrics", "DECISION_PHASES", "remove_label_value"]
+__all__ = ["Metrics", "DECISION_PHASES", "ENDPOINT_LABELS", "remove_label_value"]
+
+ENDPOINT_LABELS = ("endpoint", "server_address")
+"""Label names whose value is an endpoint address (`server_address`: the telemetry metrics)."""
 
 DECISION_PHASES = ("parse", "tokenize", "truncate", "schedule", "total")
 
@@ -207,11 +210,12 @@ class Metrics:
 
     def forget_endpoint(self, address: str) -> int:
         """An endpoint left the fleet: every series of every metric on this registry whose
-        `endpoint` label is `address` goes, and so do the memoised children. Returns how many
-        series were removed."""
+        endpoint label (`endpoint`, or the OpenTelemetry GenAI `server_address` of the telemetry
+        histograms) is `address` goes, and so do the memoised children. Returns how many series
+        were removed."""
         for key in [k for k in self._children if address in k[1]]:
             del self._children[key]
-        return remove_label_value(self.registry, "endpoint", address)
+        return sum(remove_label_value(self.registry, label, address) for label in ENDPOINT_LABELS)
 
 
 def remove_label_value(registry: CollectorRegistry, label: str, value: str) -> int:

@@ -206,6 +206,7 @@ def test_a_removed_endpoint_leaves_every_index_and_metric_series():
     m.scrape_seconds.labels(A).observe(0.01)
     m.scrape_errors.labels(A).inc()
     app.telemetry.backpressure.labels(A).set(1)
+    app.telemetry.ttft.labels("m", A).observe(0.2)
     a.prefill_fit.add(1000, 0.5, 1.0)
     a.ejected_until, a.ejections = 1e12, 3
     set_override(a, 0.5, 60, reason="test", source="api")
