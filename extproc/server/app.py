@@ -169,6 +169,7 @@ class ExtProcApp:
         self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
         self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
         ep.stream_stats = EndpointStreamStats(self.config.telemetry.stats)
+        self._checker.add(ep)  # after start: no request before its first probe passes
         if self._scraper is not None:
             self._scraper.add(ep)  # no-op before start(), which scrapes every endpoint
         found = self.discovery.current(ep.address)
@@ -182,6 +183,7 @@ class ExtProcApp:
             self._scraper.remove(ep)
         self._agents.remove(ep)
         self._checker.forget(ep)
+        self.kv_events.remove(ep.address)  # before the index drop: no late batch re-adds entries
         self.prefix.drop_endpoint(ep.address)
         self.metrics.forget_endpoint(ep.address)
 
