@@ -196,6 +196,7 @@ def test_a_removed_endpoint_leaves_every_index_and_metric_series():
     app.prefix.sessions.bind(session_key("conversation-1"), A, 0.0)
     app.prefix.reset(A, "restart")
     app.prefix._stats(A)
+    app.prefix.warmer._warmed[(A, 7)] = None
     m.child(m.endpoint_routed, A).inc()
     m.child(m.endpoint_ejections, A).inc()
     m.endpoint_healthy.labels(A).set(1)
@@ -219,6 +220,7 @@ def test_a_removed_endpoint_leaves_every_index_and_metric_series():
     assert _series_with(m.registry, A) == []
     assert not any(A in key[1] for key in m._children)
     assert app.prefix.index.blocks(A) == 0 and app.prefix.sessions.count_for(A) == 0 and A not in app.prefix.stats
+    assert not any(key[0] == A for key in app.prefix.warmer._warmed)
     assert _series_with(m.registry, B)  # the other endpoint's series stay
     back = app.store.add_endpoint(EndpointConfig(address=A, models=["m"]))
     # Back with nothing learned or imposed before: speeds, ejections, overrides start afresh.
