@@ -18,7 +18,6 @@ from extproc.discovery.base import Discovered, DiscoverySource, Publish
 from extproc.discovery.manager import Discovery
 from extproc.prefix.sessions import session_key
 from extproc.server.app import ExtProcApp
-from extproc.telemetry.metrics import TelemetryMetrics  # noqa: F401  (its series ride on the same registry)
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
