@@ -11,7 +11,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["Metrics", "DECISION_PHASES"]
+__all__ = ["Metrics", "DECISION_PHASES", "ENDPOINT_LABELS", "remove_label_value"]
+
+ENDPOINT_LABELS = ("endpoint", "server_address")
+"""Label names whose value is an endpoint address (`server_address`: the telemetry metrics)."""
 
 DECISION_PHASES = ("parse", "tokenize", "truncate", "schedule", "total")
 
@@ -204,3 +207,38 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*values)
         return found
+
+    def forget_endpoint(self, address: str) -> int:
+        """An endpoint left the fleet: every series of every metric on this registry whose
+        endpoint label (`endpoint`, or the OpenTelemetry GenAI `server_address` of the telemetry
+        histograms) is `address` goes, and so do the memoised children. Returns how many series
+        were removed."""
+        for key in [k for k in self._children if address in k[1]]:
+            del self._children[key]
+        return sum(remove_label_value(self.registry, label, address) for label in ENDPOINT_LABELS)
+
+
+def remove_label_value(registry: CollectorRegistry, label: str, value: str) -> int:
+    """Remove from every labelled metric on `registry` the children whose `label` is `value`
+    (an endpoint that left: its series must not linger at their last value). Returns how many.
+
+    Walks the registry rather than a list of metrics, so a metric added later with an
+    `endpoint` label is covered without touching this; it reads prometheus_client's
+    `_labelnames` / `_metrics` (stable since 0.4), and removes through the public `remove()`.
+    """
+    removed = 0
+    collectors = list(getattr(registry, "_collector_to_names", {}))
+    for metric in collectors:
+        names = getattr(metric, "_labelnames", ())
+        if label not in names:
+            continue
+        i = names.index(label)
+        with metric._lock:
+            keys = [k for k in metric._metrics if k[i] == value]
+        for k in keys:
+            try:
+                metric.remove(*k)
+                removed += 1
+            except KeyError:  # removed concurrently
+                pass
+    return removed

@@ -6,6 +6,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     limits:    {max_body_bytes: 4194304, decision_timeout_ms: 1500, ...}
     models:    [{name, aliases, tokenizer, architecture, max_model_len, dtype, ...}]
     endpoints: [{address: "10.0.0.1:8000", models: [...], labels: {...}}]
+    discovery: {sources: [{type: static}, {type: dns, ...}, {type: kubernetes, ...}], drain_timeout_s: 300}
     scheduling: {mode: endpoint, profile: load-aware, profiles: {...}, metrics: {...}, health_check: {...}}
     admission: {kv: {...}, priority: {...}}
     ratelimit: {enabled, backend, tenant_header, default, tenants: {...}, redis: {...}}
@@ -51,6 +52,7 @@ __all__ = [
     "TruncationConfig",
     "AdmissionConfig",
     "DecisionLogConfig",
+    "DiscoveryConfig",
     "KVAdmissionConfig",
     "PriorityConfig",
     "BUILTIN_PROFILES",
@@ -807,6 +809,46 @@ class DecisionLogConfig(_Strict):
     queue_size: int = Field(default=10_000, ge=1)
 
 
+class DiscoveryConfig(_Strict):
+    """Where endpoints come from (`extproc.discovery`; docs/discovery.md).
+
+    Attributes:
+        sources: discovery sources, each `{type: <name>, ...its parameters}`; the types are
+            registered in `extproc.discovery.registry.SOURCES` (static, dns, kubernetes). Default:
+            the `static` source alone — the top-level `endpoints` list, reloaded when the file
+            changes or on SIGHUP. Several sources add up; an address two sources report is
+            taken from the first.
+        drain_timeout_s: an endpoint that left its source stops getting new requests at once
+            and is removed when its last request ends, or after this long at the latest
+            (seconds; its remaining requests then finish against the detached endpoint).
+        initial_wait_s: at start, wait at most this long for each source's first answer
+            before serving (seconds).
+    """
+
+    sources: list[Any] = Field(default_factory=lambda: [{"type": "static"}], validate_default=True)
+    drain_timeout_s: float = Field(default=300.0, gt=0)
+    initial_wait_s: float = Field(default=5.0, ge=0)
+
+    @field_validator("sources", mode="after")
+    @classmethod
+    def _sources(cls, v: list[Any]) -> list[Any]:
+        from extproc.discovery.registry import parse_params
+
+        out = []
+        for i, spec in enumerate(v):
+            try:
+                out.append(parse_params(spec))
+            except ValueError as exc:
+                raise ValueError(f"sources[{i}]: {exc}") from None
+        if sum(1 for p in out if p.type == "static") > 1:
+            raise ValueError("the static source may be listed once")
+        return out
+
+    def has_static(self) -> bool:
+        """Whether the top-level `endpoints` list is a source."""
+        return any(p.type == "static" for p in self.sources)
+
+
 class ProtocolConfig(_Strict):
     """How the server speaks to its proxy.
 
@@ -840,7 +882,8 @@ class Config(_Strict):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     models: list[ModelConfig] = Field(min_length=1)
-    endpoints: list[EndpointConfig] = Field(min_length=1)
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -859,6 +902,17 @@ class Config(_Strict):
                     raise ValueError(f"models[{i}]: name or alias {n!r} already used by model {names[n]!r}")
                 names[n] = m.name
         canonical = {m.name for m in self.models}
+        if self.discovery.has_static() and not self.endpoints:
+            raise ValueError("endpoints: at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
+        if self.endpoints and not self.discovery.has_static():
+            raise ValueError("endpoints are the static source's list: add {type: static} to discovery.sources, or remove them")
+        for i, src in enumerate(self.discovery.sources):
+            for m in getattr(src, "models", ()):
+                if m not in canonical:
+                    raise ValueError(
+                        f"discovery.sources[{i}].models: {m!r} is not a configured model name{did_you_mean(m, canonical)} "
+                        f"(configured: {', '.join(sorted(canonical))})"
+                    )
         seen: set[str] = set()
         for i, e in enumerate(self.endpoints):
             if e.address in seen:

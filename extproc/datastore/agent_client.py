@@ -162,7 +162,8 @@ class AgentWatcher:
         self._idle_timeout = idle_timeout_s
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._rng = rng or random.Random()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # by endpoint address
+        self._started = False
         self.connects: dict[str, int] = {}
         """Streams opened per agent address (count), for tests and diagnostics."""
 
@@ -173,14 +174,34 @@ class AgentWatcher:
 
     async def start(self) -> None:
         """Start one watch task per endpoint with an agent (returns at once)."""
-        self._tasks = [
-            asyncio.create_task(self._watch(ep, addr), name=f"agent-watch-{addr}") for ep, addr in self._targets
-        ]
+        self._started = True
+        for ep, addr in self._targets:
+            self._spawn(ep, addr)
+
+    def _spawn(self, ep: Endpoint, addr: str) -> None:
+        if ep.address not in self._tasks:
+            self._tasks[ep.address] = asyncio.create_task(self._watch(ep, addr), name=f"agent-watch-{addr}")
+
+    def add(self, ep: Endpoint, agent: str) -> None:
+        """Watch the agent (`host:port`) of an endpoint that joined after construction."""
+        if any(e.address == ep.address for e, _ in self._targets):
+            return
+        self._targets.append((ep, agent))
+        if self._started:
+            self._spawn(ep, agent)
+
+    def remove(self, ep: Endpoint) -> None:
+        """Stop watching the agent of an endpoint that left."""
+        self._targets = [(e, a) for e, a in self._targets if e.address != ep.address]
+        task = self._tasks.pop(ep.address, None)
+        if task is not None:
+            task.cancel()
 
     async def aclose(self) -> None:
         """Cancel every watch task and wait for them; `endpoint.node` keeps its last report."""
-        await cancel_and_wait(self._tasks)
-        self._tasks = []
+        self._started = False
+        await cancel_and_wait(self._tasks.values())
+        self._tasks = {}
 
     def _request(self) -> pb.WatchLoadRequest:
         req = pb.WatchLoadRequest()

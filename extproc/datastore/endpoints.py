@@ -15,12 +15,18 @@ engine's `kv_cache_usage_perc` includes the request, and counting it again would
 or, when no first token is ever observed (non-streaming responses), once a scrape taken after
 `settle_after_s` arrives. `release()` undoes everything still counted and is idempotent, so
 every way a request can end frees exactly what it held.
+
+Endpoints come and go (`extproc.discovery`): `add_endpoint` adds or updates one,
+`drain_endpoint` stops new picks and removes it once its last request ends, and
+`remove_endpoint` is the one place an endpoint leaves — every index and metric series keyed
+by its address is dropped by the `on_removed` hooks registered there.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +38,8 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     from extproc.config.schema import EndpointConfig
 
 __all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+
+log = logging.getLogger(__name__)
 
 PREFILL_WEIGHT = 3
 """A request before its first token counts 3× in the FLOPs-weighted load (design notes)."""
@@ -74,6 +82,9 @@ class Endpoint:
         node: latest node-agent report (`extproc.datastore.agent_client.NodeReport`), or None.
         stream_stats: response-path statistics (`extproc.telemetry.stats.EndpointStreamStats`), or None.
         override: an operator's weight override (`extproc.datastore.overrides.WeightOverride`), or None.
+        draining: discovery dropped it (gone from its source, not ready, or terminating): no new
+            picks; it is removed once `inflight` reaches 0 (`Datastore.drain_endpoint`).
+        draining_since: `time.monotonic()` when draining began (seconds), or None.
     """
 
     address: EndpointAddress
@@ -102,6 +113,8 @@ class Endpoint:
     node: Any = None
     stream_stats: Any = None
     override: Any = None
+    draining: bool = False
+    draining_since: float | None = None
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
 
     @property
@@ -220,6 +233,8 @@ class Reservation:
         else:
             ep.decode_inflight -= 1
         self._store._open.discard(self)
+        if ep.draining and ep.inflight == 0:
+            self._store._drained(ep)
 
 
 class Datastore:
@@ -228,28 +243,130 @@ class Datastore:
     Args:
         endpoints: endpoint configurations.
         prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
+
+    Attributes:
+        on_added: called with each endpoint `add_endpoint` creates (start its probes, scrapes,
+            metric series).
+        on_removed: called with each endpoint `remove_endpoint` takes out, after it left every
+            table here: drop what other components keep under its address (prefix index,
+            sessions, metric label children, background loops). The hook point for anything
+            that keeps per-endpoint state (e.g. state shared between replicas).
     """
 
     def __init__(self, endpoints: Iterable[EndpointConfig], prefill_prior: PrefillPrior | None = None) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
-        for cfg in endpoints:
-            ep = Endpoint(EndpointAddress(cfg.address), frozenset(cfg.models), dict(cfg.labels), prefill_fit=PrefillFit(prefill_prior))
-            self._by_addr[ep.address] = ep
-            for m in cfg.models:
-                self._by_model.setdefault(m, []).append(ep)
+        self._prior = prefill_prior
         self._open: set[Reservation] = set()
+        self.on_added: list[Callable[[Endpoint], None]] = []
+        self.on_removed: list[Callable[[Endpoint], None]] = []
+        for cfg in endpoints:
+            self.add_endpoint(cfg)
 
     def all(self) -> list[Endpoint]:
-        """Every endpoint, in configuration order."""
+        """Every endpoint, draining ones included, in the order they were added."""
         return list(self._by_addr.values())
+
+    def routable(self) -> list[Endpoint]:
+        """Every endpoint that may take new requests (not draining)."""
+        return [ep for ep in self._by_addr.values() if not ep.draining]
 
     def get(self, address: str) -> Endpoint | None:
         return self._by_addr.get(address)
 
     def for_model(self, model: str) -> list[Endpoint]:
-        """Endpoints serving a canonical model name (healthy or not)."""
+        """Endpoints serving a canonical model name (healthy or not; never draining ones)."""
         return self._by_model.get(model, [])
+
+    # -- membership ------------------------------------------------------------------------
+    def add_endpoint(self, cfg: EndpointConfig) -> Endpoint:
+        """Add the endpoint `cfg` describes, or bring an existing one up to date: its models and
+        labels follow `cfg`, and a draining one takes new requests again (its learned state
+        kept). Runs the `on_added` hooks for a new endpoint only.
+
+        Returns:
+            The endpoint (new or existing).
+        """
+        ep = self._by_addr.get(cfg.address)
+        models = frozenset(cfg.models)
+        if ep is not None:
+            if ep.draining:
+                log.info("endpoint %s back before its drain ended: it takes new requests again", ep.address)
+                ep.draining, ep.draining_since = False, None
+            elif ep.models == models and ep.labels == cfg.labels:
+                return ep
+            self._unindex(ep)
+            ep.models, ep.labels = models, dict(cfg.labels)
+            self._index(ep)
+            return ep
+        ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior))
+        self._by_addr[ep.address] = ep
+        self._index(ep)
+        for hook in self.on_added:
+            hook(ep)
+        return ep
+
+    def drain_endpoint(self, address: str, now: float | None = None) -> bool:
+        """Stop new picks of `address`; it is removed (`remove_endpoint`) when its last
+        in-flight request ends, at once when it has none.
+
+        Args:
+            now: `time.monotonic()` (seconds; default now), recorded as `draining_since`.
+
+        Returns:
+            False when no such endpoint is known.
+        """
+        ep = self._by_addr.get(address)
+        if ep is None:
+            return False
+        if not ep.draining:
+            ep.draining = True
+            ep.draining_since = time.monotonic() if now is None else now
+            self._unindex(ep)
+            log.info("endpoint %s draining (%d requests in flight)", address, ep.inflight)
+        if ep.inflight == 0:
+            self.remove_endpoint(address)
+        return True
+
+    def remove_endpoint(self, address: str) -> Endpoint | None:
+        """Take `address` out now: out of every table here, then the `on_removed` hooks drop
+        what other components keep under its address. Requests still in flight there keep
+        their `Reservation` (it releases against the detached `Endpoint`, so nothing leaks);
+        prefer `drain_endpoint`, which waits for them.
+
+        Returns:
+            The removed endpoint, or None when it was not known.
+        """
+        ep = self._by_addr.pop(address, None)
+        if ep is None:
+            return None
+        self._unindex(ep)
+        ep.draining = True
+        for hook in self.on_removed:
+            try:
+                hook(ep)
+            except Exception:  # one component's bug must not keep the endpoint in the others
+                log.exception("endpoint removal hook %r failed for %s", hook, address)
+        log.info("endpoint %s removed", address)
+        return ep
+
+    def _drained(self, ep: Endpoint) -> None:
+        """The last request of draining `ep` ended: remove it if it is still the one listed."""
+        if self._by_addr.get(ep.address) is ep:
+            self.remove_endpoint(ep.address)
+
+    # Copy on write: a list `for_model` handed out earlier stays as it was.
+    def _index(self, ep: Endpoint) -> None:
+        for m in sorted(ep.models):
+            self._by_model[m] = [*self._by_model.get(m, ()), ep]
+
+    def _unindex(self, ep: Endpoint) -> None:
+        for m in ep.models:
+            pool = [other for other in self._by_model.get(m, ()) if other is not ep]
+            if pool:
+                self._by_model[m] = pool
+            else:
+                self._by_model.pop(m, None)
 
     def reserve(
         self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0, context_tokens: int = 0

@@ -39,6 +39,7 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self._timeouts: dict[str, int] = {}  # consecutive timed-out probes per address
         self._session: aiohttp.ClientSession | None = None
+        self._first: set[asyncio.Task[None]] = set()  # first probes of endpoints added later
 
     async def start(self) -> None:
         """Probe once (so the first decisions see real health), then keep probing in the background."""
@@ -51,8 +52,23 @@ class HealthChecker:
         await self.probe_all()
         self._task = asyncio.create_task(self._loop(), name="health-checker")
 
+    def add(self, ep: Endpoint) -> None:
+        """An endpoint joined after `start`: out of routing (unhealthy) until its first probe,
+        which runs now and decides outright, as at start. No-op when probing is off or not
+        started (then `start` probes it)."""
+        if self._session is None or ep.probed:
+            return
+        ep.healthy = False
+        task = asyncio.create_task(self._probe(ep), name=f"health-first-{ep.address}")
+        self._first.add(task)
+        task.add_done_callback(self._first.discard)
+
+    def forget(self, ep: Endpoint) -> None:
+        """An endpoint left the fleet: drop its probe streak."""
+        self._timeouts.pop(ep.address, None)
+
     async def aclose(self) -> None:
-        await cancel_and_wait([self._task])
+        await cancel_and_wait([self._task, *self._first])
         self._task = None
         if self._session is not None:
             await self._session.close()
@@ -71,7 +87,8 @@ class HealthChecker:
         await asyncio.gather(*(self._probe(ep) for ep in self._store.all()))
 
     async def _probe(self, ep: Endpoint) -> None:
-        assert self._session is not None
+        if self._session is None:  # closed while this round ran
+            return
         error: str | None = None
         try:
             async with self._session.get(f"http://{ep.address}{self._cfg.path}") as resp:
@@ -88,6 +105,8 @@ class HealthChecker:
             ep.healthy = error is None
             if error is not None:
                 log.warning("endpoint %s unhealthy at start: %s", ep.address, error)
+        if self._store.get(ep.address) is not ep:
+            return  # removed while the probe ran: keep no state under its address
         if error is None:
             self._timeouts[ep.address] = 0
             ep.consecutive_failures = 0

@@ -225,7 +225,7 @@ class MetricsScraper:
         self._interval = interval_s
         self._timeout = timeout_s
         self._on_scrape = on_scrape
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -236,11 +236,24 @@ class MetricsScraper:
         )
         await asyncio.gather(*(self.scrape(ep) for ep in self._store.all()))
         # One loop per endpoint: a hanging endpoint never delays the others.
-        self._tasks = [asyncio.create_task(self._loop(ep), name=f"scrape-{ep.address}") for ep in self._store.all()]
+        for ep in self._store.all():
+            self.add(ep)
+
+    def add(self, ep: Endpoint) -> None:
+        """Start scraping an endpoint that joined (no-op before `start` or when already scraped)."""
+        if self._session is None or ep.address in self._tasks:
+            return
+        self._tasks[ep.address] = asyncio.create_task(self._loop(ep), name=f"scrape-{ep.address}")
+
+    def remove(self, ep: Endpoint) -> None:
+        """Stop scraping an endpoint that left (its loop is cancelled; nothing to wait for)."""
+        task = self._tasks.pop(ep.address, None)
+        if task is not None:
+            task.cancel()
 
     async def aclose(self) -> None:
-        await cancel_and_wait(self._tasks)
-        self._tasks = []
+        await cancel_and_wait(self._tasks.values())
+        self._tasks = {}
         if self._session is not None:
             await self._session.close()
             self._session = None

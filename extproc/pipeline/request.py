@@ -626,7 +626,7 @@ class RequestPipeline:
         Raises:
             NoEndpointError: none is healthy (or none is in `subset`).
         """
-        pool = self._store.all()
+        pool = self._store.routable()
         if subset is not None:
             pool = [ep for ep in pool if subset(ep)]
             if not pool:

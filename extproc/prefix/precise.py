@@ -519,6 +519,7 @@ class PreciseSource:
         self._ctx: zmq.asyncio.Context | None = None
         self.subscribers: list[KVEventSubscriber] = []
         self._sweep: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
         for address, _, _ in self._endpoints:
             self.indexer.register(address)
 
@@ -533,6 +534,26 @@ class PreciseSource:
             self.subscribers.append(s)
         self._sweep = asyncio.create_task(self._sweep_loop(), name="kv-events-expiry")
 
+    def remove(self, address: str) -> asyncio.Task[None] | None:
+        """The endpoint `address` left the fleet: forget its mirror and stop its subscriber (in
+        the background; returns that task, None when it had none). Call before the tracker's
+        `drop_endpoint`, so no late batch re-adds what that drops."""
+        self.indexer.unregister(address)
+        self._endpoints = [e for e in self._endpoints if e[0] != address]
+        gone = [s for s in self.subscribers if s.address == address]
+        if not gone:
+            return None
+        self.subscribers = [s for s in self.subscribers if s.address != address]
+        task = asyncio.get_running_loop().create_task(self._close(gone), name=f"kv-events-close-{address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    @staticmethod
+    async def _close(subscribers: list[KVEventSubscriber]) -> None:
+        for s in subscribers:
+            await s.aclose()
+
     async def _sweep_loop(self) -> None:
         period = min(0.5, self.indexer.ttl / 4)
         while True:
@@ -543,6 +564,8 @@ class PreciseSource:
         """Stop every subscriber and the sweep; close the ZMQ context. Idempotent."""
         await cancel_and_wait([self._sweep])
         self._sweep = None
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         for s in self.subscribers:
             await s.aclose()
         self.subscribers.clear()

@@ -283,6 +283,7 @@ class PrefixTracker:
         its metric series."""
         self.reset(address, "removed")
         self.sessions.drop_endpoint(address)
+        self.warmer.drop_endpoint(address)
         self.stats.pop(address, None)
         self.precise.discard(address)
         m = self.metrics

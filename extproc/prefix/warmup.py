@@ -93,6 +93,13 @@ class PrefixWarmer:
         if matched and (address, prefix_hash) in self._warmed:
             self.hits.inc()
 
+    def drop_endpoint(self, address: str) -> int:
+        """`address` left the fleet: forget the prefixes warmed there. Returns how many."""
+        gone = [k for k in self._warmed if k[0] == address]
+        for k in gone:
+            del self._warmed[k]
+        return len(gone)
+
     def consider(
         self,
         candidates: Sequence[Endpoint],

@@ -163,6 +163,7 @@ class AdminServer:
                         "models": sorted(ep.models),
                         "labels": ep.labels,
                         "healthy": ep.healthy,
+                        "draining": ep.draining,
                         "ejected_for_s": round(max(0.0, ep.ejected_until - time.monotonic()), 3),
                         "consecutive_5xx": ep.consecutive_5xx,
                         "ejections": ep.ejections,

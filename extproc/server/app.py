@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -18,11 +19,14 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config.schema import Config, TLSConfig, is_loopback, parse_host_port
 from extproc.datastore.agent_client import AgentWatcher
-from extproc.datastore.endpoints import Datastore
+from extproc.datastore.endpoints import Datastore, Endpoint
 from extproc.datastore.health import HealthChecker
 from extproc.datastore.prefill_fit import PrefillPrior
 from extproc.datastore.outliers import OutlierDetector
 from extproc.datastore.scraper import MetricsScraper
+from extproc.discovery.base import SourceContext
+from extproc.discovery.manager import Discovery
+from extproc.discovery.registry import build_source
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
@@ -104,6 +108,8 @@ class ExtProcApp:
         config: validated configuration.
         registry: Prometheus registry (fresh per app; tests create several apps in one process).
         models: preloaded model runtimes (default: loaded from config at start).
+        config_path: the file `config` came from: the static discovery source reloads its
+            endpoints from it (None: they never change).
     """
 
     def __init__(
@@ -112,6 +118,7 @@ class ExtProcApp:
         *,
         registry: CollectorRegistry | None = None,
         models: dict[str, ModelRuntime] | None = None,
+        config_path: str | Path | None = None,
     ) -> None:
         self.config = config
         self.metrics = Metrics(registry or CollectorRegistry())
@@ -132,10 +139,6 @@ class ExtProcApp:
             speculative_ttl_s=config.scheduling.prefix.speculative_ttl_s,
             registry=self.metrics.registry,
         )
-        for ep in self.store.all():
-            # Read at scrape time: nothing to update on the request path.
-            self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
-            self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
         self._decision_log: DecisionLog | None = None
@@ -149,6 +152,18 @@ class ExtProcApp:
             if m.enabled
             else None
         )
+        ctx = SourceContext(config, Path(config_path) if config_path is not None else None)
+        d = config.discovery
+        self.discovery = Discovery(
+            self.store,
+            [build_source(p, ctx) for p in d.sources],
+            drain_timeout_s=d.drain_timeout_s,
+            initial_wait_s=d.initial_wait_s,
+        )
+        self.store.on_added.append(self._endpoint_added)
+        self.store.on_removed.append(self._endpoint_removed)
+        for ep in self.store.all():
+            self._endpoint_added(ep)
         self.pipeline: RequestPipeline | None = None
         self.ratelimit: RateLimiter | None = None
         if config.ratelimit.enabled:
@@ -159,6 +174,30 @@ class ExtProcApp:
         self.servicer: ExtProcServicer | None = None
         self.grpc_port = 0
         self.admin_port = 0
+
+    def _endpoint_added(self, ep: Endpoint) -> None:
+        """A new endpoint (configured or discovered): its gauges, statistics and loops."""
+        # Read at scrape time: nothing to update on the request path.
+        self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
+        self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
+        ep.stream_stats = EndpointStreamStats(self.config.telemetry.stats)
+        self._checker.add(ep)  # after start: no request before its first probe passes
+        if self._scraper is not None:
+            self._scraper.add(ep)  # no-op before start(), which scrapes every endpoint
+        found = self.discovery.current(ep.address)
+        if found is not None and found.config.agent:
+            self._agents.add(ep, found.config.agent)
+
+    def _endpoint_removed(self, ep: Endpoint) -> None:
+        """An endpoint left (`Datastore.remove_endpoint`): stop its loops, drop its prefix
+        index, sessions and every metric series labelled with it."""
+        if self._scraper is not None:
+            self._scraper.remove(ep)
+        self._agents.remove(ep)
+        self._checker.forget(ep)
+        self.kv_events.remove(ep.address)  # before the index drop: no late batch re-adds entries
+        self.prefix.drop_endpoint(ep.address)
+        self.metrics.forget_endpoint(ep.address)
 
     def _on_scrape(self, endpoint, ok: bool, seconds: float) -> None:
         m = self.metrics
@@ -204,8 +243,6 @@ class ExtProcApp:
         loop = asyncio.get_running_loop()
         if self._models is None:
             self._models = await loop.run_in_executor(None, load_models, cfg)
-        for ep in self.store.all():
-            ep.stream_stats = EndpointStreamStats(cfg.telemetry.stats)
         if cfg.decision_log.path is not None:
             decision_log = DecisionLog(cfg.decision_log, self.metrics.decision_log_dropped)
             try:
@@ -240,6 +277,7 @@ class ExtProcApp:
             skip_response_headers=self._skip_response_headers(cfg),
         )
         self.pipeline = pipeline
+        await self.discovery.start()
         await self._checker.start()
         await self._agents.start()
         if self._scraper is not None:
@@ -304,6 +342,7 @@ class ExtProcApp:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
+        await self.discovery.aclose()
         await self._checker.aclose()
         await self._agents.aclose()
         await self.prefix.warmer.aclose()

@@ -44,7 +44,7 @@ def serve(
         raise fail(str(exc)) from None
 
     async def run() -> None:
-        app = ExtProcApp(cfg)
+        app = ExtProcApp(cfg, config_path=config or None)
         stop = stop_on_signals()
         try:
             await app.start()

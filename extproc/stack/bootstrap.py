@@ -65,7 +65,10 @@ def envoy_bootstrap(
     if template not in TEMPLATES:
         raise EnvoyError(f"unknown template {template!r}; known: {', '.join(TEMPLATES)}")
     if not cfg.endpoints:
-        raise EnvoyError("the configuration lists no endpoints")
+        raise EnvoyError(
+            "the configuration lists no endpoints: a fleet found by dns or kubernetes discovery is not known when the "
+            "bootstrap is written; list the fallback endpoints, or point the llm_fallback cluster at your Service by hand"
+        )
     try:
         grpc_host, grpc_port = _host_port(extproc or cfg.listen.grpc)
         settings = RunSettings(

@@ -41,3 +41,26 @@ async def test_timeouts_flip_after_timeout_threshold_refusals_after_unhealthy_th
     finally:
         await checker.aclose()
         await runner.cleanup()
+
+
+async def test_an_endpoint_added_after_start_takes_no_request_before_its_first_probe():
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    runner, port = await serve_get("/health", health)
+    store = Datastore([])
+    checker = HealthChecker(store, HealthCheckConfig(interval_s=60, timeout_s=0.5))
+    store.on_added.append(checker.add)
+    try:
+        await checker.start()
+        up = store.add_endpoint(EndpointConfig(address=f"127.0.0.1:{port}", models=["m"]))
+        down = store.add_endpoint(EndpointConfig(address=f"127.0.0.1:{free_port()}", models=["m"]))
+        assert not up.healthy and not down.healthy  # not probed yet: out of routing
+        for _ in range(100):
+            if up.probed and down.probed:
+                break
+            await asyncio.sleep(0.01)
+        assert up.healthy and not down.healthy
+    finally:
+        await checker.aclose()
+        await runner.cleanup()

@@ -65,7 +65,7 @@ def test_manifests_validate_against_the_kubernetes_schemas(path: Path):
 def test_kustomizations_list_existing_files():
     for kfile in (DEPLOY / "k8s").rglob("kustomization.yaml"):
         k = yaml.safe_load(kfile.read_text())
-        for entry in [*k.get("resources", []), *(p["path"] for p in k.get("patches", []))]:
+        for entry in [*k.get("resources", []), *(p["path"] for p in k.get("patches", []) if "path" in p)]:
             assert (kfile.parent / entry).exists(), f"{kfile}: {entry} missing"
     base = yaml.safe_load((DEPLOY / "k8s/base/kustomization.yaml").read_text())["resources"]
     assert sorted(base) == sorted(p.name for p in (DEPLOY / "k8s/base").glob("*.yaml") if p.name != "kustomization.yaml")
@@ -73,7 +73,7 @@ def test_kustomizations_list_existing_files():
 
 @pytest.mark.parametrize(
     "source",
-    ["k8s/base/configmap.yaml", "k8s/overlays/production/config.yaml", "compose/llm-extproc.yaml"],
+    ["k8s/base/configmap.yaml", "k8s/overlays/production/config.yaml", "k8s/overlays/kubernetes-discovery/config.yaml", "compose/llm-extproc.yaml"],
 )
 def test_shipped_server_configs_load(source: str):
     data = yaml.safe_load((DEPLOY / source).read_text())
@@ -189,3 +189,38 @@ def test_dockerfile_exposes_the_default_ports_and_runs_as_non_root():
     assert re.search(r"^USER 10001", text, re.M) and "HEALTHCHECK" in text and 'ENTRYPOINT ["llm-extproc"]' in text
     assert f"127.0.0.1:{ADMIN_PORT}/healthz" in text
     assert TOKEN_ENV not in text, "no credential baked into the image"
+
+
+def test_kubernetes_discovery_overlay_grants_what_the_source_reads():
+    """The Role covers every request the Kubernetes source makes (and no write), and the
+    Deployment, once patched, runs as the bound service account with its token mounted."""
+    overlay = DEPLOY / "k8s/overlays/kubernetes-discovery"
+    objs = load_all(overlay / "rbac.yaml")
+    (role,) = [o for o in objs if o["kind"] == "Role"]
+    (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
+    (account,) = [o for o in objs if o["kind"] == "ServiceAccount"]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    needed = {
+        ("discovery.k8s.io", "endpointslices", "list"), ("discovery.k8s.io", "endpointslices", "watch"),  # selector
+        ("inference.networking.k8s.io", "inferencepools", "get"),  # inference_pool: the pool, then its pods
+        ("", "pods", "list"), ("", "pods", "watch"),
+    }  # fmt: skip
+    assert needed <= granted
+    assert not {v for _, _, v in granted} - {"get", "list", "watch"}
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}]
+    # The Deployment patch (JSON 6902, inline in the kustomization), applied to the base.
+    k = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    (inline,) = [p for p in k["patches"] if "patch" in p]
+    assert inline["target"] == {"kind": "Deployment", "name": "llm-extproc"}
+    pod = k8s_object("Deployment", "llm-extproc")["spec"]["template"]["spec"]
+    for op in yaml.safe_load(inline["patch"]):
+        *_, key = op["path"].split("/")
+        assert op["path"] == f"/spec/template/spec/{key}" and op["op"] in ("add", "replace")
+        pod[key] = op["value"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"] and pod["automountServiceAccountToken"] is True
+    # The overlay's source watches the namespace the Role is in, for the base's vLLM Service.
+    cfg = config_from_mapping(yaml.safe_load(yaml.safe_load((overlay / "config.yaml").read_text())["data"]["config.yaml"]))
+    (src,) = cfg.discovery.sources
+    assert src.namespace == role["metadata"]["namespace"] == k8s_object("Service", "vllm")["metadata"]["namespace"]
+    assert src.selector == f"kubernetes.io/service-name={k8s_object('Service', 'vllm')['metadata']['name']}"

@@ -18,7 +18,7 @@ from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, re
 from extproc.stack.server import ExtProcServerProcess
 from tests.e2e.fake_engines import Backend
 
-__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "in_process_sims", "start_envoy", "start_server"]
+__all__ = ["ALIAS", "DEAD_MODEL", "MODEL", "Engines", "assert_openai_error", "chat", "in_process_sims", "start_envoy", "start_server", "stream_chat"]
 
 MODEL = "Qwen/Qwen3-8B"
 ALIAS = "qwen3-8b"
@@ -79,13 +79,13 @@ async def start_envoy(
 
 
 @asynccontextmanager
-async def in_process_sims(counter: TokenCounter, n: int, speed: float) -> AsyncIterator[list[SimServer]]:
-    """`n` simulators (default profile, `speed` simulated seconds per wall second) on free
-    ports in this event loop; closed on exit."""
+async def in_process_sims(counter: TokenCounter, n: int, speed: float, sim_class: type[SimServer] = SimServer, **kw: Any) -> AsyncIterator[list[SimServer]]:
+    """`n` simulators (`sim_class`, default profile, `speed` simulated seconds per wall second,
+    `kw` to its constructor) on free ports in this event loop; closed on exit."""
     started: list[SimServer] = []
     try:
         for _ in range(n):
-            sim = SimServer(tokenizer=counter, speed=speed)
+            sim = sim_class(tokenizer=counter, speed=speed, **kw)
             await sim.start()
             started.append(sim)
         yield started
@@ -102,6 +102,20 @@ async def start_server(workdir: Path, config: dict[str, Any], name: str, **kw: A
     server = ExtProcServerProcess(path, workdir=workdir, name=name, **kw)
     await server.start()
     return server
+
+
+async def stream_chat(c: httpx.AsyncClient, model: str, max_tokens: int) -> str:
+    """One streamed chat completion of `max_tokens` tokens (ignore_eos): 'ok' when it ends with
+    [DONE], else what went wrong (status, transport error, or a cut stream)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    try:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return f"status {r.status_code}: {(await r.aread())[:200]!r}"
+            text = b"".join([chunk async for chunk in r.aiter_raw()])
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok" if text.rstrip().endswith(b"data: [DONE]") else f"cut after {len(text)} bytes"
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import pytest_asyncio
 from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import in_process_sims, start_server
+from tests.e2e.e2e_helpers import in_process_sims, start_server, stream_chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -88,16 +88,7 @@ async def rollout(workdir: Path, sims: list[SimServer]) -> AsyncIterator[Rollout
 
 
 async def _stream(c: httpx.AsyncClient, max_tokens: int) -> str:
-    """One streamed chat completion: 'ok' when it ends with [DONE], else what went wrong."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    try:
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                return f"status {r.status_code}: {(await r.aread())[:200]!r}"
-            text = b"".join([chunk async for chunk in r.aiter_raw()])
-    except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "ok" if text.rstrip().endswith(b"data: [DONE]") else f"cut after {len(text)} bytes"
+    return await stream_chat(c, MODEL, max_tokens)
 
 
 @pytest.mark.parametrize("config", ["fail-open", "fail-closed"])

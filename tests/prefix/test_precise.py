@@ -179,8 +179,9 @@ async def wait_for(cond, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_subscriber_applies_pub_messages_and_handles_gaps_and_restarts() -> None:
-    tracker = PrefixTracker(PrefixConfig())
+@contextlib.asynccontextmanager
+async def published_source(tracker: PrefixTracker) -> AsyncIterator[tuple[zmq.Socket, PreciseSource]]:
+    """A bound PUB socket standing in for EP's engine and a started source subscribed to it."""
     ctx = zmq.asyncio.Context()
     pub = zmq.Socket(ctx, zmq.PUB)
     pub.bind("tcp://127.0.0.1:*")
@@ -188,6 +189,16 @@ async def test_subscriber_applies_pub_messages_and_handles_gaps_and_restarts() -
     source = PreciseSource(tracker, [(EP, endpoint, None)], registry=CollectorRegistry())
     await source.start()
     try:
+        yield pub, source
+    finally:
+        await source.aclose()
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+async def test_subscriber_applies_pub_messages_and_handles_gaps_and_restarts() -> None:
+    tracker = PrefixTracker(PrefixConfig())
+    async with published_source(tracker) as (pub, source):
         # PUB/SUB joins asynchronously: resend the first batch until it lands (idempotent).
         for _ in range(100):
             pub.send_multipart([b"kv", encode_seq(0), encode_batch(batch(stored([901, 902], None, PROMPT[: 2 * BS])))])
@@ -211,10 +222,6 @@ async def test_subscriber_applies_pub_messages_and_handles_gaps_and_restarts() -
         await wait_for(lambda: tracker.metrics.index_resets.labels(EP, "restart")._value.get() == 1)
         assert matched(tracker) == 0
         assert idx.metrics.errors.labels(EP, "frames")._value.get() == 1
-    finally:
-        await source.aclose()
-        pub.close(linger=0)
-        ctx.destroy(linger=0)
 
 
 async def test_gap_is_filled_from_the_replay_socket() -> None:
@@ -306,6 +313,27 @@ async def publishing(*batches: list) -> AsyncIterator[tuple[KVEventPublisher, zm
     finally:
         await publisher.aclose()
         ctx.destroy(linger=0)
+
+
+async def test_a_removed_endpoints_subscriber_stops_and_its_events_index_nothing() -> None:
+    tracker = PrefixTracker(PrefixConfig())
+    async with published_source(tracker) as (pub, source):
+        for _ in range(100):
+            pub.send_multipart(frames(0, stored([901, 902], None, PROMPT[: 2 * BS])))
+            await asyncio.sleep(0.02)
+            if matched(tracker) == 2:
+                break
+        assert matched(tracker) == 2
+        closing = source.remove(EP)
+        tracker.drop_endpoint(EP)
+        assert closing is not None
+        await closing
+        assert source.subscribers == [] and EP not in tracker.precise and matched(tracker) == 0
+        pub.send_multipart(frames(1, stored([903, 904], 902, PROMPT[2 * BS :])))
+        pub.send_multipart(frames(0, stored([901, 902], None, PROMPT[: 2 * BS])))
+        await asyncio.sleep(0.2)
+        assert matched(tracker) == 0 and len(tracker.index) == 0
+        assert source.remove(EP) is None  # twice: nothing left to stop
 
 
 async def test_a_large_batch_is_decoded_off_the_loop_and_applied_in_slices() -> None:

@@ -1,0 +1,144 @@
+"""The static source: the configuration file's `endpoints` list, reloaded when the file changes
+or the process gets SIGHUP.
+
+A reload reads the whole file again and validates it as at start; only `endpoints` is applied
+(other changes are logged as needing a restart). A file that does not validate, or whose
+endpoints name a model the running configuration does not serve, is refused with an error in
+the log and the endpoints stay as they were. Endpoints that left are drained, never cut: their
+in-flight requests finish (`extproc.discovery.manager`).
+
+The file is polled (its size, mtime and inode, every `poll_interval_s`): a ConfigMap mounted
+in a pod changes by an atomic symlink swap, which a stat sees and a watch on the file misses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Literal
+
+import pydantic
+
+from extproc.config.loader import ConfigError, load_config
+from extproc.config.schema import Config, EndpointConfig
+from extproc.discovery.base import Discovered, DiscoverySource, Publish, SourceContext
+
+__all__ = ["Params", "Source"]
+
+log = logging.getLogger(__name__)
+
+
+class Params(pydantic.BaseModel):
+    """`{type: static}` parameters.
+
+    Attributes:
+        watch: reload when the configuration file changes (polled).
+        poll_interval_s: how often the file is checked (seconds).
+        sighup: reload on SIGHUP (when running on the main thread's event loop).
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["static"] = "static"
+    watch: bool = True
+    poll_interval_s: float = pydantic.Field(default=1.0, gt=0)
+    sighup: bool = True
+
+
+def _stamp(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class Source(DiscoverySource):
+    """The configuration file's endpoints.
+
+    Args:
+        params: `Params`.
+        ctx: the running configuration and its path (no path: the endpoints never change).
+    """
+
+    name = "static"
+
+    def __init__(self, params: Params, ctx: SourceContext) -> None:
+        self._params = params
+        self._config = ctx.config
+        self._path = ctx.config_path
+        self._wake = asyncio.Event()
+        self.reloads = 0
+        """Reloads applied (count)."""
+        self.refused = 0
+        """Reloads refused for an invalid file (count)."""
+
+    @staticmethod
+    def _report(endpoints: list[EndpointConfig]) -> dict[str, Discovered]:
+        return {e.address: Discovered(e) for e in endpoints}
+
+    async def run(self, publish: Publish) -> None:
+        publish(self._report(self._config.endpoints))
+        if self._path is None:
+            await asyncio.Event().wait()  # nothing to reload from
+        loop = asyncio.get_running_loop()
+        hup = False
+        if self._params.sighup:
+            try:
+                loop.add_signal_handler(signal.SIGHUP, self._wake.set)
+                hup = True
+            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
+                log.info("static discovery: SIGHUP reload unavailable on this loop")
+        stamp = _stamp(self._path)
+        try:
+            while True:
+                timeout = self._params.poll_interval_s if self._params.watch else None
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    reason = "SIGHUP"
+                except TimeoutError:
+                    reason = "file change"
+                self._wake.clear()
+                now = _stamp(self._path)
+                if reason == "file change" and (now == stamp or now is None):
+                    continue
+                stamp = now
+                endpoints = await self._reload(reason)
+                if endpoints is not None:
+                    self.reloads += 1
+                    publish(self._report(endpoints))
+        finally:
+            if hup:
+                loop.remove_signal_handler(signal.SIGHUP)
+
+    async def _reload(self, reason: str) -> list[EndpointConfig] | None:
+        """The new file's endpoints, or None (refused, logged)."""
+        assert self._path is not None
+        try:
+            new: Config = await asyncio.to_thread(load_config, self._path)
+        except ConfigError as exc:
+            self.refused += 1
+            log.error("configuration reload (%s) refused, endpoints unchanged: %s", reason, exc)
+            return None
+        served = {m.name for m in self._config.models}
+        unknown = sorted({m for e in new.endpoints for m in e.models} - served)
+        if unknown:
+            self.refused += 1
+            log.error(
+                "configuration reload (%s) refused, endpoints unchanged: endpoints name models this process does not serve "
+                "(%s); adding models needs a restart",
+                reason, ", ".join(unknown),
+            )  # fmt: skip
+            return None
+        if new.model_copy(update={"endpoints": self._config.endpoints}) != self._config:
+            log.warning("configuration reload (%s): only `endpoints` is applied; the other changes need a restart", reason)
+        old = {e.address: e for e in self._config.endpoints}
+        for e in new.endpoints:
+            was = old.get(e.address)
+            if (e.kv_events or was and was.kv_events) and (was is None or (was.kv_events, was.kv_events_replay) != (e.kv_events, e.kv_events_replay)):
+                log.warning("configuration reload (%s): kv_events of %s changed; KV-event subscriptions change only on restart", reason, e.address)
+        self._config = self._config.model_copy(update={"endpoints": new.endpoints})
+        log.info("configuration reload (%s): %d endpoints", reason, len(new.endpoints))
+        return new.endpoints

@@ -1,0 +1,183 @@
+"""Kubernetes discovery against recorded-shape API server responses served locally (no API
+server runs here): list, watch events, a dropped watch resumed from its resourceVersion, 410
+Gone as an event and as a status (relist), the periodic full list, terminating / not-ready
+endpoints drained while their requests finish, the token sent and never logged, the CA used."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from extproc.config.loader import ConfigError, config_from_mapping
+from extproc.datastore.endpoints import Datastore
+from extproc.discovery.base import Discovered
+from extproc.discovery.kubernetes import Params, Source, pool_selector
+from extproc.discovery.manager import Discovery
+from tests.agent.agent_helpers import eventually
+from tests.discovery.fake_apiserver import FakeApiServer, data, gone, hold, stream
+from tests.e2e.certs import make_certs
+
+TOKEN = "eyJhbGciOiJSUzI1NiJ9.test-service-account-token"
+SLICES = "/apis/discovery.k8s.io/v1/namespaces/inference/endpointslices"
+PODS = "/api/v1/namespaces/inference/pods"
+POOL = "/apis/inference.networking.k8s.io/v1/namespaces/inference/inferencepools/qwen3-8b"
+
+
+def params(server: FakeApiServer, tmp_path: Path, *, scheme: str = "http", ca: Path | None = None, **kw) -> Params:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n", encoding="utf-8")
+    base = {"namespace": "inference", "port": 8000, "models": ["m"], "labels": {"engine": "vllm"}}
+    return Params(api_server=f"{scheme}://127.0.0.1:{server.port}", token_file=str(token), ca_file=str(ca or tmp_path / "no-ca.crt"), **{**base, **kw})
+
+
+async def run_source(src: Source, server: FakeApiServer, cond: Callable[[], bool], done: asyncio.Event | None = None, timeout_s: float = 5.0) -> list[dict[str, Discovered]]:
+    """Run `src` until `cond()`, then stop it, end the held watches (`done`) and the server;
+    return what it published, in order."""
+    reports: list[dict[str, Discovered]] = []
+    task = asyncio.create_task(src.run(lambda r: reports.append(dict(r))))
+    try:
+        await eventually(cond, timeout_s=timeout_s)
+    finally:
+        if done is not None:
+            done.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.aclose()
+    return reports
+
+
+def split(report: dict[str, Discovered]) -> tuple[set[str], set[str]]:
+    """(ready addresses, listed-but-not-ready addresses)."""
+    return {a for a, d in report.items() if d.ready}, {a for a, d in report.items() if not d.ready}
+
+
+async def test_list_watch_drop_resume_and_410_relist_over_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.DEBUG)
+    certs = make_certs(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(certs.server, certs.server_key)
+    done = asyncio.Event()
+    server = FakeApiServer(
+        TOKEN,
+        SLICES,
+        lists=[data("endpointslices-list.json"), data("endpointslices-relist.json")],
+        watches=[
+            stream(data("endpointslices-watch-1.jsonl"), drop=True),  # events, then the connection drops
+            stream(data("endpointslices-watch-2.jsonl")),  # resumed: a DELETED, then ERROR 410
+            gone(),  # after the relist: refused with 410 at once -> relist again
+            hold(done),
+        ],
+    )
+    await server.start(ssl_context=ctx)
+    src = Source(params(server, tmp_path, scheme="https", ca=certs.ca, selector="kubernetes.io/service-name=vllm-qwen3-8b"))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 4, done)
+
+    # The first list: ready, not ready, terminating (ready false), conditions left unset
+    # (ready), an IPv6 slice; the FQDN slice is skipped.
+    assert split(reports[0]) == (
+        {"10.44.1.17:8000", "10.44.2.9:8000", "10.44.4.2:8000", "[fd00:10:44::5]:8000"},
+        {"10.44.3.4:8000", "10.44.1.30:8000"},
+    )
+    assert reports[0]["10.44.1.17:8000"].config.labels == {"engine": "vllm"}
+    # Watch events: 10.44.2.9 terminating, 10.44.3.4 ready, 10.44.1.30 gone; a new slice.
+    assert split(reports[1]) == ({"10.44.1.17:8000", "10.44.3.4:8000", "10.44.4.2:8000", "[fd00:10:44::5]:8000"}, {"10.44.2.9:8000"})
+    assert split(reports[2])[0] == split(reports[1])[0] | {"10.44.5.11:8000"}
+    # Resumed after the drop from the bookmark's version, without listing again; then DELETED.
+    watches = server.watch_requests()
+    assert watches[0].query["resourceVersion"] == "48213" and watches[0].query["labelSelector"] == "kubernetes.io/service-name=vllm-qwen3-8b"
+    assert watches[1].query["resourceVersion"] == "48250"
+    assert server.seen.index(watches[1]) == server.seen.index(watches[0]) + 1  # no list in between
+    assert "[fd00:10:44::5]:8000" not in reports[3]
+    # The ERROR 410 event: relisted (the relist's set), watched from the new version, refused
+    # with a 410 status: relisted again, watched again.
+    assert split(reports[4]) == ({"10.44.1.17:8000", "10.44.3.4:8000", "10.44.5.11:8000", "10.44.6.3:8000"}, set())
+    assert "resourceVersion" not in server.list_requests()[1].query
+    assert watches[2].query["resourceVersion"] == "49002"
+    assert len(server.list_requests()) == 3 and src.relists_for_gone == 2
+    assert all(s.watch or s.query.get("labelSelector") for s in server.seen)
+    # Every request carried the token; no log line shows it.
+    assert all(s.authorized for s in server.seen)
+    assert TOKEN not in caplog.text and "test-service-account-token" not in caplog.text
+
+
+async def test_a_periodic_full_list_happens_while_the_watch_is_quiet(tmp_path: Path):
+    done = asyncio.Event()
+    server = FakeApiServer(TOKEN, SLICES, lists=[data("endpointslices-list.json")], watches=[hold(done)])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm", resync_s=1.0))
+    await run_source(src, server, lambda: len(server.list_requests()) >= 3, done, timeout_s=10)
+    assert all(int(w.query["timeoutSeconds"]) <= 1 for w in server.watch_requests())
+
+
+async def test_an_unauthorized_answer_keeps_what_was_published_and_retries(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    server = FakeApiServer("another-token", SLICES, lists=[data("endpointslices-list.json")], watches=[gone()])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm"))
+    reports = await run_source(src, server, lambda: len(server.seen) >= 2)
+    assert reports == []
+    assert "status 401" in caplog.text and TOKEN not in caplog.text
+
+
+async def test_terminating_and_not_ready_endpoints_take_no_new_requests_but_finish_theirs(tmp_path: Path):
+    gate, done = asyncio.Event(), asyncio.Event()
+    server = FakeApiServer(
+        TOKEN, SLICES, lists=[data("endpointslices-list.json")], watches=[stream(data("endpointslices-watch-1.jsonl"), gate=gate), hold(done)]
+    )
+    await server.start()
+    store = Datastore([])
+    d = Discovery(store, [Source(params(server, tmp_path, selector="app=vllm"))], initial_wait_s=5)
+    try:
+        await d.start()
+        routable = {e.address for e in store.for_model("m")}
+        assert routable == {"10.44.1.17:8000", "10.44.2.9:8000", "10.44.4.2:8000", "[fd00:10:44::5]:8000"}
+        assert store.get("10.44.3.4:8000") is None and store.get("10.44.1.30:8000") is None  # never ready: never added
+        held = store.reserve(store.get("10.44.2.9:8000"))
+        gate.set()  # 10.44.2.9 starts terminating
+        await eventually(lambda: store.get("10.44.5.11:8000") is not None)
+        terminating = store.get("10.44.2.9:8000")
+        assert terminating is not None and terminating.draining and terminating.inflight == 1
+        assert "10.44.2.9:8000" not in {e.address for e in store.for_model("m")}
+        assert "10.44.3.4:8000" in {e.address for e in store.for_model("m")}  # became ready
+        held.release()
+        assert store.get("10.44.2.9:8000") is None
+    finally:
+        done.set()
+        await d.aclose()
+        await server.aclose()
+
+
+async def test_an_inference_pools_selector_and_port_pick_its_pods(tmp_path: Path):
+    done = asyncio.Event()
+    server = FakeApiServer(
+        TOKEN, PODS, lists=[data("pods-list.json")], watches=[stream(data("pods-watch.jsonl")), hold(done)], objects={POOL: data("inferencepool.json")}
+    )
+    await server.start()
+    src = Source(params(server, tmp_path, inference_pool="qwen3-8b", port=9999))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 2, done)
+    assert server.seen[0].path == POOL
+    assert server.list_requests()[0].query["labelSelector"] == "app=vllm-qwen3-8b,inference.llm-extproc.dev/pool=qwen3-8b"
+    # The pool's target port (8000), not the configured fallback (9999); the pending pod has no IP.
+    assert split(reports[0]) == ({"10.44.1.17:8000", "10.44.2.9:8000"}, {"10.44.3.4:8000"})
+    assert split(reports[1]) == ({"10.44.1.17:8000"}, {"10.44.2.9:8000", "10.44.3.4:8000"})  # deletionTimestamp set
+    assert split(reports[2])[0] == {"10.44.1.17:8000", "10.44.4.2:8000"}
+    assert "10.44.2.9:8000" not in reports[3]
+
+
+def test_pool_selector_reads_v1_and_v1alpha2_shapes():
+    assert pool_selector({"spec": {"selector": {"matchLabels": {"b": "2", "a": "1"}}, "targetPorts": [{"number": 8000}]}}) == ("a=1,b=2", 8000)
+    assert pool_selector({"spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8080}}) == ("app=vllm", 8080)
+    with pytest.raises(ValueError):
+        pool_selector({"spec": {"selector": {}}})
+
+
+def test_exactly_one_of_selector_and_inference_pool():
+    raw = {"models": [{"name": "m"}], "discovery": {"sources": [{"type": "kubernetes", "port": 8000, "models": ["m"]}]}}
+    with pytest.raises(ConfigError, match="exactly one of selector"):
+        config_from_mapping(raw)
+    raw["discovery"]["sources"][0]["selector"] = "app=vllm"
+    assert config_from_mapping(raw).discovery.sources[0].selector == "app=vllm"
