@@ -8,9 +8,11 @@
     fleet   a two-tenant run on the simulated fleet (4 engines) behind Envoy and
             `llm-extproc serve`: tenant "steady" sends streamed chats at a fixed rate; first alone,
             then while tenant "flood" (its own process) runs 48 concurrent long requests with no
-            limit, then with a token limit on "flood" (retrying refusals every 0.2 s, then
-            honouring retry-after). Reports steady's TTFT (p50/p99) in each phase and the ratio
-            to its solo figure (target: within 10 %), and flood's admitted / refused counts.
+            limit; with a token limit only (retrying refusals every 0.2 s); with the same limit
+            paced (`burst_tokens`) and a concurrency cap (`max_concurrent_requests`), retrying
+            every 0.2 s, then honouring retry-after; then steady alone again (the solo figure's
+            run-to-run spread). Reports steady's TTFT (p50/p99) in each phase and the ratio to
+            its first solo figure (target: within 10 %), and flood's admitted / refused counts.
             Run under `flock /tmp/bench.lock` (it starts a fleet and Envoy).
 
     .venv/bin/python scripts/bench_ratelimit.py micro [--decisions 5000] [--requests 1000]
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import random
 import statistics
 import sys
@@ -191,6 +194,7 @@ async def micro(args: argparse.Namespace) -> None:
 # -- fleet -------------------------------------------------------------------------------------
 
 STEADY_KEY, FLOOD_KEY, FLOOD_LIMITED_KEY = "sk-steady-bench", "sk-flood-bench", "sk-flood-limited-bench"
+FLOOD_PACED_KEY = "sk-flood-paced-bench"
 
 
 async def _steady(client: httpx.AsyncClient, rate: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -261,8 +265,23 @@ async def fleet(args: argparse.Namespace) -> None:
         server = envoy = None
         try:
             cfg = server_config(sims.profiles, profile="load-aware")
-            digest = hashlib.sha256(FLOOD_LIMITED_KEY.encode()).hexdigest()
-            cfg["ratelimit"] = {"enabled": True, "tenants": {"flood-limited": {"api_key_sha256": [digest], "tokens_per_minute": args.flood_tpm}}}
+            def digest(key: str) -> str:
+                return hashlib.sha256(key.encode()).hexdigest()
+
+            cfg["ratelimit"] = {
+                "enabled": True,
+                # steady and the unlimited flood: each a tenant of its own, with no limit
+                "unknown_api_keys": "per_key",
+                "tenants": {
+                    "flood-limited": {"api_key_sha256": [digest(FLOOD_LIMITED_KEY)], "tokens_per_minute": args.flood_tpm},
+                    "flood-paced": {
+                        "api_key_sha256": [digest(FLOOD_PACED_KEY)],
+                        "tokens_per_minute": args.flood_tpm,
+                        "burst_tokens": args.flood_burst,
+                        "max_concurrent_requests": args.flood_concurrent,
+                    },
+                },
+            }
             path = work / "server.yaml"
             path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
             server = ExtProcServerProcess(path, workdir=work)
@@ -273,14 +292,17 @@ async def fleet(args: argparse.Namespace) -> None:
             await envoy.start()
             rng = random.Random(1)
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-            results: dict[str, tuple[list[float], dict[str, int]]] = {}
+            results: dict[str, tuple[list[float], dict[str, int], float]] = {}
             async with httpx.AsyncClient(base_url=envoy.url, timeout=600, limits=limits, trust_env=False) as client:
                 await _steady(client, args.rate, 5, rng)  # warm-up
+                paced = f"{args.flood_tpm} TPM paced (burst {args.flood_burst}), at most {args.flood_concurrent} in flight"
                 phases = (
                     ("solo", None, False),
                     ("flood, no limit", FLOOD_KEY, False),
-                    (f"flood, limit {args.flood_tpm} TPM, retries every 0.2 s", FLOOD_LIMITED_KEY, False),
-                    (f"flood, limit {args.flood_tpm} TPM, honours retry-after", FLOOD_LIMITED_KEY, True),
+                    (f"flood, {args.flood_tpm} TPM window only, retries every 0.2 s", FLOOD_LIMITED_KEY, False),
+                    (f"flood, {paced}, retries every 0.2 s", FLOOD_PACED_KEY, False),
+                    (f"flood, {paced}, honours retry-after", FLOOD_PACED_KEY, True),
+                    ("solo again", None, False),
                 )
                 for phase, key, honor in phases:
                     await asyncio.sleep(args.cool_s)
@@ -295,14 +317,17 @@ async def fleet(args: argparse.Namespace) -> None:
                     if flood:
                         out, _ = await flood.communicate()
                         counts = orjson.loads(out.strip().splitlines()[-1])
-                    results[phase] = (ttfts, counts)
-                    print(f"{phase}: {len(ttfts)} steady requests, flood {counts}", flush=True)
+                    load = os.getloadavg()[0]
+                    results[phase] = (ttfts, counts, load)
+                    print(f"{phase}: {len(ttfts)} steady requests, flood {counts}, load average (1 min) {load:.2f}", flush=True)
             solo50, solo99 = _pct(results["solo"][0], 0.5), _pct(results["solo"][0], 0.99)
             print(f"\n## steady tenant's TTFT ({args.rate}/s, {args.phase_s:.0f} s per phase; flood: {args.concurrency} concurrent ~2.7k-token prompts, max_tokens 512)\n")
-            print("| phase | steady requests | TTFT p50 s | TTFT p99 s | p50 / solo | p99 / solo | mean s | flood answers |\n|---|---|---|---|---|---|---|---|")
-            for phase, (xs, counts) in results.items():
+            print("| phase | steady requests | TTFT p50 s | TTFT p99 s | p50 / solo | p99 / solo | mean s | flood answers | load 1 min |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for phase, (xs, counts, load) in results.items():
                 p50, p99 = _pct(xs, 0.5), _pct(xs, 0.99)
-                print(f"| {phase} | {len(xs)} | {p50:.3f} | {p99:.3f} | {p50 / solo50:.2f} | {p99 / solo99:.2f} | {statistics.mean(xs):.3f} | {counts or '-'} |")
+                row = f"| {phase} | {len(xs)} | {p50:.3f} | {p99:.3f} | {p50 / solo50:.2f} | {p99 / solo99:.2f} | {statistics.mean(xs):.3f}"
+                print(f"{row} | {counts or '-'} | {load:.2f} |")
         finally:
             if envoy is not None:
                 await envoy.aclose()
@@ -322,7 +347,9 @@ def main() -> None:
     f.add_argument("--cool-s", type=float, default=10.0)
     f.add_argument("--rate", type=float, default=4.0, help="steady tenant's requests per second")
     f.add_argument("--concurrency", type=int, default=48, help="flood tenant's concurrent requests")
-    f.add_argument("--flood-tpm", type=int, default=60_000, help="flood tenant's tokens per minute in the limited phase")
+    f.add_argument("--flood-tpm", type=int, default=60_000, help="flood tenant's tokens per minute in the limited phases")
+    f.add_argument("--flood-burst", type=int, default=8_000, help="flood tenant's burst_tokens in the paced phases")
+    f.add_argument("--flood-concurrent", type=int, default=2, help="flood tenant's max_concurrent_requests in the paced phases")
     fl = sub.add_parser("flood", help="(internal) the flooding tenant's process")
     fl.add_argument("--url", required=True)
     fl.add_argument("--key", required=True)
