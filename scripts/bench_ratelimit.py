@@ -8,7 +8,8 @@
     fleet   a two-tenant run on the simulated fleet (4 engines) behind Envoy and
             `llm-extproc serve`: tenant "steady" sends streamed chats at a fixed rate; first alone,
             then while tenant "flood" (its own process) runs 48 concurrent long requests with no
-            limit; with a token limit only (retrying refusals every 0.2 s); with the same limit
+            limit; with a token limit only (retrying refusals every 0.2 s); refused outright
+            (1 request per minute: what refusing costs the gateway host alone); with the same limit
             paced (`burst_tokens`) and a concurrency cap (`max_concurrent_requests`), retrying
             every 0.2 s, then honouring retry-after; then steady alone again (the solo figure's
             run-to-run spread). Reports steady's TTFT (p50/p99) in each phase and the ratio to
@@ -194,7 +195,7 @@ async def micro(args: argparse.Namespace) -> None:
 # -- fleet -------------------------------------------------------------------------------------
 
 STEADY_KEY, FLOOD_KEY, FLOOD_LIMITED_KEY = "sk-steady-bench", "sk-flood-bench", "sk-flood-limited-bench"
-FLOOD_PACED_KEY = "sk-flood-paced-bench"
+FLOOD_PACED_KEY, FLOOD_REFUSED_KEY = "sk-flood-paced-bench", "sk-flood-refused-bench"
 
 
 async def _steady(client: httpx.AsyncClient, rate: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -274,6 +275,9 @@ async def fleet(args: argparse.Namespace) -> None:
                 "unknown_api_keys": "per_key",
                 "tenants": {
                     "flood-limited": {"api_key_sha256": [digest(FLOOD_LIMITED_KEY)], "tokens_per_minute": args.flood_tpm},
+                    # one request a minute: every other one refused, so the phase measures only
+                    # what refusing a flood costs the gateway host (no engine work)
+                    "flood-refused": {"api_key_sha256": [digest(FLOOD_REFUSED_KEY)], "requests_per_minute": 1},
                     "flood-paced": {
                         "api_key_sha256": [digest(FLOOD_PACED_KEY)],
                         "tokens_per_minute": args.flood_tpm,
@@ -300,6 +304,7 @@ async def fleet(args: argparse.Namespace) -> None:
                     ("solo", None, False),
                     ("flood, no limit", FLOOD_KEY, False),
                     (f"flood, {args.flood_tpm} TPM window only, retries every 0.2 s", FLOOD_LIMITED_KEY, False),
+                    ("flood refused (1 RPM: no engine work), retries every 0.2 s", FLOOD_REFUSED_KEY, False),
                     (f"flood, {paced}, retries every 0.2 s", FLOOD_PACED_KEY, False),
                     (f"flood, {paced}, honours retry-after", FLOOD_PACED_KEY, True),
                     ("solo again", None, False),

@@ -1,5 +1,7 @@
 """The rate limiter the ext_proc server calls: tenant → scopes → reserve at admission → settle.
 
+    precheck_headers(tenant) at the request's headers: refuse before the body crosses when the
+                             tenant could not be admitted even a 1-token request now
     precheck(tenant, ...)    before tokenizing: refuse at once when the window cannot hold even
                              the request's least cost (1 prompt token + max_tokens × n), so a
                              flooding tenant's refusals cost no tokenizer time
@@ -177,6 +179,20 @@ class RateLimiter:
 
     # -- admission ---------------------------------------------------------------------------
 
+    async def precheck_headers(self, tenant: Tenant) -> None:
+        """Refuse at the request's headers, before its body crosses Envoy and the server, when the
+        tenant's own scope cannot admit even the least request now (1 token, or the size cost of
+        an empty body): its concurrency cap is full, its requests per minute are spent, or its
+        window or pacing bucket is empty. A flood retrying refusals at once then costs one
+        ext_proc message each. Same conditions as `precheck` (local backend always; remote only
+        under pressure); charges nothing.
+
+        Raises:
+            TenantRateLimitedError: no request of this tenant could be admitted now (429).
+        """
+        floor = self.config.size_cost_base + 1 if self.config.cost == "size" else 1
+        await self._precheck(tenant, self.scopes(tenant, "")[:1], floor)
+
     async def precheck(self, tenant: Tenant, model: str, max_tokens: int | None, n: int, body_bytes: int) -> None:
         """Refuse before the prompt is tokenized when even the request's least possible cost
         does not fit now (charges nothing; `admit` decides for real).
@@ -186,17 +202,20 @@ class RateLimiter:
         tenant refused within the last second (an extra round trip only under pressure).
 
         Raises:
-            TenantRateLimitedError: the window is too full for the least cost (429).
+            TenantRateLimitedError: the window (or bucket, or concurrency cap) is too full for
+                the least cost (429).
         """
-        if not self.limited(tenant):
-            return
-        if not self.backend.local and self._clock() - self._refused_at.get(tenant.id, -1e18) > 1.0:
-            return
         if self.config.cost == "size":
             floor = self.config.size_cost_base + max(1, body_bytes // 1024)
         else:
             floor = 1 + (max_tokens or 1) * max(1, n)
-        scopes = self.scopes(tenant, model)
+        await self._precheck(tenant, self.scopes(tenant, model), floor)
+
+    async def _precheck(self, tenant: Tenant, scopes: list[ScopeLimit], floor: int) -> None:
+        if not self.limited(tenant):
+            return
+        if not self.backend.local and self._clock() - self._refused_at.get(tenant.id, -1e18) > 1.0:
+            return
         if any(0 <= s.tokens < floor for s in scopes):
             return  # too large for the whole limit: admit answers the 400
         try:

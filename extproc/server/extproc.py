@@ -166,6 +166,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
                         if self._ratelimit is not None:
                             tenant = self._ratelimit.tenant(hdrs)
+                            try:  # a tenant that cannot be admitted now: refused before its body crosses
+                                await self._ratelimit.precheck_headers(tenant)
+                            except ExtProcError as err:
+                                kind = None
+                                yield self._reject(err, hdrs)
+                                continue
                         # A token-limited tenant's usage settles its reservation: read every response.
                         observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))
                         mode = responses.GENERATION_MODE_STREAMED if observe else responses.GENERATION_MODE

@@ -310,3 +310,27 @@ async def test_redis_keys_holding_requests_in_flight_or_a_refilling_bucket_outli
     finally:
         await client.aclose()
         await lim.aclose()
+
+
+async def test_precheck_at_the_headers_refuses_only_a_tenant_that_could_admit_nothing():
+    lim = _limiter(default={"tokens_per_minute": 1000, "max_concurrent_requests": 2}, tenants={"m": {"models": {MODEL: {"tokens_per_minute": 10}}}}, tenant_header="x-t")
+    t = lim.tenant({})
+    await lim.precheck_headers(t)
+    a = await lim.admit(t, _req(100, max_tokens=800))
+    await lim.precheck_headers(t)  # 100 tokens left, one slot left: a small request could pass
+    b = await lim.admit(t, _req(50, max_tokens=10))
+    with pytest.raises(TenantRateLimitedError) as exc:  # both slots held
+        await lim.precheck_headers(t)
+    assert "requests in flight" in exc.value.message
+    lim.settle(b, 60)
+    await lim.precheck_headers(t)
+    lim.settle(a, None)  # keeps its 900: the window holds 960 of 1000, a 1-token request fits
+    await lim.precheck_headers(t)
+    c = await lim.admit(t, _req(30, max_tokens=10))
+    lim.settle(c, 40)
+    with pytest.raises(TenantRateLimitedError):  # 1000 of 1000: nothing fits
+        await lim.precheck_headers(t)
+    # Per-model limits are not known before the body names the model: only the tenant's scope.
+    m = lim.tenant({"x-t": "m"})
+    await lim.admit(m, _req(5, max_tokens=5))
+    await lim.precheck_headers(m)
