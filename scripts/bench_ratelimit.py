@@ -75,16 +75,21 @@ def _row(name: str, xs_s: list[float]) -> str:
 # -- micro -------------------------------------------------------------------------------------
 
 
-async def _backend_costs(backend, n: int) -> tuple[list[float], list[float]]:
-    scopes = [ScopeLimit("{bench}", tokens=10**12, requests=10**9)]
+async def _backend_costs(backend, n: int, controls: bool = False) -> tuple[list[float], list[float]]:
+    """acquire, and acquire + settle; `controls`: the scope also has a concurrency cap and pacing
+    (decision 0190), so each decision registers and releases an in-flight entry."""
+    key = "{bench-cc}" if controls else "{bench}"
+    extra = {"concurrent": 10**9, "burst": 10**12} if controls else {}
+    scopes = [ScopeLimit(key, tokens=10**12, requests=10**9, **extra)]
     acq, both = [], []
-    for _ in range(200):  # warm-up (connection, script load)
-        await backend.acquire(scopes, 100)
-    for _ in range(n):
+    for i in range(200):  # warm-up (connection, script load)
+        d = await backend.acquire(scopes, 100, request_id=f"w{i}")
+        await backend.settle([key], d.bucket, 0, request_id=f"w{i}")
+    for i in range(n):
         t0 = time.perf_counter()
-        d = await backend.acquire(scopes, 100)
+        d = await backend.acquire(scopes, 100, request_id=f"r{i}")
         t1 = time.perf_counter()
-        await backend.settle(["{bench}"], d.bucket, -50)
+        await backend.settle([key], d.bucket, -50, request_id=f"r{i}")
         t2 = time.perf_counter()
         acq.append(t1 - t0)
         both.append(t2 - t0)
@@ -166,6 +171,8 @@ async def micro(args: argparse.Namespace) -> None:
             mem_acq, mem_both = await _backend_costs(MemoryBackend(60), args.decisions)
             rb = RedisBackend(RedisConfig(url=redis.url, key_prefix="bench:", timeout_ms=200), 60)
             red_acq, red_both = await _backend_costs(rb, args.decisions)
+            mem_cc = await _backend_costs(MemoryBackend(60), args.decisions, controls=True)
+            red_cc = await _backend_costs(rb, args.decisions, controls=True)
             await rb.aclose()
             mem_path = await _limiter_path(MemoryBackend(60), args.decisions)
             red_path = await _limiter_path(RedisBackend(RedisConfig(url=redis.url, key_prefix="bench2:", timeout_ms=200), 60), args.decisions)
@@ -174,7 +181,9 @@ async def micro(args: argparse.Namespace) -> None:
             for name, xs in (("memory acquire", mem_acq), ("memory acquire + settle", mem_both),
                              ("memory, whole path (tenant, precheck, admit, settle)", mem_path),
                              ("redis acquire", red_acq), ("redis acquire + settle", red_both),
-                             ("redis, whole path (settle in a task, not awaited)", red_path)):
+                             ("redis, whole path (settle in a task, not awaited)", red_path),
+                             ("memory acquire, with cap + pacing", mem_cc[0]), ("memory acquire + settle, with cap + pacing", mem_cc[1]),
+                             ("redis acquire, with cap + pacing", red_cc[0]), ("redis acquire + settle, with cap + pacing", red_cc[1])):
                 print(_row(name, xs))
             counter = TokenCounter.from_source("builtin:qwen3")
             limited = {"enabled": True, "default": {"tokens_per_minute": 10**12, "requests_per_minute": 10**9}}
