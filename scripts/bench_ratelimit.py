@@ -63,6 +63,21 @@ from extproc.types import LLMRequest, RequestKind, TokenCount
 MODEL = "Qwen/Qwen3-8B"
 
 
+def _cpu_s(pids: list[int | None]) -> float:
+    """CPU seconds (user + system) the processes have used so far, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat)
+    return total
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -242,6 +257,7 @@ async def flood_main(args: argparse.Namespace) -> None:
         await asyncio.sleep(args.duration_s)
         stop.set()
         await task
+    counts["cpu_s"] = round(time.process_time(), 1)  # type: ignore[assignment]
     print(orjson.dumps(counts).decode(), flush=True)
 
 
@@ -318,9 +334,11 @@ async def fleet(args: argparse.Namespace) -> None:
                     (f"flood, {paced}, honours retry-after", FLOOD_PACED_KEY, True),
                     ("solo again", None, False),
                 )
+                cpu: dict[str, dict[str, float]] = {}
                 for phase, key, honor in phases:
                     await asyncio.sleep(args.cool_s)
                     flood = None
+                    cpu0 = {"envoy": _cpu_s([envoy.pid]), "server": _cpu_s([server.pid]), "fleet": _cpu_s(list(sims.pids)), "steady": time.process_time()}
                     if key:
                         argv = [sys.executable, __file__, "flood", "--url", envoy.url, "--key", key,
                                 "--concurrency", str(args.concurrency), "--duration-s", str(args.phase_s + 5)]
@@ -331,6 +349,8 @@ async def fleet(args: argparse.Namespace) -> None:
                     if flood:
                         out, _ = await flood.communicate()
                         counts = orjson.loads(out.strip().splitlines()[-1])
+                    cpu1 = {"envoy": _cpu_s([envoy.pid]), "server": _cpu_s([server.pid]), "fleet": _cpu_s(list(sims.pids)), "steady": time.process_time()}
+                    cpu[phase] = {k: cpu1[k] - cpu0[k] for k in cpu0} | {"flood client": counts.pop("cpu_s", 0.0)}
                     load = os.getloadavg()[0]
                     results[phase] = (ttfts, counts, load)
                     print(f"{phase}: {len(ttfts)} steady requests, flood {counts}, load average (1 min) {load:.2f}", flush=True)
@@ -342,6 +362,10 @@ async def fleet(args: argparse.Namespace) -> None:
                 p50, p99 = _pct(xs, 0.5), _pct(xs, 0.99)
                 row = f"| {phase} | {len(xs)} | {p50:.3f} | {p99:.3f} | {p50 / solo50:.2f} | {p99 / solo99:.2f} | {statistics.mean(xs):.3f}"
                 print(f"{row} | {counts or '-'} | {load:.2f} |")
+            print(f"\n## CPU seconds per phase (the phase and the flood's 5 s lead; 2 cores = {2 * (args.phase_s + 5):.0f} CPU s)\n")
+            print("| phase | flood client | Envoy | server | fleet (simulators) | steady client |\n|---|---|---|---|---|---|")
+            for phase, c in cpu.items():
+                print(f"| {phase} | {c['flood client']:.1f} | {c['envoy']:.1f} | {c['server']:.1f} | {c['fleet']:.1f} | {c['steady']:.1f} |")
         finally:
             if envoy is not None:
                 await envoy.aclose()
