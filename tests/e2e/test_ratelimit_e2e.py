@@ -230,3 +230,43 @@ async def test_two_servers_sharing_redis_enforce_one_limit(workdir: Path, engine
         for s in servers:
             await s.aclose()
         await redis.stop()
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed (apt-get install -y redis-server)")
+async def test_two_servers_sharing_redis_enforce_one_concurrency_cap_and_release_it(workdir: Path, engines: Engines) -> None:
+    redis = RedisProcess(workdir=workdir / "redis-cc")
+    await redis.start()
+    servers: list[ExtProcServerProcess] = []
+    try:
+        rl = {"backend": "redis", "default": {"max_concurrent_requests": 3}, "redis": {"url": redis.url, "timeout_ms": 500}}
+        for name in ("llm-extproc-cc1", "llm-extproc-cc2"):
+            servers.append(await _start_server(workdir, name, _server_config(engines, rl)))
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in servers]
+        calls = []
+
+        async def one(i: int) -> str:
+            call = pb_grpc.ExternalProcessorStub(channels[i % 2]).Process()  # held open: keeps its slot
+            calls.append(call)
+            await call.write(headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {KEY}".encode()}))
+            first = (await call.read()).WhichOneof("response")
+            if first == "immediate_response":
+                return first
+            await call.write(body_msg(chat_body(max_tokens=20)))
+            return (await call.read()).WhichOneof("response")
+
+        kinds = await asyncio.gather(*(one(i) for i in range(20)))
+        assert kinds.count("request_body") == 3 and kinds.count("immediate_response") == 17, kinds
+        assert [(await _window(s, "unknown-keys"))["inflight"] for s in servers] == [3, 3], "both replicas read one set"
+        for call in calls:
+            call.cancel()  # every client goes away: each replica releases what it admitted
+        for _ in range(200):
+            if (await _window(servers[0], "unknown-keys"))["inflight"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await _window(servers[1], "unknown-keys"))["inflight"] == 0
+        for ch in channels:
+            await ch.close()
+    finally:
+        for s in servers:
+            await s.aclose()
+        await redis.stop()
