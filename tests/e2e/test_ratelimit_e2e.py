@@ -192,6 +192,25 @@ async def test_no_bearer_token_in_any_log_line_or_metric(gw: httpx.AsyncClient, 
         assert KEY not in text and RPM_KEY not in text
 
 
+async def _held_streams(channels: list[grpc.aio.Channel], n: int, max_tokens: int) -> tuple[list[str], list]:
+    """`n` chats with KEY over the channels in turn, each held open after its decision (an
+    admitted one keeps its charge and slot): each one's answer kind, and the calls to cancel."""
+    calls = []
+
+    async def one(i: int) -> str:
+        call = pb_grpc.ExternalProcessorStub(channels[i % len(channels)]).Process()
+        calls.append(call)
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {KEY}".encode()}))
+        first = (await call.read()).WhichOneof("response")
+        if first == "immediate_response":
+            return first  # refused at its headers (a tenant refused just before)
+        await call.write(body_msg(chat_body(max_tokens=max_tokens)))
+        return (await call.read()).WhichOneof("response")
+
+    kinds = await asyncio.gather(*(one(i) for i in range(n)))
+    return list(kinds), calls
+
+
 @pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed (apt-get install -y redis-server)")
 async def test_two_servers_sharing_redis_enforce_one_limit(workdir: Path, engines: Engines) -> None:
     redis = RedisProcess(workdir=workdir / "redis")
@@ -202,19 +221,7 @@ async def test_two_servers_sharing_redis_enforce_one_limit(workdir: Path, engine
         for name in ("llm-extproc-r1", "llm-extproc-r2"):
             servers.append(await _start_server(workdir, name, _server_config(engines, rl)))
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in servers]
-        calls = []
-
-        async def one(i: int) -> str:
-            call = pb_grpc.ExternalProcessorStub(channels[i % 2]).Process()  # held open: keeps its charge
-            calls.append(call)
-            await call.write(headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {KEY}".encode()}))
-            first = (await call.read()).WhichOneof("response")
-            if first == "immediate_response":
-                return first  # refused at its headers (a tenant refused just before)
-            await call.write(body_msg(chat_body(max_tokens=90)))
-            return (await call.read()).WhichOneof("response")
-
-        kinds = await asyncio.gather(*(one(i) for i in range(30)))
+        kinds, calls = await _held_streams(channels, 30, max_tokens=90)
         label = f"key-{hashlib.sha256(KEY.encode()).hexdigest()[:8]}"
         used = [(await _window(s, label))["tokens"] for s in servers]
         for call in calls:
@@ -242,19 +249,7 @@ async def test_two_servers_sharing_redis_enforce_one_concurrency_cap_and_release
         for name in ("llm-extproc-cc1", "llm-extproc-cc2"):
             servers.append(await _start_server(workdir, name, _server_config(engines, rl)))
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in servers]
-        calls = []
-
-        async def one(i: int) -> str:
-            call = pb_grpc.ExternalProcessorStub(channels[i % 2]).Process()  # held open: keeps its slot
-            calls.append(call)
-            await call.write(headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {KEY}".encode()}))
-            first = (await call.read()).WhichOneof("response")
-            if first == "immediate_response":
-                return first
-            await call.write(body_msg(chat_body(max_tokens=20)))
-            return (await call.read()).WhichOneof("response")
-
-        kinds = await asyncio.gather(*(one(i) for i in range(20)))
+        kinds, calls = await _held_streams(channels, 20, max_tokens=20)
         assert kinds.count("request_body") == 3 and kinds.count("immediate_response") == 17, kinds
         assert [(await _window(s, "unknown-keys"))["inflight"] for s in servers] == [3, 3], "both replicas read one set"
         for call in calls:
