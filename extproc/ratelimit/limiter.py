@@ -43,6 +43,12 @@ __all__ = ["Admission", "RateLimiter", "build_backend"]
 
 log = logging.getLogger(__name__)
 
+PROMPT_FLOOR_MARGIN = 0.5
+"""The body precheck's prompt estimate: half the tokens per body byte of the tenant's sparsest
+request seen so far (its lowest prompt tokens / body bytes), times this body's bytes. A request
+of the same tenant needs twice as many bytes per token as any before it to be refused early by
+mistake, and then only delayed (a full window or bucket still admits it)."""
+
 REFUSED_MEMORY = 10_000
 """Tenants whose latest refusal this process remembers (for the remote precheck); forgotten
 all at once past this, which only costs their next request a full decision."""
@@ -117,6 +123,7 @@ class RateLimiter:
         self._last_warn = -1e18
         self._suppressed = 0
         self._refused_at: dict[str, float] = {}
+        self._tokens_per_byte: dict[str, float] = {}  # tenant id → its lowest prompt tokens / body byte
         # In-flight ids: unique across replicas sharing Redis (a random prefix per process).
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
@@ -197,8 +204,11 @@ class RateLimiter:
         """Refuse before the prompt is tokenized when even the request's least possible cost
         does not fit now (charges nothing; `admit` decides for real).
 
-        The least cost is 1 prompt token + `max_tokens` × n (1 × n without max_tokens), or the
-        size cost. A local backend is asked every time (a few µs); a remote one only for a
+        The least cost is the prompt's floor + `max_tokens` × n (1 × n without max_tokens), or
+        the size cost. The prompt's floor is 1 token for a tenant's first request, then this
+        body's bytes × the tenant's lowest tokens per byte so far × `PROMPT_FLOOR_MARGIN`: a
+        flood of long prompts that the window or pacing bucket cannot hold is refused before
+        tokenizing, not after. A local backend is asked every time (a few µs); a remote one only for a
         tenant refused within the last second (an extra round trip only under pressure).
 
         Raises:
@@ -208,7 +218,8 @@ class RateLimiter:
         if self.config.cost == "size":
             floor = self.config.size_cost_base + max(1, body_bytes // 1024)
         else:
-            floor = 1 + (max_tokens or 1) * max(1, n)
+            prompt = int(body_bytes * self._tokens_per_byte.get(tenant.id, 0.0) * PROMPT_FLOOR_MARGIN)
+            floor = max(1, prompt) + (max_tokens or 1) * max(1, n)
         await self._precheck(tenant, self.scopes(tenant, model), floor)
 
     async def _precheck(self, tenant: Tenant, scopes: list[ScopeLimit], floor: int) -> None:
@@ -246,6 +257,8 @@ class RateLimiter:
             if 0 <= s.tokens < cost:
                 m.child(m.requests, tenant.label, "too_large").inc()
                 raise TooLargeForLimitError(self._too_large(tenant, request, s, cost), param="max_tokens")
+        if self.config.cost == "tokens" and request.body_bytes > 0:
+            self._learn_density(tenant, request.prompt_tokens / request.body_bytes)
         keys = tuple(s.key for s in scopes)
         request_id = f"{self._id_prefix}{next(self._ids):x}" if any(s.concurrent >= 0 for s in scopes) else None
         start = time.perf_counter()
@@ -273,6 +286,15 @@ class RateLimiter:
         m.child(m.requests, tenant.label, "admitted").inc()
         m.child(m.tokens_charged, tenant.label).inc(cost)
         return Admission(tenant, keys, decision.bucket, cost, request.prompt_tokens, headers, self.wants_usage(tenant), request_id)
+
+    def _learn_density(self, tenant: Tenant, tokens_per_byte: float) -> None:
+        seen = self._tokens_per_byte.get(tenant.id)
+        if seen is None:
+            if len(self._tokens_per_byte) >= REFUSED_MEMORY:
+                self._tokens_per_byte.clear()  # bounded; forgetting only costs a later tokenization
+            self._tokens_per_byte[tenant.id] = tokens_per_byte
+        elif tokens_per_byte < seen:
+            self._tokens_per_byte[tenant.id] = tokens_per_byte
 
     def _note_refusal(self, tenant: Tenant) -> None:
         if len(self._refused_at) >= REFUSED_MEMORY:

@@ -214,7 +214,7 @@ async def test_precheck_refuses_what_cannot_fit_before_counting():
     await lim.admit(t, _req(100, max_tokens=500))
     with pytest.raises(TenantRateLimitedError) as exc:
         await lim.precheck(t, MODEL, 500, 1, 100)  # 600 used: 1 + 500 cannot fit
-    assert "Requested 501" in exc.value.message
+    assert "Requested 550" in exc.value.message  # 100 bytes × 1 token per byte (learned) × 0.5 + 500
     await lim.precheck(t, MODEL, 300, 1, 100)  # the least cost of this one fits
     await lim.precheck(t, MODEL, 5000, 1, 100)  # larger than the limit: admit answers the 400
 
@@ -334,3 +334,23 @@ async def test_precheck_at_the_headers_refuses_only_a_tenant_that_could_admit_no
     m = lim.tenant({"x-t": "m"})
     await lim.admit(m, _req(5, max_tokens=5))
     await lim.precheck_headers(m)
+
+
+async def test_precheck_estimates_the_prompt_from_the_tenants_sparsest_bytes_per_token():
+    lim = _limiter(default={"tokens_per_minute": 1000})
+    t = lim.tenant({})
+    await lim.admit(t, _req(100, max_tokens=500, body_bytes=400))  # 0.25 tokens per byte; 600 used
+    # A 4,000-byte body: at least 4000 × 0.25 × 0.5 = 500 prompt tokens + 10: cannot fit in 400.
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.precheck(t, MODEL, 10, 1, 4000)
+    assert "Requested 510" in exc.value.message
+    await lim.precheck(t, MODEL, 10, 1, 400)  # 50 + 10 fits
+    # A sparser request (more bytes per token) lowers the estimate for the tenant from then on.
+    await lim.admit(t, _req(10, max_tokens=10, body_bytes=400))  # 0.025 tokens per byte
+    await lim.precheck(t, MODEL, 10, 1, 4000)  # 50 + 10 fits in the 380 left
+    # Each tenant learns its own: this one's sparse request puts its estimate near 0 (1 token).
+    fresh = lim.tenant({"authorization": "Bearer sk-new"})
+    await lim.admit(fresh, _req(980, max_tokens=10, body_bytes=1_000_000))  # 0.00098 per byte
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.precheck(fresh, MODEL, 10, 1, 100)
+    assert "Requested 11" in exc.value.message
