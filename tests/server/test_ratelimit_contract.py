@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 
 import grpc
@@ -91,7 +92,9 @@ async def test_a_full_window_refuses_before_tokenizing(make_app):
             stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(f"a prompt never seen before {uuid.uuid4().hex} " * 20, max_tokens=100))
         )
         status, body, _ = error_of(r)
-        assert status == 429 and "Requested 101" in body["error"]["message"]  # the least cost: 1 + 100
+        # The least cost: the prompt's floor (its bytes × the tenant's tokens per byte so far × 0.5) + 100.
+        assert status == 429 and re.search(r"Requested (\d+)\.", body["error"]["message"])
+        assert 101 < int(re.search(r"Requested (\d+)\.", body["error"]["message"]).group(1)) < 1000
         assert (app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0) == before, "refused without tokenizing"
         call.cancel()
 
