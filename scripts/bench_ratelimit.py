@@ -8,9 +8,12 @@
     fleet   a two-tenant run on the simulated fleet (4 engines) behind Envoy and
             `llm-extproc serve`: tenant "steady" sends streamed chats at a fixed rate; first alone,
             then while tenant "flood" (its own process) runs 48 concurrent long requests with no
-            limit, then with a token limit on "flood" (retrying refusals every 0.2 s, then
-            honouring retry-after). Reports steady's TTFT (p50/p99) in each phase and the ratio
-            to its solo figure (target: within 10 %), and flood's admitted / refused counts.
+            limit; with a token limit only (retrying refusals every 0.2 s); refused outright
+            (1 request per minute: what refusing costs the gateway host alone); with the same limit
+            paced (`burst_tokens`) and a concurrency cap (`max_concurrent_requests`), retrying
+            every 0.2 s, then honouring retry-after; then steady alone again (the solo figure's
+            run-to-run spread). Reports steady's TTFT (p50/p99) in each phase and the ratio to
+            its first solo figure (target: within 10 %), and flood's admitted / refused counts.
             Run under `flock /tmp/bench.lock` (it starts a fleet and Envoy).
 
     .venv/bin/python scripts/bench_ratelimit.py micro [--decisions 5000] [--requests 1000]
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import random
 import statistics
 import sys
@@ -59,6 +63,21 @@ from extproc.types import LLMRequest, RequestKind, TokenCount
 MODEL = "Qwen/Qwen3-8B"
 
 
+def _cpu_s(pids: list[int | None]) -> float:
+    """CPU seconds (user + system) the processes have used so far, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat)
+    return total
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -71,16 +90,21 @@ def _row(name: str, xs_s: list[float]) -> str:
 # -- micro -------------------------------------------------------------------------------------
 
 
-async def _backend_costs(backend, n: int) -> tuple[list[float], list[float]]:
-    scopes = [ScopeLimit("{bench}", tokens=10**12, requests=10**9)]
+async def _backend_costs(backend, n: int, controls: bool = False) -> tuple[list[float], list[float]]:
+    """acquire, and acquire + settle; `controls`: the scope also has a concurrency cap and pacing
+    (decision 0190), so each decision registers and releases an in-flight entry."""
+    key = "{bench-cc}" if controls else "{bench}"
+    extra = {"concurrent": 10**9, "burst": 10**12} if controls else {}
+    scopes = [ScopeLimit(key, tokens=10**12, requests=10**9, **extra)]
     acq, both = [], []
-    for _ in range(200):  # warm-up (connection, script load)
-        await backend.acquire(scopes, 100)
-    for _ in range(n):
+    for i in range(200):  # warm-up (connection, script load)
+        d = await backend.acquire(scopes, 100, request_id=f"w{i}")
+        await backend.settle([key], d.bucket, 0, request_id=f"w{i}")
+    for i in range(n):
         t0 = time.perf_counter()
-        d = await backend.acquire(scopes, 100)
+        d = await backend.acquire(scopes, 100, request_id=f"r{i}")
         t1 = time.perf_counter()
-        await backend.settle(["{bench}"], d.bucket, -50)
+        await backend.settle([key], d.bucket, -50, request_id=f"r{i}")
         t2 = time.perf_counter()
         acq.append(t1 - t0)
         both.append(t2 - t0)
@@ -162,6 +186,8 @@ async def micro(args: argparse.Namespace) -> None:
             mem_acq, mem_both = await _backend_costs(MemoryBackend(60), args.decisions)
             rb = RedisBackend(RedisConfig(url=redis.url, key_prefix="bench:", timeout_ms=200), 60)
             red_acq, red_both = await _backend_costs(rb, args.decisions)
+            mem_cc = await _backend_costs(MemoryBackend(60), args.decisions, controls=True)
+            red_cc = await _backend_costs(rb, args.decisions, controls=True)
             await rb.aclose()
             mem_path = await _limiter_path(MemoryBackend(60), args.decisions)
             red_path = await _limiter_path(RedisBackend(RedisConfig(url=redis.url, key_prefix="bench2:", timeout_ms=200), 60), args.decisions)
@@ -170,7 +196,9 @@ async def micro(args: argparse.Namespace) -> None:
             for name, xs in (("memory acquire", mem_acq), ("memory acquire + settle", mem_both),
                              ("memory, whole path (tenant, precheck, admit, settle)", mem_path),
                              ("redis acquire", red_acq), ("redis acquire + settle", red_both),
-                             ("redis, whole path (settle in a task, not awaited)", red_path)):
+                             ("redis, whole path (settle in a task, not awaited)", red_path),
+                             ("memory acquire, with cap + pacing", mem_cc[0]), ("memory acquire + settle, with cap + pacing", mem_cc[1]),
+                             ("redis acquire, with cap + pacing", red_cc[0]), ("redis acquire + settle, with cap + pacing", red_cc[1])):
                 print(_row(name, xs))
             counter = TokenCounter.from_source("builtin:qwen3")
             limited = {"enabled": True, "default": {"tokens_per_minute": 10**12, "requests_per_minute": 10**9}}
@@ -191,6 +219,7 @@ async def micro(args: argparse.Namespace) -> None:
 # -- fleet -------------------------------------------------------------------------------------
 
 STEADY_KEY, FLOOD_KEY, FLOOD_LIMITED_KEY = "sk-steady-bench", "sk-flood-bench", "sk-flood-limited-bench"
+FLOOD_PACED_KEY, FLOOD_REFUSED_KEY = "sk-flood-paced-bench", "sk-flood-refused-bench"
 
 
 async def _steady(client: httpx.AsyncClient, rate: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -228,6 +257,7 @@ async def flood_main(args: argparse.Namespace) -> None:
         await asyncio.sleep(args.duration_s)
         stop.set()
         await task
+    counts["cpu_s"] = round(time.process_time(), 1)  # type: ignore[assignment]
     print(orjson.dumps(counts).decode(), flush=True)
 
 
@@ -261,8 +291,26 @@ async def fleet(args: argparse.Namespace) -> None:
         server = envoy = None
         try:
             cfg = server_config(sims.profiles, profile="load-aware")
-            digest = hashlib.sha256(FLOOD_LIMITED_KEY.encode()).hexdigest()
-            cfg["ratelimit"] = {"enabled": True, "tenants": {"flood-limited": {"api_key_sha256": [digest], "tokens_per_minute": args.flood_tpm}}}
+            def digest(key: str) -> str:
+                return hashlib.sha256(key.encode()).hexdigest()
+
+            cfg["ratelimit"] = {
+                "enabled": True,
+                # steady and the unlimited flood: each a tenant of its own, with no limit
+                "unknown_api_keys": "per_key",
+                "tenants": {
+                    "flood-limited": {"api_key_sha256": [digest(FLOOD_LIMITED_KEY)], "tokens_per_minute": args.flood_tpm},
+                    # one request a minute: every other one refused, so the phase measures only
+                    # what refusing a flood costs the gateway host (no engine work)
+                    "flood-refused": {"api_key_sha256": [digest(FLOOD_REFUSED_KEY)], "requests_per_minute": 1},
+                    "flood-paced": {
+                        "api_key_sha256": [digest(FLOOD_PACED_KEY)],
+                        "tokens_per_minute": args.flood_tpm,
+                        "burst_tokens": args.flood_burst,
+                        "max_concurrent_requests": args.flood_concurrent,
+                    },
+                },
+            }
             path = work / "server.yaml"
             path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
             server = ExtProcServerProcess(path, workdir=work)
@@ -273,18 +321,24 @@ async def fleet(args: argparse.Namespace) -> None:
             await envoy.start()
             rng = random.Random(1)
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-            results: dict[str, tuple[list[float], dict[str, int]]] = {}
+            results: dict[str, tuple[list[float], dict[str, int], float]] = {}
             async with httpx.AsyncClient(base_url=envoy.url, timeout=600, limits=limits, trust_env=False) as client:
                 await _steady(client, args.rate, 5, rng)  # warm-up
+                paced = f"{args.flood_tpm} TPM paced (burst {args.flood_burst}), at most {args.flood_concurrent} in flight"
                 phases = (
                     ("solo", None, False),
                     ("flood, no limit", FLOOD_KEY, False),
-                    (f"flood, limit {args.flood_tpm} TPM, retries every 0.2 s", FLOOD_LIMITED_KEY, False),
-                    (f"flood, limit {args.flood_tpm} TPM, honours retry-after", FLOOD_LIMITED_KEY, True),
+                    (f"flood, {args.flood_tpm} TPM window only, retries every 0.2 s", FLOOD_LIMITED_KEY, False),
+                    ("flood refused (1 RPM: no engine work), retries every 0.2 s", FLOOD_REFUSED_KEY, False),
+                    (f"flood, {paced}, retries every 0.2 s", FLOOD_PACED_KEY, False),
+                    (f"flood, {paced}, honours retry-after", FLOOD_PACED_KEY, True),
+                    ("solo again", None, False),
                 )
+                cpu: dict[str, dict[str, float]] = {}
                 for phase, key, honor in phases:
                     await asyncio.sleep(args.cool_s)
                     flood = None
+                    cpu0 = {"envoy": _cpu_s([envoy.pid]), "server": _cpu_s([server.pid]), "fleet": _cpu_s(list(sims.pids)), "steady": time.process_time()}
                     if key:
                         argv = [sys.executable, __file__, "flood", "--url", envoy.url, "--key", key,
                                 "--concurrency", str(args.concurrency), "--duration-s", str(args.phase_s + 5)]
@@ -295,14 +349,23 @@ async def fleet(args: argparse.Namespace) -> None:
                     if flood:
                         out, _ = await flood.communicate()
                         counts = orjson.loads(out.strip().splitlines()[-1])
-                    results[phase] = (ttfts, counts)
-                    print(f"{phase}: {len(ttfts)} steady requests, flood {counts}", flush=True)
+                    cpu1 = {"envoy": _cpu_s([envoy.pid]), "server": _cpu_s([server.pid]), "fleet": _cpu_s(list(sims.pids)), "steady": time.process_time()}
+                    cpu[phase] = {k: cpu1[k] - cpu0[k] for k in cpu0} | {"flood client": counts.pop("cpu_s", 0.0)}
+                    load = os.getloadavg()[0]
+                    results[phase] = (ttfts, counts, load)
+                    print(f"{phase}: {len(ttfts)} steady requests, flood {counts}, load average (1 min) {load:.2f}", flush=True)
             solo50, solo99 = _pct(results["solo"][0], 0.5), _pct(results["solo"][0], 0.99)
             print(f"\n## steady tenant's TTFT ({args.rate}/s, {args.phase_s:.0f} s per phase; flood: {args.concurrency} concurrent ~2.7k-token prompts, max_tokens 512)\n")
-            print("| phase | steady requests | TTFT p50 s | TTFT p99 s | p50 / solo | p99 / solo | mean s | flood answers |\n|---|---|---|---|---|---|---|---|")
-            for phase, (xs, counts) in results.items():
+            print("| phase | steady requests | TTFT p50 s | TTFT p99 s | p50 / solo | p99 / solo | mean s | flood answers | load 1 min |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for phase, (xs, counts, load) in results.items():
                 p50, p99 = _pct(xs, 0.5), _pct(xs, 0.99)
-                print(f"| {phase} | {len(xs)} | {p50:.3f} | {p99:.3f} | {p50 / solo50:.2f} | {p99 / solo99:.2f} | {statistics.mean(xs):.3f} | {counts or '-'} |")
+                row = f"| {phase} | {len(xs)} | {p50:.3f} | {p99:.3f} | {p50 / solo50:.2f} | {p99 / solo99:.2f} | {statistics.mean(xs):.3f}"
+                print(f"{row} | {counts or '-'} | {load:.2f} |")
+            print(f"\n## CPU seconds per phase (the phase and the flood's 5 s lead; 2 cores = {2 * (args.phase_s + 5):.0f} CPU s)\n")
+            print("| phase | flood client | Envoy | server | fleet (simulators) | steady client |\n|---|---|---|---|---|---|")
+            for phase, c in cpu.items():
+                print(f"| {phase} | {c['flood client']:.1f} | {c['envoy']:.1f} | {c['server']:.1f} | {c['fleet']:.1f} | {c['steady']:.1f} |")
         finally:
             if envoy is not None:
                 await envoy.aclose()
@@ -322,7 +385,9 @@ def main() -> None:
     f.add_argument("--cool-s", type=float, default=10.0)
     f.add_argument("--rate", type=float, default=4.0, help="steady tenant's requests per second")
     f.add_argument("--concurrency", type=int, default=48, help="flood tenant's concurrent requests")
-    f.add_argument("--flood-tpm", type=int, default=60_000, help="flood tenant's tokens per minute in the limited phase")
+    f.add_argument("--flood-tpm", type=int, default=60_000, help="flood tenant's tokens per minute in the limited phases")
+    f.add_argument("--flood-burst", type=int, default=8_000, help="flood tenant's burst_tokens in the paced phases")
+    f.add_argument("--flood-concurrent", type=int, default=2, help="flood tenant's max_concurrent_requests in the paced phases")
     fl = sub.add_parser("flood", help="(internal) the flooding tenant's process")
     fl.add_argument("--url", required=True)
     fl.add_argument("--key", required=True)

@@ -25,16 +25,19 @@ class WindowBackend(Protocol):
     local: bool
     """True when calls never suspend (an in-process backend): the caller need not guard them."""
 
-    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
+    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, request_id: str | None = None) -> Decision:
         """Admit and charge `cost` tokens and one request in every scope, or refuse (`window.decide`).
+        `request_id` enters the in-flight set of every scope with a concurrency cap (required then).
 
         Raises:
             BackendUnavailable: no answer.
+            ValueError: a capped scope and no `request_id`.
         """
         ...
 
-    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
-        """Correct an admitted charge (`window.settle`).
+    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
+        """Correct an admitted charge by `delta` tokens and release `request_id` from the
+        in-flight sets (`window.settle`).
 
         Raises:
             BackendUnavailable: no answer (the charge stays as it was).

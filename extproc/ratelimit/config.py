@@ -6,11 +6,14 @@ Shape::
       enabled: true
       backend: memory            # or redis (limits shared by every replica)
       tenant_header: null        # e.g. x-llm-tenant, set by a trusted layer (auth filter)
-      default: {tokens_per_minute: 100000, requests_per_minute: 600}
+      unknown_api_keys: shared    # or per_key (keys validated in front), anonymous
+      default: {tokens_per_minute: 100000, requests_per_minute: 600,
+                max_concurrent_requests: 16, burst_tokens: 20000}
       tenants:
         acme:
           api_key_sha256: ["<sha256 hex of the key>"]
           tokens_per_minute: 1000000
+          max_concurrent_requests: 64
           models: {"Qwen/Qwen3-8B": {tokens_per_minute: 200000}}
       redis: {url: "redis://127.0.0.1:6379/0", on_error: open}
 """
@@ -40,14 +43,27 @@ class LimitValues(_Strict):
     Attributes:
         tokens_per_minute: tokens charged in any 60 s window (see `RateLimitConfig.cost`).
         requests_per_minute: requests admitted in any 60 s window.
+        max_concurrent_requests: requests in flight at once (admitted, not yet ended).
+        burst_tokens: paces `tokens_per_minute`: a token bucket refilled at
+            `tokens_per_minute / 60` tokens per second holding at most this many tokens, so the
+            minute's allowance cannot arrive as one burst (decision 0190). Needs
+            `tokens_per_minute`; a request costing more than the burst waits for a full bucket.
     """
 
     tokens_per_minute: int | None = Field(default=None, ge=1)
     requests_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    burst_tokens: int | None = Field(default=None, ge=1)
 
     @property
     def limited(self) -> bool:
-        return self.tokens_per_minute is not None or self.requests_per_minute is not None
+        return self.tokens_per_minute is not None or self.requests_per_minute is not None or self.max_concurrent_requests is not None
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> LimitValues:
+        if self.burst_tokens is not None and self.tokens_per_minute is None:
+            raise ValueError("burst_tokens paces tokens_per_minute: set tokens_per_minute too")
+        return self
 
 
 class TenantConfig(LimitValues):
@@ -106,6 +122,16 @@ class RateLimitConfig(_Strict):
             wins; `authorization: Bearer <key>` reads the key). The tenant is then the configured
             one listing the key's SHA-256, else one per key, known only by its hash.
         anonymous_tenant: the tenant of requests with neither.
+        unknown_api_keys: what an API key listed by no tenant is (decision 0191). `shared`
+            (default): every such key is the one tenant `unknown_keys_tenant`, so random keys
+            share one budget; `anonymous`: they are the anonymous tenant; `per_key`: each key is
+            a tenant of its own with the `default` limits — only when a layer in front rejects
+            keys it does not know, or anyone gets a fresh budget per made-up key.
+        unknown_keys_tenant: the tenant of unknown keys under `shared`; give it its own limits
+            by naming it under `tenants` (else `default` applies to the group).
+        inflight_lease_s: how long a request counts against `max_concurrent_requests` at most
+            (seconds): a request whose end was never settled (its replica died) frees its slot
+            then. Longer than any request you serve.
         cost: `tokens` — prompt tokens + output budget (`max_tokens` × n, or the model's
             `default_output_tokens`) at admission, settled to prompt + output actually generated
             at the end; `size` — the design notes' `size_cost_base + max(1, body_bytes // 1024)`,
@@ -127,6 +153,9 @@ class RateLimitConfig(_Strict):
     tenant_header: str | None = None
     api_key_headers: list[str] = Field(default_factory=lambda: ["authorization", "x-api-key", "api-key"])
     anonymous_tenant: str = Field(default="anonymous", min_length=1)
+    unknown_api_keys: Literal["shared", "anonymous", "per_key"] = "shared"
+    unknown_keys_tenant: str = Field(default="unknown-keys", min_length=1)
+    inflight_lease_s: float = Field(default=900.0, gt=0)
     cost: Literal["tokens", "size"] = "tokens"
     size_cost_base: int = Field(default=1, ge=0)
     settle_from_response: bool = True

@@ -1,14 +1,18 @@
 """The rate limiter the ext_proc server calls: tenant → scopes → reserve at admission → settle.
 
+    precheck_headers(tenant) at the request's headers: refuse before the body crosses when the
+                             tenant could not be admitted even a 1-token request now
     precheck(tenant, ...)    before tokenizing: refuse at once when the window cannot hold even
                              the request's least cost (1 prompt token + max_tokens × n), so a
                              flooding tenant's refusals cost no tokenizer time
     admit(tenant, request)   cost = prompt + output budget (or the size cost); one backend call
-                             charges every scope (tenant, tenant × model) or refuses:
-                             429 + retry-after + x-ratelimit-*, or 400 when the cost exceeds a
-                             whole limit (no wait would ever admit it)
+                             charges every scope (tenant, tenant × model) — window, pacing
+                             bucket, in-flight slot — or refuses: 429 + retry-after +
+                             x-ratelimit-*, or 400 when the cost exceeds a whole limit (no wait
+                             would ever admit it)
     settle(admission, used)  at the stream's end, however it ended: the charge becomes the
-                             tokens really used (`used_tokens`); None keeps the reservation
+                             tokens really used (`used_tokens`); None keeps the reservation;
+                             the in-flight slot is released either way
 
 A tenant with no limit anywhere is not counted at all (no backend call). Backend failures follow
 `redis.on_error`: `open` admits uncounted, `closed` answers 503; both count
@@ -18,15 +22,17 @@ A tenant with no limit anywhere is not counted at all (no backend call). Backend
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.errors import NoEndpointError
 from extproc.ratelimit.backend import BackendUnavailable, WindowBackend
-from extproc.ratelimit.config import RateLimitConfig
+from extproc.ratelimit.config import LimitValues, RateLimitConfig
 from extproc.ratelimit.metrics import RateLimitMetrics
 from extproc.ratelimit.replies import TenantRateLimitedError, TooLargeForLimitError, duration, ratelimit_headers
 from extproc.ratelimit.tenant import Tenant, TenantResolver
@@ -36,6 +42,12 @@ from extproc.types import LLMRequest
 __all__ = ["Admission", "RateLimiter", "build_backend"]
 
 log = logging.getLogger(__name__)
+
+PROMPT_FLOOR_MARGIN = 0.5
+"""The body precheck's prompt estimate: half the tokens per body byte of the tenant's sparsest
+request seen so far (its lowest prompt tokens / body bytes), times this body's bytes. A request
+of the same tenant needs twice as many bytes per token as any before it to be refused early by
+mistake, and then only delayed (a full window or bucket still admits it)."""
 
 REFUSED_MEMORY = 10_000
 """Tenants whose latest refusal this process remembers (for the remote precheck); forgotten
@@ -47,10 +59,10 @@ def build_backend(config: RateLimitConfig) -> WindowBackend:
     if config.backend == "redis":
         from extproc.ratelimit.redis_backend import RedisBackend
 
-        return RedisBackend(config.redis, config.buckets)
+        return RedisBackend(config.redis, config.buckets, lease_ms=round(config.inflight_lease_s * 1000))
     from extproc.ratelimit.memory import MemoryBackend
 
-    return MemoryBackend(config.buckets)
+    return MemoryBackend(config.buckets, lease_ms=round(config.inflight_lease_s * 1000))
 
 
 @dataclass(slots=True)
@@ -65,6 +77,7 @@ class Admission:
         prompt_tokens: our prompt count, for settlement without `usage` (tokens).
         headers: the `x-ratelimit-*` headers for the response.
         settle_by_usage: the charge is settled from the response (token cost with a token limit).
+        request_id: the request's entry in its scopes' in-flight sets (a concurrency cap), else None.
         settled: `settle` ran (it runs once).
     """
 
@@ -75,6 +88,7 @@ class Admission:
     prompt_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
     settle_by_usage: bool = False
+    request_id: str | None = None
     settled: bool = False
 
 
@@ -109,6 +123,10 @@ class RateLimiter:
         self._last_warn = -1e18
         self._suppressed = 0
         self._refused_at: dict[str, float] = {}
+        self._tokens_per_byte: dict[str, float] = {}  # tenant id → its lowest prompt tokens / body byte
+        # In-flight ids: unique across replicas sharing Redis (a random prefix per process).
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
 
     # -- identity and limits ---------------------------------------------------------------
 
@@ -141,10 +159,13 @@ class RateLimiter:
         def lim(v: int | None) -> int:
             return UNLIMITED if v is None else v
 
-        out = [ScopeLimit("{%s}" % tenant.id, lim(tenant.limits.tokens_per_minute), lim(tenant.limits.requests_per_minute))]
+        def scope(key: str, v: LimitValues) -> ScopeLimit:
+            return ScopeLimit(key, lim(v.tokens_per_minute), lim(v.requests_per_minute), lim(v.max_concurrent_requests), lim(v.burst_tokens))
+
+        out = [scope("{%s}" % tenant.id, tenant.limits)]
         per_model = tenant.models.get(model)
         if per_model is not None and per_model.limited:
-            out.append(ScopeLimit("{%s}:%s" % (tenant.id, model), lim(per_model.tokens_per_minute), lim(per_model.requests_per_minute)))
+            out.append(scope("{%s}:%s" % (tenant.id, model), per_model))
         return out
 
     def output_budget(self, request: LLMRequest) -> int:
@@ -165,26 +186,47 @@ class RateLimiter:
 
     # -- admission ---------------------------------------------------------------------------
 
+    async def precheck_headers(self, tenant: Tenant) -> None:
+        """Refuse at the request's headers, before its body crosses Envoy and the server, when the
+        tenant's own scope cannot admit even the least request now (1 token, or the size cost of
+        an empty body): its concurrency cap is full, its requests per minute are spent, or its
+        window or pacing bucket is empty. A flood retrying refusals at once then costs one
+        ext_proc message each. Same conditions as `precheck` (local backend always; remote only
+        under pressure); charges nothing.
+
+        Raises:
+            TenantRateLimitedError: no request of this tenant could be admitted now (429).
+        """
+        floor = self.config.size_cost_base + 1 if self.config.cost == "size" else 1
+        await self._precheck(tenant, self.scopes(tenant, "")[:1], floor)
+
     async def precheck(self, tenant: Tenant, model: str, max_tokens: int | None, n: int, body_bytes: int) -> None:
         """Refuse before the prompt is tokenized when even the request's least possible cost
         does not fit now (charges nothing; `admit` decides for real).
 
-        The least cost is 1 prompt token + `max_tokens` × n (1 × n without max_tokens), or the
-        size cost. A local backend is asked every time (a few µs); a remote one only for a
+        The least cost is the prompt's floor + `max_tokens` × n (1 × n without max_tokens), or
+        the size cost. The prompt's floor is 1 token for a tenant's first request, then this
+        body's bytes × the tenant's lowest tokens per byte so far × `PROMPT_FLOOR_MARGIN`: a
+        flood of long prompts that the window or pacing bucket cannot hold is refused before
+        tokenizing, not after. A local backend is asked every time (a few µs); a remote one only for a
         tenant refused within the last second (an extra round trip only under pressure).
 
         Raises:
-            TenantRateLimitedError: the window is too full for the least cost (429).
+            TenantRateLimitedError: the window (or bucket, or concurrency cap) is too full for
+                the least cost (429).
         """
+        if self.config.cost == "size":
+            floor = self.config.size_cost_base + max(1, body_bytes // 1024)
+        else:
+            prompt = int(body_bytes * self._tokens_per_byte.get(tenant.id, 0.0) * PROMPT_FLOOR_MARGIN)
+            floor = max(1, prompt) + (max_tokens or 1) * max(1, n)
+        await self._precheck(tenant, self.scopes(tenant, model), floor)
+
+    async def _precheck(self, tenant: Tenant, scopes: list[ScopeLimit], floor: int) -> None:
         if not self.limited(tenant):
             return
         if not self.backend.local and self._clock() - self._refused_at.get(tenant.id, -1e18) > 1.0:
             return
-        if self.config.cost == "size":
-            floor = self.config.size_cost_base + max(1, body_bytes // 1024)
-        else:
-            floor = 1 + (max_tokens or 1) * max(1, n)
-        scopes = self.scopes(tenant, model)
         if any(0 <= s.tokens < floor for s in scopes):
             return  # too large for the whole limit: admit answers the 400
         try:
@@ -194,6 +236,7 @@ class RateLimiter:
         if not decision.admitted:
             self._metrics.child(self._metrics.requests, tenant.label, f"refused_{decision.refused_limit}").inc()
             self._metrics.child(self._metrics.tokens_refused, tenant.label).inc(floor)
+            self._note_refusal(tenant)
             raise self._refusal(tenant, scopes, decision, floor, ratelimit_headers(scopes, decision.uses))
 
     async def admit(self, tenant: Tenant, request: LLMRequest) -> Admission | None:
@@ -214,10 +257,13 @@ class RateLimiter:
             if 0 <= s.tokens < cost:
                 m.child(m.requests, tenant.label, "too_large").inc()
                 raise TooLargeForLimitError(self._too_large(tenant, request, s, cost), param="max_tokens")
+        if self.config.cost == "tokens" and request.body_bytes > 0:
+            self._learn_density(tenant, request.prompt_tokens / request.body_bytes)
         keys = tuple(s.key for s in scopes)
+        request_id = f"{self._id_prefix}{next(self._ids):x}" if any(s.concurrent >= 0 for s in scopes) else None
         start = time.perf_counter()
         try:
-            decision = await self._acquire(scopes, cost)
+            decision = await self._acquire(scopes, cost, request_id)
         except BackendUnavailable as exc:
             m.child(m.backend_errors, self.backend.name, "acquire").inc()
             self._warn(f"rate-limit backend {self.backend.name} unavailable ({exc}); failing {self.config.redis.on_error}")
@@ -229,24 +275,39 @@ class RateLimiter:
         m.child(m.decision_seconds, self.backend.name).observe(time.perf_counter() - start)
         m.child(m.window_tokens, tenant.label).set(decision.uses[0].tokens)
         m.child(m.window_requests, tenant.label).set(decision.uses[0].requests)
+        if scopes[0].concurrent >= 0:
+            m.child(m.inflight, tenant.label).set(decision.uses[0].inflight)
         headers = ratelimit_headers(scopes, decision.uses)
         if not decision.admitted:
             m.child(m.requests, tenant.label, f"refused_{decision.refused_limit}").inc()
             m.child(m.tokens_refused, tenant.label).inc(cost)
-            if len(self._refused_at) >= REFUSED_MEMORY:
-                self._refused_at.clear()  # bounded: a flood of one-off keys cannot grow it
-            self._refused_at[tenant.id] = self._clock()
+            self._note_refusal(tenant)
             raise self._refusal(tenant, scopes, decision, cost, headers)
         m.child(m.requests, tenant.label, "admitted").inc()
         m.child(m.tokens_charged, tenant.label).inc(cost)
-        return Admission(tenant, keys, decision.bucket, cost, request.prompt_tokens, headers, self.wants_usage(tenant))
+        return Admission(tenant, keys, decision.bucket, cost, request.prompt_tokens, headers, self.wants_usage(tenant), request_id)
 
-    async def _acquire(self, scopes: list[ScopeLimit], cost: int) -> Decision:
+    def _learn_density(self, tenant: Tenant, tokens_per_byte: float) -> None:
+        seen = self._tokens_per_byte.get(tenant.id)
+        if seen is None:
+            if len(self._tokens_per_byte) >= REFUSED_MEMORY:
+                self._tokens_per_byte.clear()  # bounded; forgetting only costs a later tokenization
+            self._tokens_per_byte[tenant.id] = tokens_per_byte
+        elif tokens_per_byte < seen:
+            self._tokens_per_byte[tenant.id] = tokens_per_byte
+
+    def _note_refusal(self, tenant: Tenant) -> None:
+        if len(self._refused_at) >= REFUSED_MEMORY:
+            self._refused_at.clear()  # bounded: a flood of one-off keys cannot grow it
+        self._refused_at[tenant.id] = self._clock()
+
+    async def _acquire(self, scopes: list[ScopeLimit], cost: int, request_id: str | None) -> Decision:
         if self.backend.local:  # never suspends: a cancelled stream cannot lose a charge here
-            return await self.backend.acquire(scopes, cost)
+            return await self.backend.acquire(scopes, cost, request_id=request_id)
         # A remote call may have charged by the time a cancellation arrives: let it finish and
-        # give the tokens back, so a client gone during the decision costs nothing.
-        task = asyncio.ensure_future(self.backend.acquire(scopes, cost))
+        # give the tokens (and the in-flight slot) back, so a client gone during the decision
+        # costs nothing.
+        task = asyncio.ensure_future(self.backend.acquire(scopes, cost, request_id=request_id))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -254,7 +315,7 @@ class RateLimiter:
 
             def undo(t: asyncio.Future) -> None:
                 if not t.cancelled() and t.exception() is None and t.result().admitted:
-                    self._spawn(self._settle_remote(keys, t.result().bucket, -cost))
+                    self._spawn(self._settle_remote(keys, t.result().bucket, -cost, request_id))
 
             task.add_done_callback(undo)
             raise
@@ -277,12 +338,20 @@ class RateLimiter:
     def _refusal(self, tenant: Tenant, scopes: list[ScopeLimit], d: Decision, cost: int, headers: dict[str, str]) -> TenantRateLimitedError:
         k = d.refused_scope or 0
         scope, use = scopes[k], d.uses[k]
-        if d.refused_limit == "requests":
-            what = f"requests per min (RPM): Limit {scope.requests}, Used {use.requests}, Requested 1"
+        kind = "tokens"
+        if d.refused_limit == "concurrency":
+            what, kind = f"requests in flight: Limit {scope.concurrent}, In flight {use.inflight}, Requested 1", "requests"
+        elif d.refused_limit == "requests":
+            what, kind = f"requests per min (RPM): Limit {scope.requests}, Used {use.requests}, Requested 1", "requests"
+        elif d.refused_limit == "pacing":
+            what = (
+                f"tokens per min paced (TPM {scope.tokens}, burst {scope.burst}): Available {max(0, use.bucket_tokens or 0)}, "
+                f"Requested {cost}"
+            )
         else:
             what = f"tokens per min (TPM): Limit {scope.tokens}, Used {use.tokens}, Requested {cost}"
         msg = f"Rate limit reached for {self._scope_name(tenant, scope)} on {what}. Please try again in {duration(d.retry_after_ms)}."
-        return TenantRateLimitedError(msg, limit=d.refused_limit or "tokens", retry_after_s=d.retry_after_ms / 1000, headers=headers)
+        return TenantRateLimitedError(msg, limit=kind, retry_after_s=d.retry_after_ms / 1000, headers=headers)
 
     # -- settlement ----------------------------------------------------------------------------
 
@@ -311,8 +380,9 @@ class RateLimiter:
         return None
 
     def settle(self, admission: Admission | None, used: int | None) -> None:
-        """The request ended: correct its charge to `used` tokens (None: keep it). Runs once per
-        admission; never raises, never suspends (a remote correction runs as its own task)."""
+        """The request ended: correct its charge to `used` tokens (None: keep it) and release its
+        in-flight slot. Runs once per admission; never raises, never suspends (a remote
+        correction runs as its own task)."""
         if admission is None or admission.settled:
             return
         admission.settled = True
@@ -321,22 +391,22 @@ class RateLimiter:
         final = admission.charged if used is None else max(0, used)
         self._metrics.child(self._metrics.tokens_settled, admission.tenant.label).inc(final)
         delta = final - admission.charged
-        if delta == 0:
+        if delta == 0 and admission.request_id is None:
             return
         backend = self.backend
         if backend.local:
-            backend.settle_now(admission.keys, admission.bucket, delta)  # type: ignore[attr-defined]
+            backend.settle_now(admission.keys, admission.bucket, delta, request_id=admission.request_id)  # type: ignore[attr-defined]
         else:
-            self._spawn(self._settle_remote(list(admission.keys), admission.bucket, delta))
+            self._spawn(self._settle_remote(list(admission.keys), admission.bucket, delta, admission.request_id))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _settle_remote(self, keys: list[str], bucket: int, delta: int) -> None:
+    async def _settle_remote(self, keys: list[str], bucket: int, delta: int, request_id: str | None = None) -> None:
         try:
-            await self.backend.settle(keys, bucket, delta)
+            await self.backend.settle(keys, bucket, delta, request_id=request_id)
         except BackendUnavailable as exc:
             self._metrics.child(self._metrics.backend_errors, self.backend.name, "settle").inc()
             self._warn(f"rate-limit backend {self.backend.name} unavailable at settlement ({exc}); the reservation stands")
@@ -380,8 +450,12 @@ class RateLimiter:
                         "model": model or None,
                         "tokens_per_minute": None if scope.tokens < 0 else scope.tokens,
                         "requests_per_minute": None if scope.requests < 0 else scope.requests,
+                        "max_concurrent_requests": None if scope.concurrent < 0 else scope.concurrent,
+                        "burst_tokens": None if scope.burst < 0 else scope.burst,
                         "tokens": use.tokens,
                         "requests": use.requests,
+                        "inflight": use.inflight,
+                        "bucket_tokens": use.bucket_tokens,
                         "reset_tokens": duration(use.reset_tokens_ms),
                         "reset_requests": duration(use.reset_requests_ms),
                     }

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from extproc.ratelimit.config import WINDOW_S
-from extproc.ratelimit.window import Decision, ScopeLimit, WindowState, decide, settle
+from extproc.ratelimit.window import LEASE_MS, Decision, ScopeLimit, WindowState, decide, settle
 
 __all__ = ["MemoryBackend"]
 
@@ -30,13 +30,15 @@ class MemoryBackend:
     Args:
         buckets: buckets per 60 s window.
         clock_ms: the clock when a call passes no `now_ms` (milliseconds).
+        lease_ms: how long an in-flight entry counts at most (milliseconds; `window.decide`).
     """
 
     name = "memory"
     local = True
 
-    def __init__(self, buckets: int = 60, clock_ms: Callable[[], int] = _monotonic_ms) -> None:
+    def __init__(self, buckets: int = 60, clock_ms: Callable[[], int] = _monotonic_ms, lease_ms: int = LEASE_MS) -> None:
         self._n = buckets
+        self._lease_ms = lease_ms
         self._bucket_ms = WINDOW_S * 1000 // buckets
         self._clock = clock_ms
         self._states: dict[str, WindowState] = {}
@@ -54,28 +56,31 @@ class MemoryBackend:
 
     def _sweep(self, now_ms: int) -> None:
         oldest = now_ms // self._bucket_ms - self._n + 1
-        for key in [k for k, st in self._states.items() if (st.newest() is None or st.newest() < oldest)]:
+        for key in [k for k, st in self._states.items() if st.idle(now_ms, oldest)]:
             del self._states[key]
 
-    def acquire_now(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, *, mode: str = "acquire") -> Decision:
+    def acquire_now(
+        self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, request_id: str | None = None, *, mode: str = "acquire"
+    ) -> Decision:
         """`acquire`, synchronously."""
         now = self._clock() if now_ms is None else now_ms
         self._until_sweep -= 1
         if self._until_sweep <= 0:
             self._until_sweep = SWEEP_EVERY
             self._sweep(now)
-        return decide(self._get([s.key for s in scopes]), scopes, cost, now, self._n, self._bucket_ms, mode=mode)
+        states = self._get([s.key for s in scopes])
+        return decide(states, scopes, cost, now, self._n, self._bucket_ms, mode=mode, request_id=request_id, lease_ms=self._lease_ms)
 
-    def settle_now(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
+    def settle_now(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
         """`settle`, synchronously."""
         now = self._clock() if now_ms is None else now_ms
-        settle(self._get(keys), bucket, delta, now, self._n, self._bucket_ms)
+        settle(self._get(keys), bucket, delta, now, self._n, self._bucket_ms, request_id)
 
-    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
-        return self.acquire_now(scopes, cost, now_ms)
+    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, request_id: str | None = None) -> Decision:
+        return self.acquire_now(scopes, cost, now_ms, request_id)
 
-    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
-        self.settle_now(keys, bucket, delta, now_ms)
+    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
+        self.settle_now(keys, bucket, delta, now_ms, request_id)
 
     async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
         return self.acquire_now(scopes, cost, now_ms, mode="check")

@@ -19,7 +19,8 @@ class RateLimitMetrics:
         self.child = metrics.child
         self.requests = Counter(
             "llm_extproc_ratelimit_requests_total",
-            "Rate-limit decisions per tenant: admitted, refused_tokens, refused_requests, too_large, "
+            "Rate-limit decisions per tenant: admitted, refused_tokens, refused_requests, refused_concurrency, "
+            "refused_pacing, too_large, "
             "backend_error_open (admitted uncounted), backend_error_closed (refused).",
             ["tenant", "outcome"],
             registry=registry,
@@ -51,6 +52,12 @@ class RateLimitMetrics:
         self.window_requests = Gauge(
             "llm_extproc_ratelimit_window_requests",
             "Requests in the tenant's 60 s window at its latest decision.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "llm_extproc_ratelimit_inflight_requests",
+            "The tenant's requests in flight at its latest decision (tenants with max_concurrent_requests).",
             ["tenant"],
             registry=registry,
         )

@@ -23,18 +23,22 @@ from redis.exceptions import RedisError
 
 from extproc.ratelimit.backend import BackendUnavailable
 from extproc.ratelimit.config import WINDOW_S, RedisConfig
-from extproc.ratelimit.window import Decision, ScopeLimit, ScopeUse
+from extproc.ratelimit.window import LEASE_MS, Decision, ScopeLimit, ScopeUse
 
 __all__ = ["RedisBackend", "LUA_SCRIPT"]
 
 LUA_SCRIPT = resources.files("extproc.ratelimit").joinpath("redis_window.lua").read_text(encoding="utf-8")
-_LIMITS = {0: None, 1: "tokens", 2: "requests"}
+_LIMITS = {0: None, 1: "tokens", 2: "requests", 3: "concurrency", 4: "pacing"}
+_PER_SCOPE = 6
 
 
-def _decision(raw: list[int], n_scopes: int) -> Decision:
+def _decision(raw: list, n_scopes: int) -> Decision:
     admitted, refused, limit, retry, bucket = (int(x) for x in raw[:5])
-    uses = tuple(ScopeUse(*(int(x) for x in raw[5 + 4 * i : 9 + 4 * i])) for i in range(n_scopes))
-    return Decision(bool(admitted), bucket, uses, refused - 1 if refused else None, _LIMITS[limit], retry)
+    uses = []
+    for i in range(n_scopes):
+        t, r, rt, rr, inflight, level = raw[5 + _PER_SCOPE * i : 5 + _PER_SCOPE * (i + 1)]
+        uses.append(ScopeUse(int(t), int(r), int(rt), int(rr), int(inflight), None if level is None else int(level)))
+    return Decision(bool(admitted), bucket, tuple(uses), refused - 1 if refused else None, _LIMITS[limit], retry)
 
 
 class RedisBackend:
@@ -43,12 +47,15 @@ class RedisBackend:
     Args:
         config: URL, key prefix, timeout.
         buckets: buckets per 60 s window (every replica must use the same value).
+        lease_ms: how long an in-flight entry counts at most (milliseconds): the slots of a
+            replica that died with requests in flight come back after it.
     """
 
     name = "redis"
     local = False
 
-    def __init__(self, config: RedisConfig, buckets: int = 60) -> None:
+    def __init__(self, config: RedisConfig, buckets: int = 60, lease_ms: int = LEASE_MS) -> None:
+        self._lease_ms = lease_ms
         timeout = config.timeout_ms / 1000
         self._timeout = timeout
         self._prefix = config.key_prefix
@@ -75,14 +82,16 @@ class RedisBackend:
         except (RedisError, OSError, TimeoutError) as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from None
 
-    def _args(self, scopes: Sequence[ScopeLimit], mode: str, cost: int, now_ms: int | None) -> list[object]:
-        args: list[object] = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, mode, cost]
+    def _args(self, scopes: Sequence[ScopeLimit], mode: str, cost: int, now_ms: int | None, request_id: str | None = None) -> list[object]:
+        args: list[object] = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, mode, cost, request_id or "", self._lease_ms]
         for s in scopes:
-            args += [s.tokens, s.requests]
+            args += [s.tokens, s.requests, s.concurrent, s.burst]
         return args
 
-    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
-        raw = await self._run([self.key(s.key) for s in scopes], self._args(scopes, "acquire", cost, now_ms))
+    async def acquire(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None, request_id: str | None = None) -> Decision:
+        if request_id is None and any(s.concurrent >= 0 for s in scopes):
+            raise ValueError("a scope with a concurrency cap needs the request's id")
+        raw = await self._run([self.key(s.key) for s in scopes], self._args(scopes, "acquire", cost, now_ms, request_id))
         return _decision(raw, len(scopes))  # type: ignore[arg-type]
 
     async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
@@ -93,8 +102,9 @@ class RedisBackend:
         raw = await self._run([self.key(s.key) for s in scopes], self._args(scopes, "peek", 0, now_ms))
         return _decision(raw, len(scopes))  # type: ignore[arg-type]
 
-    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None) -> None:
-        await self._run([self.key(k) for k in keys], ["" if now_ms is None else now_ms, self._bucket_ms, self._n, "settle", bucket, delta])
+    async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
+        args = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, "settle", bucket, delta, request_id or "", self._lease_ms]
+        await self._run([self.key(k) for k in keys], args)
 
     async def aclose(self) -> None:
         await self._client.aclose()

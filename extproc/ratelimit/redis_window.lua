@@ -1,17 +1,25 @@
--- The sliding window of extproc/ratelimit/window.py, run atomically inside Redis (one round trip
--- per decision). One hash per scope key: field "t<bucket>" tokens, "r<bucket>" requests; every
--- write re-arms the key's expiry to one window + one bucket, so idle keys vanish by themselves.
+-- The sliding window, concurrency cap and pacing bucket of extproc/ratelimit/window.py, run
+-- atomically inside Redis (one round trip per decision). One hash per scope key:
+--   "t<bucket>" tokens, "r<bucket>" requests (the window);
+--   "i<request id>" the time an in-flight request was admitted (ms), "h" mean hold time (ms);
+--   "l" pacing level (1/60,000 tokens), "lm" when it was computed (ms), "lr" its refill rate
+--   (tokens per minute), "lb" its burst (tokens).
+-- Every write re-arms the key's expiry to the longest of: one window + one bucket, the in-flight
+-- lease (while requests are in flight), the time the bucket needs to refill, so idle keys vanish
+-- by themselves and a key never vanishes while it still holds something.
 --
 -- KEYS: the scope keys of one decision (same hash tag, so one slot on a cluster).
 -- ARGV[1] now_ms ("" = the server's TIME: every replica shares Redis's clock)
 -- ARGV[2] bucket_ms, ARGV[3] buckets per window, ARGV[4] mode: "acquire" | "check" | "peek" | "settle"
 --   (check: refuse or admit as acquire would, charging nothing; peek: read only)
--- acquire/check/peek: ARGV[5] cost (tokens), then per key ARGV[6 + 2(i-1)] token limit and
---               ARGV[7 + 2(i-1)] request limit (-1 = unlimited)
+-- acquire/check/peek: ARGV[5] cost (tokens), ARGV[6] request id ("" none), ARGV[7] lease_ms,
+--   then per key ARGV[8 + 4(i-1)] .. ARGV[11 + 4(i-1)]: token limit, request limit, concurrency
+--   cap, burst (-1 = none)
 --   returns {admitted, refused index (1-based, 0 none), refused limit (0 none, 1 tokens,
---            2 requests), retry_after_ms, bucket, then per key: tokens, requests,
---            reset_tokens_ms, reset_requests_ms}
--- settle: ARGV[5] bucket charged, ARGV[6] delta tokens; returns the current bucket.
+--            2 requests, 3 concurrency, 4 pacing), retry_after_ms, bucket, then per key: tokens,
+--            requests, reset_tokens_ms, reset_requests_ms, inflight, bucket level (false: not paced)}
+-- settle: ARGV[5] bucket charged, ARGV[6] delta tokens, ARGV[7] request id ("" none), ARGV[8]
+--   lease_ms; returns the current bucket.
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
@@ -22,44 +30,131 @@ local n = tonumber(ARGV[3])
 local mode = ARGV[4]
 local cur = math.floor(now / bms)
 local oldest = cur - n + 1
-local ttl = (n + 1) * bms
+local SCALE = 60000
+local DEFAULT_HOLD = 1000
+
+local function num(v)
+  return string.format('%.0f', v)
+end
+
+-- the level at `now` (refilled from lm at lr per ms, at most lb tokens)
+local function refill(level, lm, rate, burst)
+  local cap = burst * SCALE
+  local dt = math.max(0, now - lm)
+  if dt * rate >= cap - level then return cap end
+  return level + dt * rate
+end
+
+-- re-arm the expiry: the window, the in-flight lease, the bucket's refill
+local function rearm(key, lease, inflight, level, rate, burst)
+  local ttl = (n + 1) * bms
+  if inflight > 0 and lease > ttl then ttl = lease end
+  if level ~= nil and rate > 0 then
+    local fill = math.ceil((burst * SCALE - level) / rate) + bms
+    if fill > ttl then ttl = fill end
+  end
+  redis.call('PEXPIRE', key, ttl)
+end
 
 if mode == 'settle' then
   local bucket = tonumber(ARGV[5])
   local delta = tonumber(ARGV[6])
+  local rid = ARGV[7]
+  local lease = tonumber(ARGV[8])
   for _, key in ipairs(KEYS) do
-    if bucket > cur - n then
-      local field = 't' .. bucket
-      local v = tonumber(redis.call('HGET', key, field) or '0') + delta
-      if v < 0 then v = 0 end
-      redis.call('HSET', key, field, v)
-      redis.call('PEXPIRE', key, ttl)
-    elseif delta > 0 then
-      redis.call('HINCRBY', key, 't' .. cur, delta)
-      redis.call('PEXPIRE', key, ttl)
+    local touched = false
+    local level, rate, burst = nil, 0, 0
+    if delta ~= 0 then
+      if bucket > cur - n then
+        local field = 't' .. bucket
+        local v = tonumber(redis.call('HGET', key, field) or '0') + delta
+        if v < 0 then v = 0 end
+        redis.call('HSET', key, field, v)
+        touched = true
+      elseif delta > 0 then
+        redis.call('HINCRBY', key, 't' .. cur, delta)
+        touched = true
+      end
+      local p = redis.call('HMGET', key, 'l', 'lm', 'lr', 'lb')
+      if p[1] then
+        rate, burst = tonumber(p[3]), tonumber(p[4])
+        level = refill(tonumber(p[1]), tonumber(p[2]), rate, burst) - delta * SCALE
+        if level > burst * SCALE then level = burst * SCALE end
+        redis.call('HSET', key, 'l', num(level), 'lm', num(now))
+        touched = true
+      end
+    end
+    if rid ~= '' then
+      local admitted = redis.call('HGET', key, 'i' .. rid)
+      if admitted then
+        redis.call('HDEL', key, 'i' .. rid)
+        local hold = tonumber(redis.call('HGET', key, 'h') or DEFAULT_HOLD)
+        hold = hold + math.floor((math.max(0, now - tonumber(admitted)) - hold) / 8)
+        redis.call('HSET', key, 'h', num(hold))
+        touched = true
+      end
+    end
+    if touched then
+      if level == nil then
+        local p = redis.call('HMGET', key, 'l', 'lr', 'lb')
+        if p[1] then level, rate, burst = tonumber(p[1]), tonumber(p[2]), tonumber(p[3]) end
+      end
+      local inflight = 0
+      for _, f in ipairs(redis.call('HKEYS', key)) do
+        if string.sub(f, 1, 1) == 'i' then inflight = inflight + 1 end
+      end
+      rearm(key, lease, inflight, level, rate, burst)
     end
   end
   return cur
 end
 
 local cost = tonumber(ARGV[5])
+local rid = ARGV[6]
+local lease = tonumber(ARGV[7])
 local states = {}
 for i, key in ipairs(KEYS) do
+  local tlim = tonumber(ARGV[8 + 4 * (i - 1)])
+  local rlim = tonumber(ARGV[9 + 4 * (i - 1)])
+  local clim = tonumber(ARGV[10 + 4 * (i - 1)])
+  local blim = tonumber(ARGV[11 + 4 * (i - 1)])
   local flat = redis.call('HGETALL', key)
-  local st = {t = {}, r = {}, ut = 0, ur = 0}
+  local st = {t = {}, r = {}, ut = 0, ur = 0, inflight = 0, hold = DEFAULT_HOLD,
+              tlim = tlim, rlim = rlim, clim = clim, blim = blim, paced = blim >= 0 and tlim > 0}
   local stale = {}
+  local named = {}
   for j = 1, #flat, 2 do
     local f = flat[j]
-    local idx = tonumber(string.sub(f, 2))
+    local kind = string.sub(f, 1, 1)
     local v = tonumber(flat[j + 1])
-    if idx < oldest then
-      stale[#stale + 1] = f
-    elseif string.sub(f, 1, 1) == 't' then
-      st.t[idx] = v
-      st.ut = st.ut + v
+    if kind == 't' or kind == 'r' then
+      local idx = tonumber(string.sub(f, 2))
+      if idx < oldest then
+        stale[#stale + 1] = f
+      elseif kind == 't' then
+        st.t[idx] = v
+        st.ut = st.ut + v
+      else
+        st.r[idx] = v
+        st.ur = st.ur + v
+      end
+    elseif kind == 'i' then
+      if v + lease <= now then
+        stale[#stale + 1] = f
+      else
+        st.inflight = st.inflight + 1
+      end
     else
-      st.r[idx] = v
-      st.ur = st.ur + v
+      named[f] = v
+    end
+  end
+  if named['h'] then st.hold = named['h'] end
+  if st.paced then
+    if named['l'] then
+      st.level = refill(named['l'], named['lm'], named['lr'], named['lb'])
+      if st.level > blim * SCALE then st.level = blim * SCALE end
+    else
+      st.level = blim * SCALE
     end
   end
   if #stale > 0 and mode == 'acquire' then
@@ -98,6 +193,8 @@ local function answer(admitted, refused, limit, retry)
     out[#out + 1] = st.ur
     out[#out + 1] = reset_ms(st.t)
     out[#out + 1] = reset_ms(st.r)
+    if st.clim >= 0 then out[#out + 1] = st.inflight else out[#out + 1] = 0 end
+    if st.paced then out[#out + 1] = math.floor(st.level / SCALE) else out[#out + 1] = false end
   end
   return out
 end
@@ -105,26 +202,46 @@ end
 if mode == 'peek' then return answer(1, 0, 0, 0) end
 
 for i, st in ipairs(states) do
-  local tlim = tonumber(ARGV[6 + 2 * (i - 1)])
-  local rlim = tonumber(ARGV[7 + 2 * (i - 1)])
-  if rlim >= 0 and st.ur + 1 > rlim then
-    return answer(0, i, 2, retry_ms(st.r, st.ur + 1 - rlim))
+  if st.clim >= 0 and st.inflight + 1 > st.clim then
+    return answer(0, i, 3, math.max(1, math.ceil(st.hold / math.max(1, st.inflight))))
   end
-  if tlim >= 0 and st.ut + cost > tlim then
-    return answer(0, i, 1, retry_ms(st.t, st.ut + cost - tlim))
+  if st.rlim >= 0 and st.ur + 1 > st.rlim then
+    return answer(0, i, 2, retry_ms(st.r, st.ur + 1 - st.rlim))
+  end
+  if st.tlim >= 0 and st.ut + cost > st.tlim then
+    return answer(0, i, 1, retry_ms(st.t, st.ut + cost - st.tlim))
+  end
+  if st.paced then
+    local need = math.min(cost, st.blim) * SCALE - st.level
+    if need > 0 then return answer(0, i, 4, math.ceil(need / st.tlim)) end
   end
 end
 
 if mode == 'check' then return answer(1, 0, 0, 0) end
+if rid == '' then
+  for _, st in ipairs(states) do
+    if st.clim >= 0 then return redis.error_reply('a scope with a concurrency cap needs the request id') end
+  end
+end
 
 for i, key in ipairs(KEYS) do
   local st = states[i]
   redis.call('HINCRBY', key, 't' .. cur, cost)
   redis.call('HINCRBY', key, 'r' .. cur, 1)
-  redis.call('PEXPIRE', key, ttl)
   st.t[cur] = (st.t[cur] or 0) + cost
   st.r[cur] = (st.r[cur] or 0) + 1
   st.ut = st.ut + cost
   st.ur = st.ur + 1
+  if st.clim >= 0 then
+    redis.call('HSET', key, 'i' .. rid, num(now))
+    st.inflight = st.inflight + 1
+  end
+  if st.paced then
+    st.level = st.level - cost * SCALE
+    redis.call('HSET', key, 'l', num(st.level), 'lm', num(now), 'lr', st.tlim, 'lb', st.blim)
+    rearm(key, lease, st.inflight, st.level, st.tlim, st.blim)
+  else
+    rearm(key, lease, st.inflight, nil, 0, 0)
+  end
 end
 return answer(1, 0, 0, 0)

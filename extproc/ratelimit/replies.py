@@ -4,7 +4,8 @@ OpenAI's six headers (https://platform.openai.com/docs/guides/rate-limits):
 `x-ratelimit-limit-requests`, `x-ratelimit-limit-tokens`, `x-ratelimit-remaining-requests`,
 `x-ratelimit-remaining-tokens`, `x-ratelimit-reset-requests`, `x-ratelimit-reset-tokens`; the
 resets are Go duration strings (`1s`, `6m0s`, `20ms`, `1m30.5s`). With several limited scopes
-(tenant, tenant × model) each pair comes from the scope with the fewest remaining.
+(tenant, tenant × model) each pair comes from the scope with the fewest remaining. A paced scope's
+remaining tokens are the fewer of its window's and its bucket's (what could be sent now).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def ratelimit_headers(limits: Sequence[ScopeLimit], uses: Sequence[ScopeUse]) ->
                 continue
             used = use.requests if slot else use.tokens
             reset = use.reset_requests_ms if slot else use.reset_tokens_ms
-            cand = (max(0, limit - used), limit, reset)
+            remaining = max(0, limit - used)
+            if not slot and use.bucket_tokens is not None:
+                remaining = max(0, min(remaining, use.bucket_tokens))
+            cand = (remaining, limit, reset)
             if best is None or cand[0] < best[0]:
                 best = cand
         if best is not None:

@@ -2,7 +2,8 @@
 
 In order: the trusted tenant header (when configured; Envoy must strip a client's copy), else an
 API key (`authorization: Bearer <key>`, `x-api-key`, `api-key`: the configured tenant listing
-the key's SHA-256, else a tenant of its own known only by that hash), else the anonymous tenant.
+the key's SHA-256, else — `unknown_api_keys` — the shared unknown-keys tenant, the anonymous
+tenant, or a tenant of its own known only by that hash), else the anonymous tenant.
 
 A key is hashed the moment it is read and never kept, logged or exported: a tenant's `id` (used
 in backend keys) and `label` (used in metrics, logs and the admin API) are configured names or
@@ -63,6 +64,12 @@ class TenantResolver:
         self._anonymous = self._named.get(config.anonymous_tenant) or Tenant(
             config.anonymous_tenant, config.anonymous_tenant, config.default, {}, True
         )
+        self._unknown_keys: Tenant | None = None
+        if config.unknown_api_keys == "anonymous":
+            self._unknown_keys = self._anonymous
+        elif config.unknown_api_keys == "shared":
+            name = config.unknown_keys_tenant
+            self._unknown_keys = self._named.get(name) or Tenant(name, name, config.default, {}, True)
         self._labels: dict[str, str] = {}
 
     @property
@@ -72,15 +79,17 @@ class TenantResolver:
 
     @property
     def named(self) -> list[Tenant]:
-        """Every configured tenant, and the anonymous one."""
+        """Every configured tenant, the anonymous one and the shared unknown-keys one."""
         out = list(self._named.values())
-        if self._anonymous.id not in self._named:
-            out.append(self._anonymous)
+        for extra in (self._anonymous, self._unknown_keys):
+            if extra is not None and extra.id not in self._named and extra not in out:
+                out.append(extra)
         return out
 
     def _named_tenant(self, name: str) -> Tenant:
         t = self._cfg.tenants[name]
-        return Tenant(name, name, LimitValues(tokens_per_minute=t.tokens_per_minute, requests_per_minute=t.requests_per_minute), t.models, True)
+        limits = LimitValues.model_validate(t.model_dump(include=set(LimitValues.model_fields)))
+        return Tenant(name, name, limits, t.models, True)
 
     def _unnamed(self, kind: str, digest: str) -> Tenant:
         tid = f"{kind}:{digest}"
@@ -113,5 +122,7 @@ class TenantResolver:
             named_as = self._by_digest.get(digest)
             if named_as is not None:
                 return self._named[named_as]
+            if self._unknown_keys is not None:
+                return self._unknown_keys
             return self._unnamed("key", digest)
         return self._anonymous

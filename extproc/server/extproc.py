@@ -195,6 +195,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
                         sampled, tenant, observe = self._watch_plan(hdrs)
+                        if tenant is not None:
+                            try:  # a tenant that cannot be admitted now: refused before its body crosses
+                                await self._ratelimit.precheck_headers(tenant)  # type: ignore[union-attr]
+                            except ExtProcError as err:
+                                kind = None
+                                yield self._reject(err, hdrs)
+                                continue
                         if observe:
                             mode = responses.GENERATION_MODE_STREAMED
                         else:

@@ -70,6 +70,7 @@ class Backend:
         self.failing_health = False
         self.health_delay_s = 0.0  # GET /health answers after this long (a slow, starved engine)
         self.waiting = 0  # vllm:num_requests_waiting its /metrics reports (a saturated engine)
+        self.stream_gate: asyncio.Event | None = None  # streamed answers wait here after their first chunk
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -142,6 +143,8 @@ class Backend:
         await resp.prepare(request)
         for i in range(0, len(SSE_BODY), SSE_CHUNK):
             await resp.write(SSE_BODY[i : i + SSE_CHUNK])
+            if i == 0 and self.stream_gate is not None:
+                await self.stream_gate.wait()  # a request held in flight until the test lets it go
             if i % (SSE_CHUNK * 20) == 0:
                 await asyncio.sleep(0.001)  # let some pieces leave as separate TCP writes
         await resp.write_eof()

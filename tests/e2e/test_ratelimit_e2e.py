@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
 KEY = "sk-e2e-ratelimit-secret-0123456789"
 RPM_KEY = "sk-e2e-rpm-secret-9876543210"
+CAP_KEY = "sk-e2e-cap-secret-5555555555"
 RATE_HEADERS = {f"x-ratelimit-{a}-{b}" for a in ("limit", "remaining", "reset") for b in ("tokens", "requests")}
 
 
@@ -51,8 +52,12 @@ async def _start_server(workdir: Path, name: str, config: dict) -> ExtProcServer
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rl_server(workdir: Path, engines: Engines) -> AsyncIterator[ExtProcServerProcess]:
     rl = {
+        "unknown_api_keys": "per_key",  # KEY: a tenant of its own, known by its hash
         "default": {"tokens_per_minute": 4000, "requests_per_minute": 1000},
-        "tenants": {"rpm": {"api_key_sha256": [hashlib.sha256(RPM_KEY.encode()).hexdigest()], "requests_per_minute": 2}},
+        "tenants": {
+            "rpm": {"api_key_sha256": [hashlib.sha256(RPM_KEY.encode()).hexdigest()], "requests_per_minute": 2},
+            "capped": {"api_key_sha256": [hashlib.sha256(CAP_KEY.encode()).hexdigest()], "max_concurrent_requests": 1},
+        },
     }
     server = await _start_server(workdir, "llm-extproc-rl", _server_config(engines, rl))
     try:
@@ -122,6 +127,46 @@ async def test_over_the_limit_the_client_gets_a_429_with_the_headers(gw: httpx.A
     assert r.headers["x-ratelimit-reset-requests"].endswith("s")
 
 
+async def _admitted_again(gw: httpx.AsyncClient, auth: dict[str, str]) -> httpx.Response:
+    """The next request once the held one's slot is back (settled in its ext_proc stream's end)."""
+    for _ in range(100):
+        r = await gw.post("/v1/chat/completions", json=chat(), headers=auth)
+        if r.status_code != 429:
+            return r
+        await asyncio.sleep(0.02)
+    return r
+
+
+async def test_a_tenant_at_its_concurrency_cap_gets_a_429_until_its_request_ends(gw: httpx.AsyncClient, engines: Engines) -> None:
+    auth = {"authorization": f"Bearer {CAP_KEY}"}
+    gate = asyncio.Event()
+    for e in engines.serving:
+        e.stream_gate = gate
+    try:
+        async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True), headers=auth) as held:
+            assert held.status_code == 200  # in flight: its first chunk sent, the rest held
+            r = await gw.post("/v1/chat/completions", json=chat(), headers=auth)
+            err = assert_openai_error(r, 429)
+            assert err["type"] == "requests" and err["code"] == "rate_limit_exceeded"
+            assert "tenant capped on requests in flight: Limit 1, In flight 1" in err["message"]
+            assert int(r.headers["retry-after"]) >= 1
+            gate.set()
+            async for _ in held.aiter_bytes():
+                pass
+        assert (await _admitted_again(gw, auth)).status_code == 200  # ended: the slot is back
+        # A client that goes away mid-stream releases its slot too.
+        gate.clear()
+        async with gw.stream("POST", "/v1/chat/completions", json=chat(stream=True), headers=auth) as held:
+            assert held.status_code == 200
+            assert (await gw.post("/v1/chat/completions", json=chat(), headers=auth)).status_code == 429
+        # left unread: the connection closes, Envoy resets the stream
+        assert (await _admitted_again(gw, auth)).status_code == 200
+    finally:
+        for e in engines.serving:
+            e.stream_gate = None
+        gate.set()
+
+
 async def test_a_request_larger_than_the_limit_is_a_400(gw: httpx.AsyncClient) -> None:
     r = await gw.post("/v1/chat/completions", json=chat(max_tokens=5000), headers={"x-api-key": KEY})
     err = assert_openai_error(r, 400)
@@ -147,27 +192,36 @@ async def test_no_bearer_token_in_any_log_line_or_metric(gw: httpx.AsyncClient, 
         assert KEY not in text and RPM_KEY not in text
 
 
+async def _held_streams(channels: list[grpc.aio.Channel], n: int, max_tokens: int) -> tuple[list[str], list]:
+    """`n` chats with KEY over the channels in turn, each held open after its decision (an
+    admitted one keeps its charge and slot): each one's answer kind, and the calls to cancel."""
+    calls = []
+
+    async def one(i: int) -> str:
+        call = pb_grpc.ExternalProcessorStub(channels[i % len(channels)]).Process()
+        calls.append(call)
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {KEY}".encode()}))
+        first = (await call.read()).WhichOneof("response")
+        if first == "immediate_response":
+            return first  # refused at its headers (a tenant refused just before)
+        await call.write(body_msg(chat_body(max_tokens=max_tokens)))
+        return (await call.read()).WhichOneof("response")
+
+    kinds = await asyncio.gather(*(one(i) for i in range(n)))
+    return list(kinds), calls
+
+
 @pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed (apt-get install -y redis-server)")
 async def test_two_servers_sharing_redis_enforce_one_limit(workdir: Path, engines: Engines) -> None:
     redis = RedisProcess(workdir=workdir / "redis")
     await redis.start()
     servers: list[ExtProcServerProcess] = []
     try:
-        rl = {"backend": "redis", "default": {"tokens_per_minute": 1000}, "redis": {"url": redis.url, "timeout_ms": 500}}
+        rl = {"backend": "redis", "unknown_api_keys": "per_key", "default": {"tokens_per_minute": 1000}, "redis": {"url": redis.url, "timeout_ms": 500}}
         for name in ("llm-extproc-r1", "llm-extproc-r2"):
             servers.append(await _start_server(workdir, name, _server_config(engines, rl)))
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in servers]
-        calls = []
-
-        async def one(i: int) -> str:
-            call = pb_grpc.ExternalProcessorStub(channels[i % 2]).Process()  # held open: keeps its charge
-            calls.append(call)
-            await call.write(headers_msg("POST", "/v1/chat/completions", extra={"authorization": f"Bearer {KEY}".encode()}))
-            await call.read()
-            await call.write(body_msg(chat_body(max_tokens=90)))
-            return (await call.read()).WhichOneof("response")
-
-        kinds = await asyncio.gather(*(one(i) for i in range(30)))
+        kinds, calls = await _held_streams(channels, 30, max_tokens=90)
         label = f"key-{hashlib.sha256(KEY.encode()).hexdigest()[:8]}"
         used = [(await _window(s, label))["tokens"] for s in servers]
         for call in calls:
@@ -179,6 +233,34 @@ async def test_two_servers_sharing_redis_enforce_one_limit(workdir: Path, engine
         cost = used[0] // admitted
         assert cost > 90 and used[0] <= 1000 and admitted == 1000 // cost
         assert kinds.count("immediate_response") == 30 - admitted
+    finally:
+        for s in servers:
+            await s.aclose()
+        await redis.stop()
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed (apt-get install -y redis-server)")
+async def test_two_servers_sharing_redis_enforce_one_concurrency_cap_and_release_it(workdir: Path, engines: Engines) -> None:
+    redis = RedisProcess(workdir=workdir / "redis-cc")
+    await redis.start()
+    servers: list[ExtProcServerProcess] = []
+    try:
+        rl = {"backend": "redis", "default": {"max_concurrent_requests": 3}, "redis": {"url": redis.url, "timeout_ms": 500}}
+        for name in ("llm-extproc-cc1", "llm-extproc-cc2"):
+            servers.append(await _start_server(workdir, name, _server_config(engines, rl)))
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in servers]
+        kinds, calls = await _held_streams(channels, 20, max_tokens=20)
+        assert kinds.count("request_body") == 3 and kinds.count("immediate_response") == 17, kinds
+        assert [(await _window(s, "unknown-keys"))["inflight"] for s in servers] == [3, 3], "both replicas read one set"
+        for call in calls:
+            call.cancel()  # every client goes away: each replica releases what it admitted
+        for _ in range(200):
+            if (await _window(servers[0], "unknown-keys"))["inflight"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await _window(servers[1], "unknown-keys"))["inflight"] == 0
+        for ch in channels:
+            await ch.close()
     finally:
         for s in servers:
             await s.aclose()

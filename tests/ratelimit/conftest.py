@@ -32,8 +32,10 @@ async def redis_server(tmp_path: Path) -> AsyncIterator[RedisProcess]:
         await server.stop()
 
 
-def redis_backend(server: RedisProcess, *, buckets: int = 60, timeout_ms: int = 200, on_error: str = "open") -> RedisBackend:
-    """A Redis backend on `server` under a key prefix of its own."""
+def redis_backend(server: RedisProcess, *, buckets: int = 60, timeout_ms: int = 1000, on_error: str = "open") -> RedisBackend:
+    """A Redis backend on `server` under a key prefix of its own. The default timeout is generous:
+    50 concurrent first calls each open a connection on a loaded 2-core host (the failure tests
+    pass their own short timeout)."""
     cfg = RedisConfig(url=server.url, key_prefix=f"t{uuid.uuid4().hex[:8]}:", timeout_ms=timeout_ms, on_error=on_error)
     return RedisBackend(cfg, buckets)
 

@@ -108,3 +108,92 @@ async def test_every_backend_offers_the_whole_interface(backend):
     for n in wanted:
         assert callable(getattr(backend, n)), n
     assert backend.name in ("memory", "redis") and backend.local == (backend.name == "memory")
+
+
+# -- concurrency cap and pacing (decision 0190): the same answers from both backends ------------
+
+
+async def test_concurrency_cap_admits_up_to_the_cap_and_settlement_frees_a_slot(backend):
+    lim = [ScopeLimit("{cc}", concurrent=2)]
+    assert (await backend.acquire(lim, 10, BASE, request_id="r1")).admitted
+    d = await backend.acquire(lim, 10, BASE, request_id="r2")
+    assert d.admitted and d.uses[0].inflight == 2
+    d = await backend.acquire(lim, 10, BASE + 1, request_id="r3")
+    # Refused; retry-after: the mean hold time (1 s before any ended) / requests in flight.
+    assert not d.admitted and d.refused_limit == "concurrency" and d.retry_after_ms == 500 and d.uses[0].inflight == 2
+    assert (await backend.check(lim, 10, BASE + 1)).refused_limit == "concurrency"
+    # A refusal holds nothing; settlement (with or without a token correction) releases.
+    await backend.settle(["{cc}"], d.bucket, 0, BASE + 3_000, request_id="r1")
+    assert (await backend.peek(lim, BASE + 3_000)).uses[0].inflight == 1
+    assert (await backend.acquire(lim, 10, BASE + 3_000, request_id="r3")).admitted
+    d = await backend.acquire(lim, 10, BASE + 3_000, request_id="r4")
+    # r1 was held 3 s: mean 1000 + (3000 - 1000) / 8 = 1250 ms; / 2 in flight.
+    assert not d.admitted and d.retry_after_ms == 625
+    # Settling an id twice, or one never admitted, changes nothing.
+    await backend.settle(["{cc}"], d.bucket, 0, BASE + 3_000, request_id="r1")
+    await backend.settle(["{cc}"], d.bucket, 0, BASE + 3_000, request_id="nope")
+    assert (await backend.peek(lim, BASE + 3_000)).uses[0].inflight == 2
+
+
+async def test_an_unsettled_request_stops_counting_after_its_lease(backend):
+    from extproc.ratelimit.window import LEASE_MS
+
+    lim = [ScopeLimit("{lease}", concurrent=1)]
+    assert (await backend.acquire(lim, 1, BASE, request_id="lost")).admitted  # its replica died
+    assert not (await backend.acquire(lim, 1, BASE + LEASE_MS - 1, request_id="b")).admitted
+    assert (await backend.acquire(lim, 1, BASE + LEASE_MS, request_id="b")).admitted
+
+
+async def test_fifty_concurrent_acquires_never_exceed_the_concurrency_cap(backend):
+    lim = [ScopeLimit("{c50}", concurrent=5)]
+    results = await asyncio.gather(*(backend.acquire(lim, 1, BASE + i, request_id=f"q{i}") for i in range(50)))
+    assert sum(d.admitted for d in results) == 5
+    assert (await backend.peek(lim, BASE + 100)).uses[0].inflight == 5
+
+
+async def test_pacing_spreads_the_minute_and_a_large_request_waits_for_a_full_bucket(backend):
+    lim = [ScopeLimit("{p}", tokens=60_000, burst=5_000)]  # refills 1,000 tokens per second
+    d = await backend.acquire(lim, 3_000, BASE)
+    assert d.admitted and d.uses[0].bucket_tokens == 2_000 and d.uses[0].tokens == 3_000
+    d = await backend.acquire(lim, 3_000, BASE)
+    assert not d.admitted and d.refused_limit == "pacing" and d.retry_after_ms == 1_000
+    assert d.uses[0].tokens == 3_000  # the window has room: pacing refused
+    assert not (await backend.acquire(lim, 3_000, BASE + 999)).admitted
+    d = await backend.acquire(lim, 3_000, BASE + 1_000)
+    assert d.admitted and d.uses[0].bucket_tokens == 0
+    # Larger than the burst: admitted on a full bucket (5 s of refill), which it leaves in debt.
+    d = await backend.acquire(lim, 8_000, BASE + 1_000)
+    assert not d.admitted and d.retry_after_ms == 5_000
+    d = await backend.acquire(lim, 8_000, BASE + 6_000)
+    assert d.admitted and d.uses[0].bucket_tokens == -3_000
+    d = await backend.check(lim, 1, BASE + 6_000)
+    assert not d.admitted and d.retry_after_ms == 3_001  # the debt, then one token
+    assert (await backend.peek(lim, BASE + 7_500)).uses[0].bucket_tokens == -1_500
+
+
+async def test_settlement_puts_unused_tokens_back_in_the_bucket_up_to_the_burst(backend):
+    lim = [ScopeLimit("{ps}", tokens=60_000, burst=5_000)]
+    d = await backend.acquire(lim, 5_000, BASE)
+    assert not (await backend.check(lim, 4_000, BASE)).admitted
+    await backend.settle(["{ps}"], d.bucket, -4_000, BASE)  # used 1,000 of 5,000
+    assert (await backend.peek(lim, BASE)).uses[0].bucket_tokens == 4_000
+    await backend.settle(["{ps}"], d.bucket, -1_000, BASE + 2_000)
+    assert (await backend.peek(lim, BASE + 2_000)).uses[0].bucket_tokens == 5_000  # never above the burst
+    await backend.settle(["{ps}"], d.bucket, 2_500, BASE + 2_000)  # used more than reserved: pays
+    peek = (await backend.peek(lim, BASE + 2_000)).uses[0]
+    assert peek.bucket_tokens == 2_500 and peek.tokens == 2_500
+
+
+async def test_all_controls_together_charge_all_scopes_or_none(backend):
+    lim = [ScopeLimit("{all}", tokens=60_000, concurrent=3, burst=10_000), ScopeLimit("{all}:m", tokens=60_000, burst=2_000)]
+    assert (await backend.acquire(lim, 2_000, BASE, request_id="a")).admitted
+    d = await backend.acquire(lim, 1_000, BASE, request_id="b")
+    assert not d.admitted and d.refused_scope == 1 and d.refused_limit == "pacing"
+    peek = await backend.peek(lim, BASE)
+    assert [u.bucket_tokens for u in peek.uses] == [8_000, 0] and [u.inflight for u in peek.uses] == [1, 0]
+    try:
+        await backend.acquire(lim, 1, BASE + 5_000)
+    except ValueError as exc:
+        assert "request" in str(exc)
+    else:
+        raise AssertionError("a capped scope without a request id must be refused as a programming error")

@@ -214,7 +214,7 @@ async def test_precheck_refuses_what_cannot_fit_before_counting():
     await lim.admit(t, _req(100, max_tokens=500))
     with pytest.raises(TenantRateLimitedError) as exc:
         await lim.precheck(t, MODEL, 500, 1, 100)  # 600 used: 1 + 500 cannot fit
-    assert "Requested 501" in exc.value.message
+    assert "Requested 550" in exc.value.message  # 100 bytes × 1 token per byte (learned) × 0.5 + 500
     await lim.precheck(t, MODEL, 300, 1, 100)  # the least cost of this one fits
     await lim.precheck(t, MODEL, 5000, 1, 100)  # larger than the limit: admit answers the 400
 
@@ -235,3 +235,122 @@ async def test_remote_precheck_only_for_a_tenant_refused_within_a_second(redis_s
         await lim.precheck(t, MODEL, 500, 1, 100)  # pressure forgotten
     finally:
         await lim.aclose()
+
+
+async def _settled(lim: RateLimiter) -> None:
+    """Wait for remote settlements (a task each); a local one is done already."""
+    import asyncio
+
+    if lim._pending:
+        await asyncio.gather(*lim._pending)
+
+
+async def test_the_in_flight_slot_is_released_on_abort_error_unknown_and_never_held_by_a_refusal(backend):
+    registry = CollectorRegistry()
+    lim = _limiter(backend, registry, default={"tokens_per_minute": 100_000, "max_concurrent_requests": 1})
+    t = lim.tenant({"authorization": "Bearer sk-anything"})
+    scopes = lim.scopes(t, MODEL)
+    try:
+        first = await lim.admit(t, _req(10, max_tokens=100))
+        assert first.request_id is not None
+        with pytest.raises(TenantRateLimitedError) as exc:
+            await lim.admit(t, _req(10, max_tokens=100))
+        body = orjson.loads(exc.value.body())["error"]
+        assert body["type"] == "requests" and "requests in flight: Limit 1, In flight 1" in body["message"]
+        assert exc.value.headers()["retry-after"] == "1" and "x-ratelimit-remaining-tokens" in exc.value.headers()
+        with pytest.raises(TenantRateLimitedError):  # and before tokenizing
+            await lim.precheck(t, MODEL, 100, 1, 100)
+        assert (await lim.backend.peek(scopes)).uses[0].inflight == 1  # refusals hold nothing
+        assert _sample(registry, "llm_extproc_ratelimit_requests_total", tenant=t.label, outcome="refused_concurrency") == 2
+        # Ends: a client abort mid-stream, an engine error, an answer of unknown cost.
+        aborted = _observed([_event("a"), _event("b")])
+        aborted.on_end("client_abort")
+        failed = _observed([b'{"error": {"message": "boom"}}'], status=500, ctype="application/json")
+        failed.on_end("complete")
+        cut = _observed([], ctype="application/json")
+        cut.on_end("client_abort")
+        adm = first
+        for result in (aborted.result, failed.result, cut.result):
+            lim.settle(adm, lim.used_tokens(adm, result))
+            await _settled(lim)
+            assert (await lim.backend.peek(scopes)).uses[0].inflight == 0
+            adm = await lim.admit(t, _req(10, max_tokens=100))  # the slot is free again
+        assert (await lim.backend.peek(scopes)).uses[0].tokens == 12 + 0 + 110 + 110
+    finally:
+        await lim.aclose()
+
+
+async def test_a_paced_refusal_says_when_the_bucket_will_admit():
+    lim = _limiter(default={"tokens_per_minute": 60_000, "burst_tokens": 1_000})
+    t = lim.tenant({})
+    adm = await lim.admit(t, _req(100, max_tokens=900))
+    assert adm.headers["x-ratelimit-remaining-tokens"] == "0"  # the bucket's, not the window's 59,000
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.admit(t, _req(100, max_tokens=400))
+    assert "paced (TPM 60000, burst 1000): Available 0, Requested 500" in exc.value.message
+    assert orjson.loads(exc.value.body())["error"]["type"] == "tokens"
+    assert exc.value.retry_after_s == pytest.approx(0.5, abs=0.01)  # 500 tokens at 1,000 per second
+    lim.settle(adm, 150)  # used 150 of 1,000: 850 back in the bucket
+    assert (await lim.admit(t, _req(100, max_tokens=400))) is not None
+
+
+async def test_redis_keys_holding_requests_in_flight_or_a_refilling_bucket_outlive_the_window(redis_server):
+    backend = redis_backend(redis_server)
+    lim = _limiter(backend, default={"tokens_per_minute": 1000, "max_concurrent_requests": 2, "burst_tokens": 100}, inflight_lease_s=300)
+    t = lim.tenant({})
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        adm = await lim.admit(t, _req(10, max_tokens=10))
+        (key,) = await client.keys("*")
+        assert 60_000 < await client.pttl(key) <= 900_000  # the backend's lease (the fixture's default)
+        lim.settle(adm, 20)
+        await _settled(lim)
+        # Nobody in flight; the bucket (80 of 100) refills in 1.2 s: the window's expiry again.
+        assert 60_000 < await client.pttl(key) <= 61_000
+    finally:
+        await client.aclose()
+        await lim.aclose()
+
+
+async def test_precheck_at_the_headers_refuses_only_a_tenant_that_could_admit_nothing():
+    lim = _limiter(default={"tokens_per_minute": 1000, "max_concurrent_requests": 2}, tenants={"m": {"models": {MODEL: {"tokens_per_minute": 10}}}}, tenant_header="x-t")
+    t = lim.tenant({})
+    await lim.precheck_headers(t)
+    a = await lim.admit(t, _req(100, max_tokens=800))
+    await lim.precheck_headers(t)  # 100 tokens left, one slot left: a small request could pass
+    b = await lim.admit(t, _req(50, max_tokens=10))
+    with pytest.raises(TenantRateLimitedError) as exc:  # both slots held
+        await lim.precheck_headers(t)
+    assert "requests in flight" in exc.value.message
+    lim.settle(b, 60)
+    await lim.precheck_headers(t)
+    lim.settle(a, None)  # keeps its 900: the window holds 960 of 1000, a 1-token request fits
+    await lim.precheck_headers(t)
+    c = await lim.admit(t, _req(30, max_tokens=10))
+    lim.settle(c, 40)
+    with pytest.raises(TenantRateLimitedError):  # 1000 of 1000: nothing fits
+        await lim.precheck_headers(t)
+    # Per-model limits are not known before the body names the model: only the tenant's scope.
+    m = lim.tenant({"x-t": "m"})
+    await lim.admit(m, _req(5, max_tokens=5))
+    await lim.precheck_headers(m)
+
+
+async def test_precheck_estimates_the_prompt_from_the_tenants_sparsest_bytes_per_token():
+    lim = _limiter(default={"tokens_per_minute": 1000})
+    t = lim.tenant({})
+    await lim.admit(t, _req(100, max_tokens=500, body_bytes=400))  # 0.25 tokens per byte; 600 used
+    # A 4,000-byte body: at least 4000 × 0.25 × 0.5 = 500 prompt tokens + 10: cannot fit in 400.
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.precheck(t, MODEL, 10, 1, 4000)
+    assert "Requested 510" in exc.value.message
+    await lim.precheck(t, MODEL, 10, 1, 400)  # 50 + 10 fits
+    # A sparser request (more bytes per token) lowers the estimate for the tenant from then on.
+    await lim.admit(t, _req(10, max_tokens=10, body_bytes=400))  # 0.025 tokens per byte
+    await lim.precheck(t, MODEL, 10, 1, 4000)  # 50 + 10 fits in the 380 left
+    # Each tenant learns its own: this one's sparse request puts its estimate near 0 (1 token).
+    fresh = lim.tenant({"authorization": "Bearer sk-new"})
+    await lim.admit(fresh, _req(980, max_tokens=10, body_bytes=1_000_000))  # 0.00098 per byte
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.precheck(fresh, MODEL, 10, 1, 100)
+    assert "Requested 11" in exc.value.message

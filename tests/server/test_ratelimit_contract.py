@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 
 import grpc
@@ -91,7 +92,9 @@ async def test_a_full_window_refuses_before_tokenizing(make_app):
             stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(f"a prompt never seen before {uuid.uuid4().hex} " * 20, max_tokens=100))
         )
         status, body, _ = error_of(r)
-        assert status == 429 and "Requested 101" in body["error"]["message"]  # the least cost: 1 + 100
+        # The least cost: the prompt's floor (its bytes × the tenant's tokens per byte so far × 0.5) + 100.
+        assert status == 429 and re.search(r"Requested (\d+)\.", body["error"]["message"])
+        assert 101 < int(re.search(r"Requested (\d+)\.", body["error"]["message"]).group(1)) < 1000
         assert (app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0) == before, "refused without tokenizing"
         call.cancel()
 
@@ -158,7 +161,9 @@ async def test_fifty_concurrent_streams_never_exceed_the_limit(make_app):
             call = stub.Process()  # held open: each admitted one keeps its reservation
             calls.append(call)
             await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
-            await call.read()
+            first = (await call.read()).WhichOneof("response")
+            if first == "immediate_response":
+                return first  # refused at its headers (a tenant refused just before)
             await call.write(body_msg(chat_body(max_tokens=90)))
             return (await call.read()).WhichOneof("response")
 
@@ -177,7 +182,9 @@ async def test_fifty_concurrent_streams_never_exceed_the_limit(make_app):
 async def test_admin_shows_each_tenants_window(make_app):
     import httpx
 
-    app = await make_app(ratelimit=_limited(1_000, tenants={"acme": {"requests_per_minute": 5}}, tenant_header="x-tenant"))
+    app = await make_app(
+        ratelimit=_limited(1_000, tenants={"acme": {"requests_per_minute": 5}}, tenant_header="x-tenant", unknown_api_keys="per_key")
+    )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
         await exchange(pb_grpc.ExternalProcessorStub(ch), headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=10)))
     async with httpx.AsyncClient() as client:
@@ -196,3 +203,47 @@ async def test_tier_mode_settles_too(make_app):
     routing = await _finish_with_usage(app, {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11})
     assert "x-llm-tier" in routing
     assert await _used(app) == 11
+
+
+async def test_a_concurrency_slot_is_released_however_the_stream_ends(make_app):
+    """max_concurrent_requests 1, through the servicer: a second stream is refused (429) while
+    the first is in flight; the slot comes back when the first is cancelled by the client, when
+    the engine answers an error, and when a stream ends normally; a refusal never holds one."""
+    app = await make_app(ratelimit={"enabled": True, "default": {"tokens_per_minute": 100_000, "max_concurrent_requests": 1}})
+    lim = app.ratelimit
+    t = lim.tenant({"authorization": f"Bearer {SECRET}"})
+
+    async def inflight_now() -> int:
+        return (await lim.backend.peek(lim.scopes(t, MODEL))).uses[0].inflight
+
+    async def admit_one(stub):
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        await call.read()
+        await call.write(body_msg(chat_body(max_tokens=50)))
+        return call, (await call.read()).WhichOneof("response")
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        ends = ("client cancels", "engine error", "normal end")
+        for how in ends:
+            call, kind = await admit_one(stub)
+            assert kind == "request_body", how
+            call2 = stub.Process()
+            await call2.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+            # Refused at its headers: its body never has to cross.
+            status, body, hdrs = error_of(await call2.read())
+            call2.cancel()
+            assert status == 429 and body["error"]["type"] == "requests" and "requests in flight" in body["error"]["message"]
+            assert int(hdrs["retry-after"]) >= 1 and await inflight_now() == 1  # the refusal holds nothing
+            if how == "client cancels":
+                call.cancel()
+            else:
+                code = b"500" if how == "engine error" else b"200"
+                hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=code)])
+                await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm, end_of_stream=True)))
+                await call.read()
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF
+            await wait_until(lambda: app.servicer.active_streams == 0)
+            assert await inflight_now() == 0, how
