@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior
 from extproc.types import EndpointAddress
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+__all__ = ["Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
 
 PREFILL_WEIGHT = 3
 """A request before its first token counts 3× in the FLOPs-weighted load (design notes)."""
@@ -195,6 +195,8 @@ class Reservation:
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1
+        if self._store.listener is not None:
+            self._store.listener.first_token(self)
 
     def settle(self) -> None:
         """Stop counting this request's blocks (the engine's metrics now include it)."""
@@ -220,6 +222,20 @@ class Reservation:
         else:
             ep.decode_inflight -= 1
         self._store._open.discard(self)
+        if self._store.listener is not None:
+            self._store.listener.released(self)
+
+
+class ReservationListener(Protocol):
+    """Told synchronously, on the event loop, as a reservation is made, reaches its first
+    token and is released (`extproc.replicas.sync` shares them with the other replicas). Must
+    not raise nor block: it runs inside the decision."""
+
+    def reserved(self, r: Reservation) -> None: ...
+
+    def first_token(self, r: Reservation) -> None: ...
+
+    def released(self, r: Reservation) -> None: ...
 
 
 class Datastore:
@@ -239,6 +255,8 @@ class Datastore:
             for m in cfg.models:
                 self._by_model.setdefault(m, []).append(ep)
         self._open: set[Reservation] = set()
+        self.listener: ReservationListener | None = None
+        """Told of every reservation, first token and release (replica sync); None: nobody."""
 
     def all(self) -> list[Endpoint]:
         """Every endpoint, in configuration order."""
@@ -267,6 +285,8 @@ class Datastore:
             endpoint.reserved_blocks += blocks
             endpoint.unsettled.add(r)
         self._open.add(r)
+        if self.listener is not None:
+            self.listener.reserved(r)
         return r
 
     def settle_scraped(self, endpoint: Endpoint, scraped_at: float) -> int:

@@ -30,6 +30,7 @@ from extproc.prefix.precise import PreciseSource
 from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.ratelimit.limiter import RateLimiter, build_backend
 from extproc.ratelimit.metrics import RateLimitMetrics
+from extproc.replicas.sync import ReplicaSync
 from extproc.server.admin import AdminServer
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.decision_log import DecisionLog
@@ -124,6 +125,10 @@ class ExtProcApp:
             # Read at scrape time: nothing to update on the request path.
             self.metrics.endpoint_inflight.labels(ep.address).set_function(lambda ep=ep: ep.inflight)
             self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
+        self.sync: ReplicaSync | None = None
+        if config.replicas.sync == "redis":
+            # Hooks on the datastore and tracker: every pick, first token and release is shared.
+            self.sync = ReplicaSync(config.replicas, config.ratelimit.redis, self.store, self.prefix, registry=self.metrics.registry)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
         self._decision_log: DecisionLog | None = None
@@ -202,6 +207,8 @@ class ExtProcApp:
         if self._scraper is not None:
             await self._scraper.start()
         await self.kv_events.start()
+        if self.sync is not None:
+            await self.sync.start()
 
         options = [
             ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
@@ -244,6 +251,7 @@ class ExtProcApp:
                 reuse_port=cfg.listen.reuse_port,
                 sample_rate=rate,
                 ratelimit=self.ratelimit,
+                replicas=self.sync,
             )
             try:
                 await self._admin.start()
@@ -267,6 +275,8 @@ class ExtProcApp:
         if self._scraper is not None:
             await self._scraper.aclose()
         await self.kv_events.aclose()
+        if self.sync is not None:
+            await self.sync.aclose()  # after the streams: the others release what this one held
         if self._admin is not None:
             await self._admin.aclose()
             self._admin = None
