@@ -61,7 +61,7 @@ def worker_addresses(config: Config, workers: int) -> list[WorkerAddress]:
         raise ValueError(f"{workers} workers from ports {gport}/{aport} run past 65535")
     out = [WorkerAddress(i, _join(ghost, gport + i), _join(ahost, aport + i)) for i in range(workers)]
     grpc_ports = {gport + i for i in range(workers)}
-    if config.admin.enabled and grpc_ports & {aport + i for i in range(workers)}:
+    if workers > 1 and config.admin.enabled and grpc_ports & {aport + i for i in range(workers)}:
         raise ValueError(f"the workers' gRPC ports ({gport}+) and admin ports ({aport}+) overlap; space them at least {workers} apart")
     return out
 
