@@ -128,9 +128,10 @@ async def burst(group: list[Replica], prompts: list[str], gap_s: float = 0.005) 
 
 
 async def skewed(group: list[Replica], r: int) -> list[str | None]:
-    """12 turns of one session held on replica a (sticky: one endpoint), then 28 fresh requests
-    split across the replicas: where all 40 are in flight."""
-    sticky = [await group[0].decide(f"Session {r} turn {i}.", user=f"user-{r}") for i in range(12)]
+    """12 requests sharing a ~8.5k-token prefix sent to replica a (the prefix pulls them
+    together), then 28 fresh short requests split across the replicas: where all 40 are in flight."""
+    system = text(5000 + r, 5000)
+    sticky = [await group[0].decide(f"{system}\nQuestion {i}?") for i in range(12)]
     await asyncio.sleep(0.05)
 
     async def one(i: int):
@@ -164,7 +165,7 @@ async def spread(tmp: Path, redis_url: str, rounds: int) -> None:
     print("## Burst spread: 1 process, 2 replicas without sync, 2 with sync\n")
     print(f"40 requests one every 5 ms (alternating replicas), {rounds} rounds; requests per endpoint, busiest first, summed over rounds.\n")
     print("| setup | short prompts: per endpoint | max/mean | shared 3k-token prefix: per endpoint | endpoints prefilling the prefix (mean) | "
-          "12 sticky + 28 fresh: per endpoint | max/mean | repeat follows (20 pairs, 50 ms) |")
+          "12 on one 8k prefix via a, then 28 fresh: per endpoint | max/mean | repeat follows (20 pairs, 50 ms) |")
     print("|---|---|---|---|---|---|---|---|")
     setups = [("1 process", 1, True), ("2 replicas, no sync", 2, False), ("2 replicas, sync", 2, True)]
     for label, n, sync in setups:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["ReplicasConfig"]
 
@@ -49,6 +49,11 @@ class ReplicasConfig(BaseModel):
     max_queue: int = Field(default=10_000, ge=1)
     max_remote: int = Field(default=100_000, ge=1)
     max_hashes: int = Field(default=4096, ge=1)
+
+    @field_validator("sync", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
 
     @model_validator(mode="after")
     def _timeout_above_heartbeat(self) -> ReplicasConfig:
