@@ -89,15 +89,17 @@ async def redis(workdir: Path) -> AsyncIterator[RedisProcess]:
 async def replicas(workdir: Path, redis: RedisProcess) -> AsyncIterator[list[Replica]]:
     started: list[Replica] = []
     try:
-        for name in ("a", "b"):
-            server = await start_server(workdir, config(redis.url), f"replica-{name}")
-            started.append(Replica(server, grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")))
+        servers = await asyncio.gather(*(start_server(workdir, config(redis.url), f"replica-{n}") for n in "ab"), return_exceptions=True)
+        started = [Replica(s, grpc.aio.insecure_channel(f"127.0.0.1:{s.grpc_port}")) for s in servers if isinstance(s, ExtProcServerProcess)]
+        for s in servers:
+            if isinstance(s, BaseException):
+                raise s
         await until_all_connected(started)
         yield started
     finally:
         for r in started:
             await r.channel.close()
-            await r.server.aclose()
+        await asyncio.gather(*(r.server.aclose() for r in started))
 
 
 async def until(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
