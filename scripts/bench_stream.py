@@ -8,11 +8,16 @@ by side in one run:
   envoy-alone         the fail-open config with the ext_proc filter removed
   extproc-headers     Envoy + llm-extproc with telemetry off (response headers only)
   extproc-telemetry   Envoy + llm-extproc with telemetry on: every SSE chunk crosses the server
+  epp-headers         (--epp) Envoy configured as the Endpoint Picker Protocol's gateways do
+                      (FULL_DUPLEX_STREAMED, `extproc.stack.epp_envoy`) + llm-extproc in
+                      `protocol.mode: epp` with telemetry off: no mode override can stop the
+                      response body, so every chunk still crosses the server, unobserved
+  epp-telemetry       (--epp) the same with telemetry on
 
 Reports per setup the client-observed inter-chunk gap (mean, p50, p99; milliseconds), TTFT
 p50 and E2E p50, and the server's CPU seconds per streamed chunk.
 
-    .venv/bin/python scripts/bench_stream.py [--concurrency 1,8] [--requests 16] [--tokens 512]
+    .venv/bin/python scripts/bench_stream.py [--concurrency 1,8] [--requests 16] [--tokens 512] [--epp]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import without_access_log, without_ext_proc  # noqa: E402
 
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config  # noqa: E402
+from extproc.stack.epp_envoy import gateway_config  # noqa: E402
 from extproc.stack.fleet import SimProcess  # noqa: E402
 from extproc.stack.server import ExtProcServerProcess  # noqa: E402
 
@@ -83,6 +89,7 @@ async def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--epp", action="store_true", help="add the Endpoint Picker Protocol setups")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     sim = SimProcess("h100-qwen3-8b", name="sim", workdir=work)
@@ -93,16 +100,24 @@ async def main() -> None:
         base = without_access_log(load_envoy_config("fail-open"))
         endpoint = [("127.0.0.1", sim.port)]
         envoys["envoy-alone"] = EnvoyProcess(rewrite_config(without_ext_proc(base), RunSettings(endpoints=endpoint)), workdir=work, name="alone", concurrency=1)
-        for name, telemetry in (("extproc-headers", False), ("extproc-telemetry", True)):
+        setups = [("extproc-headers", False, "buffered"), ("extproc-telemetry", True, "buffered")]
+        if args.epp:
+            setups += [("epp-headers", False, "epp"), ("epp-telemetry", True, "epp")]
+        for name, telemetry, protocol in setups:
             cfg = work / f"{name}.yaml"
             cfg.write_text(yaml.safe_dump({
                 "models": [{"name": MODEL}],
                 "endpoints": [{"address": sim.address, "models": [MODEL]}],
                 "telemetry": {"enabled": telemetry, "sample_rate": 1.0},
+                "protocol": {"mode": protocol},
             }))
             servers[name] = ExtProcServerProcess(cfg, workdir=work, name=name, log_level="warning")
             await servers[name].start()
-            envoys[name] = EnvoyProcess(rewrite_config(base, RunSettings(extproc=servers[name].grpc_address, endpoints=endpoint)), workdir=work, name=name, concurrency=1)
+            if protocol == "epp":
+                envoy_cfg = gateway_config(servers[name].grpc_port)
+            else:
+                envoy_cfg = rewrite_config(base, RunSettings(extproc=servers[name].grpc_address, endpoints=endpoint))
+            envoys[name] = EnvoyProcess(envoy_cfg, workdir=work, name=name, concurrency=1)
         for e in envoys.values():
             await e.start()
         rows = []

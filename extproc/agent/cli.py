@@ -20,7 +20,7 @@ def agent(
     gpu_source: str = typer.Option("nvml", help="nvml | sim:URL (a simulator's base URL, e.g. sim:http://127.0.0.1:8001) | none"),
     grpc_port: int = typer.Option(9100, min=0, max=65535, help="gRPC port: grpc.health.v1 + llm_extproc.v1.NodeLoad (0 = any free port)"),
     metrics_port: int = typer.Option(9101, min=0, max=65535, help="Prometheus /metrics port (0 = any free port)"),
-    host: str = typer.Option("0.0.0.0", help="listen address of both ports"),
+    host: str = typer.Option("127.0.0.1", help="listen address of both ports (0.0.0.0 to serve other hosts)"),
     period: float = typer.Option(1.0, help="sampling period (seconds); also NodeLoad.Watch's cadence"),
     node: str = typer.Option("", help="node name in reports (default: the host name)"),
     engine_timeout: float = typer.Option(1.0, help="timeout of each engine or sim request (seconds)"),

@@ -11,6 +11,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     ratelimit: {enabled, backend, tenant_header, default, tenants: {...}, redis: {...}}
     decision_log: {path, max_bytes, backup_count, queue_size}
     replicas:  {sync: off|redis, channel, heartbeat_s, owner_timeout_s, ...}  (Redis: ratelimit.redis)
+    protocol:  {mode: buffered | epp, fallbacks, destination_namespace, subset_namespace, chunk_bytes}
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "EndpointConfig",
     "HealthCheckConfig",
     "LimitsConfig",
+    "ProtocolConfig",
     "ListenConfig",
     "TLSConfig",
     "is_loopback",
@@ -383,8 +385,8 @@ class OutlierDetectionConfig(_Strict):
 
     An endpoint whose last `consecutive_5xx` answers were 5xx is left out by `healthy-filter`
     for `ejection_s` × its ejections so far (at most `max_ejection_s`), then tried again (one
-    more 5xx ejects it again at once), unless `max_ejected_share` of the endpoints are out
-    already; only answers to requests routed after an ejection began count against or for it
+    more 5xx ejects it again at once), unless `max_ejected_share` of its model's endpoints are
+    out already; only answers to requests routed after an ejection began count against or for it
     (`extproc.datastore.outliers`). Probes
     cannot see this failure: an engine may pass `/health` and still fail every generation,
     and one that fails fast never produces a first token, so it would look idle and fast.
@@ -394,8 +396,8 @@ class OutlierDetectionConfig(_Strict):
         consecutive_5xx: 5xx answers in a row that eject (count).
         ejection_s: how long a first ejection lasts (seconds); the n-th lasts n times as long.
         max_ejection_s: the longest ejection (seconds; Envoy's max_ejection_time default).
-        max_ejected_share: no new ejection while this share of the endpoints is ejected
-            (0..1; Envoy's max_ejection_percent, here 50 %).
+        max_ejected_share: no new ejection while this share of the endpoints serving the same
+            model(s) is ejected (0..1; Envoy's max_ejection_percent, here 50 %).
     """
 
     enabled: bool = True
@@ -795,6 +797,32 @@ class DecisionLogConfig(_Strict):
     queue_size: int = Field(default=10_000, ge=1)
 
 
+class ProtocolConfig(_Strict):
+    """How the server speaks to its proxy.
+
+    Attributes:
+        mode: `buffered` — our own Envoy configs (envoy/*.yaml): the request body BUFFERED,
+            per-request mode overrides; `epp` — the Gateway API Inference Extension's Endpoint
+            Picker Protocol, as an InferencePool's picker behind a gateway that configures
+            FULL_DUPLEX_STREAMED bodies with trailers SEND (`extproc.server.epp`, docs/epp.md).
+        fallbacks: (epp) endpoints after the primary in the destination list, best first;
+            only for a proxy that retries down the list (a bare Envoy's ORIGINAL_DST cluster
+            reads one address: keep 0 there).
+        destination_namespace: (epp) the dynamic-metadata namespace of the destination and
+            of the served endpoint read back (the protocol's default `envoy.lb`).
+        subset_namespace: (epp) the filter-metadata namespace of the endpoint subset hint
+            (the protocol's default `envoy.lb.subset_hint`).
+        chunk_bytes: (epp) largest body piece sent back in one streamed body response
+            (bytes; the reference picker's 62,000, under the 64 KiB some proxies accept).
+    """
+
+    mode: Literal["buffered", "epp"] = "buffered"
+    fallbacks: int = Field(default=0, ge=0, le=16)
+    destination_namespace: str = Field(default="envoy.lb", min_length=1)
+    subset_namespace: str = Field(default="envoy.lb.subset_hint", min_length=1)
+    chunk_bytes: int = Field(default=62_000, ge=1024, le=4 * 1024 * 1024)
+
+
 class Config(_Strict):
     """The whole configuration."""
 
@@ -809,9 +837,12 @@ class Config(_Strict):
     ratelimit: RateLimitConfig = Field(default_factory=RateLimitConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        if self.protocol.mode == "epp" and self.scheduling.mode != "endpoint":
+            raise ValueError("protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
         names: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for n in [m.name, *m.aliases]:

@@ -9,9 +9,9 @@ Envoy's `ORIGINAL_DST` cluster has no outlier detection of its own, so the picke
   base_ejection_time × number of ejections), at most `max_ejection_s` (Envoy's
   max_ejection_time, 300 s); n starts again from 1 once the endpoint has answered for
   `max_ejection_s` without being ejected;
-* no new ejection while `max_ejected_share` of the endpoints are out already (Envoy's
-  max_ejection_percent, here 50 % by default: 5xx storms across the fleet are not one
-  endpoint's fault);
+* no new ejection while `max_ejected_share` of the endpoints serving any of the endpoint's
+  models are out already (Envoy's max_ejection_percent, per cluster there, per model pool here;
+  50 % by default: 5xx storms across a pool are not one endpoint's fault);
 * only an answer to a request routed after the latest ejection began speaks for the endpoint
   now: an older request finishing during (or after) the ejection neither resets nor extends
   the streak.
@@ -33,7 +33,8 @@ class OutlierDetector:
     """Counts generation answers per endpoint and ejects by the rules above.
 
     Args:
-        store: the endpoints (the ejected share is taken over all of them).
+        store: the endpoints (the ejected share is taken over those sharing a model with the
+            endpoint in question).
         cfg: thresholds and durations.
     """
 
@@ -68,7 +69,9 @@ class OutlierDetector:
         ep.consecutive_5xx += 1
         if ep.consecutive_5xx < cfg.consecutive_5xx or ep.ejected(now):
             return None
-        endpoints = self._store.all()
+        # The share is taken within the endpoint's pool (the endpoints sharing a model with it):
+        # a two-endpoint model in a fleet of ten must keep one, whatever the other models do.
+        endpoints = [other for other in self._store.all() if other.models & ep.models]
         out = sum(1 for other in endpoints if other.ejected(now))
         if out >= cfg.max_ejected_share * len(endpoints):
             log.warning(

@@ -134,6 +134,31 @@ def _count_label(labels: dict[str, str], name: str, current: int | None) -> int 
     return int(value)
 
 
+def _request_count(name: str, value: float) -> int:
+    """A request-count gauge as an int (requests).
+
+    Raises:
+        ValueError: the value is negative, inf or nan — a broken exposition; the scrape then
+            fails like any unreadable one (the endpoint goes stale) instead of raising
+            OverflowError out of `int(inf)`.
+    """
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} is {value!r}, not a request count")
+    return int(value)
+
+
+def _fraction(name: str, value: float) -> float:
+    """A usage gauge as a fraction, clamped to at most 1 (float rounding can put a full cache a
+    hair above it).
+
+    Raises:
+        ValueError: the value is negative, inf or nan.
+    """
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{name} is {value!r}, not a fraction")
+    return min(value, 1.0)
+
+
 def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> EngineMetrics:
     """Parse a vLLM exposition into `EngineMetrics` (`scraped_at` left for the caller).
 
@@ -147,14 +172,14 @@ def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> Engi
         for s in fam.samples:
             name = s.name
             if name == "vllm:num_requests_running":
-                m.running += int(s.value)
+                m.running += _request_count(name, s.value)
             elif name == "vllm:num_requests_waiting":
-                m.waiting += int(s.value)
+                m.waiting += _request_count(name, s.value)
             elif name == "vllm:kv_cache_usage_perc":
-                m.kv_usage = max(m.kv_usage, s.value)
+                m.kv_usage = max(m.kv_usage, _fraction(name, s.value))
                 have_usage = True
             elif name == "vllm:gpu_cache_usage_perc":
-                legacy_usage = max(legacy_usage or 0.0, s.value)
+                legacy_usage = max(legacy_usage or 0.0, _fraction(name, s.value))
             elif name == "vllm:cache_config_info":
                 m.num_gpu_blocks = _count_label(s.labels, "num_gpu_blocks", m.num_gpu_blocks)
                 m.block_size = _count_label(s.labels, "block_size", m.block_size)

@@ -37,7 +37,7 @@ from extproc.metrics import Metrics
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
-from extproc.pipeline.truncate import Truncated, Truncation, prompt_budget, truncate, wanted
+from extproc.pipeline.truncate import TRUNCATE_HEADER, Truncated, Truncation, prompt_budget, truncate, wanted
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
@@ -297,6 +297,7 @@ class RequestPipeline:
         truncate_header: str | None = None,
         record: DecisionRecord | None = None,
         before_count: Callable[[str, int | None, int, int], Awaitable[None]] | None = None,
+        subset: Callable[[Endpoint], bool] | None = None,
     ) -> Routed:
         """Decide for one request body (reserves nothing).
 
@@ -314,6 +315,8 @@ class RequestPipeline:
             before_count: awaited with (served model, max_tokens, n, body bytes) once the body is
                 parsed and before its tokens are counted; may raise an `ExtProcError` to refuse
                 cheaply (the rate limiter's precheck).
+            subset: a hard filter on the model's endpoints, applied before every other step
+                (the Endpoint Picker Protocol's subset hint); None admits all.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -322,7 +325,8 @@ class RequestPipeline:
                 truncation, where the model allows it).
             NotFoundError: unknown model.
             RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
-            NoEndpointError: no healthy endpoint (503), or no KV fit with `reject_status: 503`.
+            NoEndpointError: no healthy endpoint (503), no endpoint of the model in `subset`
+                (503), or no KV fit with `reject_status: 503`.
         """
         t0 = time.perf_counter()
         cfg = self._config
@@ -367,7 +371,21 @@ class RequestPipeline:
                     if record is not None:
                         record.counted(prompt_tokens, parsed.max_tokens, model)
                         record.truncation = cut.truncation
-            self._check_context(parsed, model, prompt_tokens)
+            try:
+                self._check_context(parsed, model, prompt_tokens)
+            except ContextLengthError as exc:
+                if (
+                    model.truncation.mode == "on-request"
+                    and truncate_header is None
+                    and parsed.kind is not RequestKind.RESPONSES  # not cut: `input` is not rewritten
+                ):
+                    # The model would cut this prompt if asked: say how, or the client never learns.
+                    raise ContextLengthError(
+                        f"{exc.message} This gateway can shorten it for you (keeping the start and the newest "
+                        f"turns): send the header '{TRUNCATE_HEADER}: head-tail'.",
+                        param=exc.param,
+                    ) from exc
+                raise
         t_cut = time.perf_counter() - t2
         total_prompt = sum(prompt_tokens)
         req = LLMRequest(
@@ -390,6 +408,10 @@ class RequestPipeline:
             return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         pool = self._store.for_model(model.name)
+        if subset is not None:
+            pool = [ep for ep in pool if subset(ep)]
+            if not pool:
+                raise NoEndpointError(f"no endpoint of model `{model.name}` is in the subset the gateway allowed", code="no_endpoint_in_subset")
         healthy = [ep for ep in pool if ep.healthy]
         if healthy:
             check_shedding(priority, fleet_saturation(healthy, cfg.admission.priority.queue_saturation_depth), cfg.admission.priority)
@@ -560,18 +582,26 @@ class RequestPipeline:
             self._metrics.child(self._metrics.priority_claims_bounded, claim.claimed, "downgraded").inc()
         return claim.priority
 
+    def endpoint(self, address: str) -> Endpoint | None:
+        """The configured endpoint at `address` ("host:port"), or None."""
+        return self._store.get(address)
+
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:
         """Hold an in-flight slot for a request that is not a generation (no KV)."""
         return self._store.reserve(endpoint)
 
-    def pick_any(self) -> Endpoint:
+    def pick_any(self, subset: Callable[[Endpoint], bool] | None = None) -> Endpoint:
         """A healthy endpoint for a non-generation request (GET /v1/models, /health, ...):
-        fewest in-flight, random tie-break, any model.
+        fewest in-flight, random tie-break, any model; only among those `subset` accepts when given.
 
         Raises:
-            NoEndpointError: none is healthy.
+            NoEndpointError: none is healthy (or none is in `subset`).
         """
         pool = self._store.all()
+        if subset is not None:
+            pool = [ep for ep in pool if subset(ep)]
+            if not pool:
+                raise NoEndpointError("no endpoint is in the subset the gateway allowed", code="no_endpoint_in_subset")
         ctx = SchedulingContext(
             request=LLMRequest(kind=RequestKind.CHAT, model=""),
             expected_output_tokens=0,

@@ -58,6 +58,7 @@ from extproc.prefix.kv_events import (
     BlockStored,
     EngineBlockHash,
     KVEventBatch,
+    KVEvent,
     KVEventDecodeError,
     decode_batch,
     decode_seq,
@@ -70,9 +71,19 @@ __all__ = ["PreciseIndexer", "PreciseMetrics", "KVEventSubscriber", "PreciseSour
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Largest KV-event message accepted (bytes; ZMQ drops the connection beyond it, then
-reconnects). A batch storing an 8k-token prompt is ~38 kB."""
+reconnects). A batch storing an 8k-token prompt is ~38 kB, a 128k-token one ~0.6 MB; an 11 MB
+batch held the event loop ~3 s before decoding moved off it (below), so 16 MiB bounds the worst
+case that is still decoded."""
+
+OFF_LOOP_DECODE_BYTES = 256 * 1024
+"""Payloads larger than this (bytes) are decoded in a worker thread, so the event loop keeps
+deciding requests meanwhile (the thread holds the GIL only in slices)."""
+
+APPLY_SLICE_EVENTS = 256
+"""Events applied per event-loop turn (the index is updated on the loop, so a long batch is
+applied in slices with a yield between them; decisions interleave with a large batch)."""
 
 REPLAY_TIMEOUT_S = 1.0
 """How long a replay may take before the gap is given up (seconds): the publisher answers from
@@ -208,11 +219,29 @@ class PreciseIndexer:
 
     def apply(self, address: str, batch: KVEventBatch) -> None:
         """Apply one batch's events in order (an unregistered address is ignored)."""
+        if address in self._mirrors:
+            self.metrics.batches.labels(address).inc()
+            self.apply_events(address, batch.events)
+
+    async def apply_sliced(self, address: str, batch: KVEventBatch, *, slice_events: int = APPLY_SLICE_EVENTS) -> None:
+        """`apply`, yielding to the event loop after every `slice_events` events (a batch of
+        thousands of events would otherwise hold every decision behind it)."""
+        if address not in self._mirrors:
+            return
+        self.metrics.batches.labels(address).inc()
+        events = batch.events
+        for start in range(0, len(events), slice_events):
+            if start:
+                await asyncio.sleep(0)
+            self.apply_events(address, events[start : start + slice_events])
+
+    def apply_events(self, address: str, events: Sequence[KVEvent]) -> None:
+        """Apply events in order (an unregistered address — e.g. removed between slices — is
+        ignored). Counts no batch: `apply` / `apply_sliced` do."""
         m = self._mirrors.get(address)
         if m is None:
             return
-        self.metrics.batches.labels(address).inc()
-        for ev in batch.events:
+        for ev in events:
             if isinstance(ev, BlockStored):
                 self._stored(address, m, ev)
             elif isinstance(ev, BlockRemoved):
@@ -402,7 +431,11 @@ class KVEventSubscriber:
             return
         try:
             seq = decode_seq(frames[1])
-            batch = decode_batch(frames[2])
+            payload = frames[2]
+            if len(payload) > OFF_LOOP_DECODE_BYTES:
+                batch = await asyncio.to_thread(decode_batch, payload)
+            else:
+                batch = decode_batch(payload)
         except KVEventDecodeError as exc:
             metrics.errors.labels(addr, "decode").inc()
             log.warning("kv events from %s: %s", addr, exc)
@@ -419,7 +452,7 @@ class KVEventSubscriber:
                 idx.reset(addr, "gap")
             else:
                 metrics.gaps.labels(addr, "replayed").inc()
-        idx.apply(addr, batch)
+        await idx.apply_sliced(addr, batch)
         idx.accept_seq(addr, seq)
 
     async def _replay(self, start: int, stop: int, *, reset_if_short: bool) -> bool:

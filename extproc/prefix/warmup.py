@@ -32,7 +32,7 @@ from extproc.scheduling.plugins.scorers.kv_utilization import effective_kv_usage
 
 if TYPE_CHECKING:
     from extproc.config.schema import WarmupConfig
-    from extproc.datastore.endpoints import Endpoint
+    from extproc.datastore.endpoints import Endpoint, Reservation
     from extproc.prefix.index import PrefixIndex
 
 __all__ = ["PrefixWarmer"]
@@ -62,6 +62,9 @@ class PrefixWarmer:
         self._warmed: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
+        self.reserve: Callable[[Endpoint, int], Reservation] | None = None
+        """Set by the server: counts a warm-up in flight on its endpoint with its prefill work
+        (tokens) until it is answered, so routing sees it like any request (None: not counted)."""
         reg = registry if registry is not None else CollectorRegistry()
         self.sent = Counter(
             "llm_extproc_prefix_warmups_total", "Warm-up requests sent to cold endpoints, by outcome (ok, error).", ["outcome"], registry=reg
@@ -127,7 +130,14 @@ class PrefixWarmer:
         target = min(cold, key=lambda ep: (ep.inflight, ep.prefill_tokens))
         key = (target.address, prefix_hash)
         self._inflight.add(key)
-        task = asyncio.get_running_loop().create_task(self._send(target.address, key, list(hashes), list(token_ids), model))
+        reservation = self.reserve(target, len(token_ids)) if self.reserve is not None else None
+        task = asyncio.get_running_loop().create_task(
+            self._send(target.address, key, list(hashes), list(token_ids), model)
+        )
+        if reservation is not None:
+            # Released when the task ends however it ends — answered, failed, or cancelled even
+            # before it started (its body's `finally` would not run then).
+            task.add_done_callback(lambda _: reservation.release())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return target

@@ -32,16 +32,21 @@ from extproc.ratelimit.limiter import RateLimiter, build_backend
 from extproc.ratelimit.metrics import RateLimitMetrics
 from extproc.replicas.sync import ReplicaSync
 from extproc.server.admin import AdminServer
+from extproc.server.epp import EppServicer
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.decision_log import DecisionLog
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.stats import EndpointStreamStats
 
-__all__ = ["ExtProcApp", "load_models", "EXTPROC_SERVICE"]
+__all__ = ["ExtProcApp", "load_models", "EXTPROC_SERVICE", "PICKER_HEALTH_SERVICES"]
 
 log = logging.getLogger(__name__)
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+PICKER_HEALTH_SERVICES = ("liveness", "readiness")
+"""The grpc.health.v1 service names the Endpoint Picker Protocol defines (its "Health Checking"
+section); served in every mode, SERVING while the ext_proc service is."""
 
 
 def load_models(config: Config) -> dict[str, ModelRuntime]:
@@ -115,6 +120,8 @@ class ExtProcApp:
             PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
+        # A warm-up is prefill work on its endpoint like any request: counted in flight there.
+        self.prefix.warmer.reserve = lambda ep, tokens: self.store.reserve(ep, prompt_tokens=tokens, context_tokens=tokens)
         self.kv_events = PreciseSource(
             self.prefix,
             [(e.address, e.kv_events, e.kv_events_replay) for e in config.endpoints if e.kv_events and config.scheduling.prefix.enabled],
@@ -187,9 +194,15 @@ class ExtProcApp:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         pipeline = RequestPipeline(cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix)
         od = cfg.scheduling.outlier_detection
-        self.servicer = ExtProcServicer(
+        servicer_kwargs = {}
+        servicer_class = ExtProcServicer
+        if cfg.protocol.mode == "epp":
+            servicer_class = EppServicer
+            servicer_kwargs = {"protocol": cfg.protocol, "max_body_bytes": cfg.limits.max_body_bytes}
+        self.servicer = servicer_class(
             pipeline,
             self.metrics,
+            **servicer_kwargs,
             priority_header=cfg.admission.priority.header,
             session_header=cfg.scheduling.prefix.session_header or None,
             trusted_priority_header=cfg.admission.priority.trusted_header,
@@ -234,7 +247,7 @@ class ExtProcApp:
         self.grpc_port = port
         await server.start()
         self._grpc = server
-        for svc in ("", EXTPROC_SERVICE):
+        for svc in ("", EXTPROC_SERVICE, *PICKER_HEALTH_SERVICES):
             await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
 

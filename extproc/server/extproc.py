@@ -20,6 +20,10 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
    goes back unchanged, or with marker comment lines when markers are on.
 5. anything else — continue unchanged.
 
+`extproc.server.epp.EppServicer` (`protocol.mode: epp`) reuses this class's decision, response
+and end-of-stream steps with the Endpoint Picker Protocol's FULL_DUPLEX_STREAMED messages. Either
+class answers a proxy in the other body mode with a 500 saying which mode to set.
+
 The stream's end, however it comes (clean close after the response, CANCELLED, a client abort,
 a server error), releases the request's reservation and settles its rate-limit charge with what
 the response really cost: that is the `finally` below. Success is
@@ -34,9 +38,11 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -56,9 +62,21 @@ from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
 
-__all__ = ["ExtProcServicer"]
+__all__ = ["Decision", "ExtProcServicer"]
 
 log = logging.getLogger(__name__)
+
+
+class Decision(NamedTuple):
+    """A routed generation request, reserved: what the stream holds until its end, and what
+    goes upstream (`headers` to set; `body` to send instead of the client's, or None)."""
+
+    routed: Routed
+    reservation: Reservation | None
+    admission: Admission | None
+    headers: dict[str, str]
+    body: bytes | None
+
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
@@ -81,6 +99,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         ratelimit: tenants' rate limits, or None. A token-limited tenant's responses are always
             observed (for their usage) but only the sampled ones feed telemetry.
     """
+
+    full_duplex = False
+    """Whether this servicer speaks FULL_DUPLEX_STREAMED bodies (the Endpoint Picker Protocol)."""
+    _mode_logged = False
+    """Whether a body-mode mismatch was logged (once per process)."""
 
     def __init__(
         self,
@@ -147,8 +170,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         error_body = bytearray()
         start_ns = 0
         observe = sampled = False
-        self.active_streams += 1
-        self._metrics.streams_active.inc()
+        self._begin_stream()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
@@ -160,14 +182,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     start_ns = time.monotonic_ns()
                     hdrs = self._headers(msg.request_headers)
+                    if (wrong := self._proxy_mode_error(msg)) is not None:
+                        yield self._reject(wrong, hdrs)
+                        return
                     kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
-                        sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
-                        if self._ratelimit is not None:
-                            tenant = self._ratelimit.tenant(hdrs)
-                        # A token-limited tenant's usage settles its reservation: read every response.
-                        observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))
+                        sampled, tenant, observe = self._watch_plan(hdrs)
                         mode = responses.GENERATION_MODE_STREAMED if observe else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
                     elif kind is not None:
@@ -193,17 +214,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         # The tenant's id (a configured name or a key's hash; hashed again when written).
                         record = DecisionRecord(time=time.time(), kind=kind.value, tenant=tenant.id if tenant is not None else None)
                     response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, record, tenant)
-                    if routed is not None and observe and (routed.endpoint is not None or admission is not None):
-                        observer = StreamObserver(
-                            endpoint=routed.endpoint.address if routed.endpoint is not None else str(routed.tier),
-                            model=routed.request.served_model,
-                            request_start_ns=start_ns,
-                            stats=routed.endpoint.stream_stats if sampled and routed.endpoint is not None else None,
-                            metrics=self._telemetry if sampled else None,
-                            options=self._observer_options,
-                            route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
-                            prompt_tokens=routed.request.prompt_tokens,
-                        )
+                    if routed is not None and observe:
+                        observer = self._observer_for(routed, admission, start_ns, sampled)
                     yield response
                 elif phase == "response_headers":
                     reply, error_status = self._on_response_headers(
@@ -222,11 +234,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     else:
                         yield responses.response_body_cleared()
                 elif phase == "response_body" and observer is not None:
-                    body = msg.response_body
-                    replacement = observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
-                    if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
-                        reservation.mark_first_token(learn=routed is not None and routed.request.stream)
-                    yield responses.response_body(replacement)
+                    yield responses.response_body(self._observe_chunk(msg.response_body, observer, reservation, routed))
                 else:
                     yield responses.continue_for(phase)
         except asyncio.CancelledError:
@@ -235,20 +243,95 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed")
             raise
         finally:
-            if observer is not None:
-                try:
-                    observer.on_end("complete")  # judged from what it saw, never the gRPC status
-                except Exception:
-                    log.exception("stream observer failed at end of stream")
-            if record is not None and routed is not None and self._log is not None:
-                record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
-                self._log.write(record)
-            if admission is not None:
-                self._settle(admission, observer, routed)
-            if reservation is not None:
-                reservation.release()
-            self.active_streams -= 1
-            self._metrics.streams_active.dec()
+            self._end_stream(observer, record, routed, admission, reservation)
+
+    @staticmethod
+    def _observe_chunk(
+        chunk: pb.HttpBody, observer: StreamObserver, reservation: Reservation | None, routed: Routed | None
+    ) -> bytes | None:
+        """Feed one response body chunk to the observer; the first content event moves the
+        request from prefill to decode. Returns the chunk's replacement (marker lines), or None
+        to send it unchanged."""
+        replacement = observer.on_body_chunk(chunk.body, chunk.end_of_stream, time.monotonic_ns())
+        if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
+            reservation.mark_first_token(learn=routed is not None and routed.request.stream)
+        return replacement
+
+    def _watch_plan(self, hdrs: dict[str, str]) -> tuple[bool, Tenant | None, bool]:
+        """For a generation request: (sampled for telemetry?, its rate-limit tenant or None,
+        observe its response?). A token-limited tenant's usage settles its reservation, so
+        its every response is observed."""
+        sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
+        tenant = self._ratelimit.tenant(hdrs) if self._ratelimit is not None else None
+        observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))  # type: ignore[union-attr]
+        return sampled, tenant, observe
+
+    def _observer_for(self, routed: Routed, admission: Admission | None, start_ns: int, sampled: bool) -> StreamObserver | None:
+        """The response observer of an observed request (None when there is nothing to feed:
+        a tier-mode request without a rate-limit charge). `start_ns`: the request's start
+        (monotonic ns); `sampled`: whether it feeds telemetry, not only its usage."""
+        if routed.endpoint is None and admission is None:
+            return None
+        return StreamObserver(
+            endpoint=routed.endpoint.address if routed.endpoint is not None else str(routed.tier),
+            model=routed.request.served_model,
+            request_start_ns=start_ns,
+            stats=routed.endpoint.stream_stats if sampled and routed.endpoint is not None else None,
+            metrics=self._telemetry if sampled else None,
+            options=self._observer_options,
+            route_weight=routed.result.pick.primary.total if routed.result and routed.result.pick else None,
+            prompt_tokens=routed.request.prompt_tokens,
+        )
+
+    def _proxy_mode_error(self, msg: pb.ProcessingRequest) -> ExtProcError | None:
+        """A clear 500 when the proxy's body mode (the `protocol_config` Envoy sends with the
+        first message) is not the one `protocol.mode` speaks: the two cannot work together, and
+        without this the request would hang until a timeout. None when they agree or the proxy
+        does not say. Logged once per process."""
+        if not msg.HasField("protocol_config"):
+            return None
+        full = msg.protocol_config.request_body_mode == processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        if full == self.full_duplex:
+            return None
+        if full:
+            message = "the proxy streams bodies FULL_DUPLEX_STREAMED (a Gateway API Inference Extension gateway?): set protocol.mode: epp"
+        else:
+            message = "the proxy does not stream bodies FULL_DUPLEX_STREAMED, which protocol.mode: epp needs: use protocol.mode: buffered with our envoy/*.yaml"
+        if not ExtProcServicer._mode_logged:
+            ExtProcServicer._mode_logged = True
+            log.error("ext_proc body mode mismatch, every request gets a 500: %s (docs/epp.md)", message)
+        return ExtProcError(f"gateway misconfigured: {message}", code="proxy_mode_mismatch")
+
+    def _begin_stream(self) -> None:
+        """Count an open stream (`_end_stream` uncounts it)."""
+        self.active_streams += 1
+        self._metrics.streams_active.inc()
+
+    def _end_stream(
+        self,
+        observer: StreamObserver | None,
+        record: DecisionRecord | None,
+        routed: Routed | None,
+        admission: Admission | None,
+        reservation: Reservation | None,
+    ) -> None:
+        """A stream's end, however it came: close the observer (success judged from what it
+        saw, never the gRPC status), write the decision-log line, settle the rate-limit charge
+        and release the reservation. Never raises past the release."""
+        if observer is not None:
+            try:
+                observer.on_end("complete")
+            except Exception:
+                log.exception("stream observer failed at end of stream")
+        if record is not None and routed is not None and self._log is not None:
+            record.observed_ttft_s = observer.result.ttft_s if observer is not None and observer.result else None
+            self._log.write(record)
+        if admission is not None:
+            self._settle(admission, observer, routed)
+        if reservation is not None:
+            reservation.release()
+        self.active_streams -= 1
+        self._metrics.streams_active.dec()
 
     def _settle(self, admission: Admission, observer: StreamObserver | None, routed: Routed | None) -> None:
         """Settle a rate-limit charge with what the response really cost (never raises)."""
@@ -281,7 +364,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def _decide(
         self, body: bytes, kind: RequestKind, hdrs: dict[str, str], record: DecisionRecord | None = None, tenant: Tenant | None = None
     ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None, Admission | None]:
+        """`_route`, answered in BUFFERED mode: the routing headers (and a rewritten body) on
+        the body reply, or the error's `ImmediateResponse`."""
+        decided = await self._route(body, kind, hdrs, record, tenant)
+        if isinstance(decided, pb.ProcessingResponse):
+            return decided, None, None, None
+        return responses.route_in_body(decided.headers, decided.body), decided.routed, decided.reservation, decided.admission
+
+    async def _route(
+        self,
+        body: bytes,
+        kind: RequestKind,
+        hdrs: dict[str, str],
+        record: DecisionRecord | None = None,
+        tenant: Tenant | None = None,
+        subset: Callable[[Endpoint], bool] | None = None,
+    ) -> Decision | pb.ProcessingResponse:
         """Run the pipeline on a body, charge the tenant's rate limit, reserve the decision.
+
+        `subset` (Endpoint Picker Protocol) admits only the endpoints it accepts; None admits
+        every endpoint. Returns the decision, or the `ImmediateResponse` refusing the request.
 
         Only the rate-limit charge may await between the decision and the KV reservation: the
         memory backend never suspends, and a remote one gives a charge back when the stream is
@@ -301,6 +403,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 record=record,
                 trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
                 before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
+                subset=subset,
             )
             admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
         except ExtProcError as exc:
@@ -331,13 +434,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             rewritten = routed.body
             if req.model != req.served_model:
                 rewritten = with_model(rewritten or body, req.served_model)
-            return responses.route_in_body(headers, rewritten), routed, reservation, admission
+            return Decision(routed, reservation, admission, headers, rewritten)
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         if record is not None and self._log is not None:
             record.outcome, record.reason, record.status = "rejected", err.code, err.status
             record.decision_s = time.perf_counter() - start
             self._log.write(record)
-        return self._reject(err, hdrs), None, None, None
+        return self._reject(err, hdrs)
 
     def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
         """Feed one answer's status to outlier detection; count and log an ejection."""
@@ -409,6 +512,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
+        if routed is not None and status >= 400 and msg.end_of_stream:
+            # No body at all (a proxy's or a crashed handler's bare 5xx): give it one, so the
+            # client reads the same JSON error shape as from any other refusal.
+            extra["content-type"] = "application/json"
+            return responses.response_headers_with_body(extra, openai_error_body(status, b"")), 0
         if routed is not None and status >= 400 and not msg.end_of_stream and found.get("content-encoding") in (None, "identity"):
             # The engine's own error shape (vLLM's {"object": "error", ...}, a text/plain 404):
             # take the body whole and answer it in the gateway's shape.

@@ -139,6 +139,21 @@ def response_headers(
     return resp
 
 
+def response_headers_with_body(set_headers: Mapping[str, str], body: bytes) -> pb.ProcessingResponse:
+    """Response-headers reply that also supplies the body (`CONTINUE_AND_REPLACE`): for an
+    answer that came with none (headers with end_of_stream), e.g. a bare 5xx from a proxy.
+    Envoy drops `content-length` and sends `body` (bytes) as the whole response body."""
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                status=pb.CommonResponse.CONTINUE_AND_REPLACE,
+                header_mutation=pb.HeaderMutation(set_headers=_set(set_headers), remove_headers=["content-length"]),
+                body_mutation=pb.BodyMutation(body=body),
+            )
+        )
+    )
+
+
 def response_body(replacement: bytes | None) -> pb.ProcessingResponse:
     """Response-body reply (STREAMED mode): the chunk unchanged, or replaced by `replacement`."""
     if replacement is None:

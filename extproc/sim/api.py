@@ -61,13 +61,16 @@ class SimAPIError(Exception):
         status: HTTP status (also the body's `code`, as vLLM sets it).
         message: human-readable text.
         param: the offending field, if any.
+        bare: answer the status with no body at all (a fault: what a proxy or a crashed
+            handler in front of an engine may send).
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, bare: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.bare = bare
 
     def body(self) -> bytes:
         return orjson.dumps(

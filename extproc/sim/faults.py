@@ -21,6 +21,8 @@ class Faults(BaseModel):
 
     Attributes:
         error_rate: fraction of generation requests answered 500 (0..1).
+        error_body: whether those 500s carry vLLM's JSON error body; False answers them with no
+            body at all (as a proxy in front of an engine, or a crashed handler, may).
         die_after_chunks: a streamed response aborts its connection after this many SSE
             chunks (None: never). Non-streamed responses are unaffected.
         metrics_hang: `/metrics` never answers (until the fault is cleared).
@@ -33,6 +35,7 @@ class Faults(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    error_body: bool = True
     die_after_chunks: int | None = Field(default=None, ge=0)
     metrics_hang: bool = False
     health_fail: bool = False
@@ -57,6 +60,7 @@ class FaultUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    error_body: bool | None = None
     die_after_chunks: int | None = Field(default=None, ge=0)
     metrics_hang: bool | None = None
     health_fail: bool | None = None

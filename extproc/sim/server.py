@@ -445,6 +445,8 @@ class SimServer:
 
     @staticmethod
     def _error(err: SimAPIError) -> web.Response:
+        if err.bare:
+            return web.Response(status=err.status)
         return web.Response(body=err.body(), status=err.status, content_type="application/json")
 
     def _check_model(self, model: str | None) -> None:
@@ -529,7 +531,7 @@ class SimServer:
         """
         self._check_model(params.model)
         if self._faults.error_rate and self._rng.random() < self._faults.error_rate:
-            raise SimAPIError(500, "Simulated internal server error (fault injection: error_rate)")
+            raise SimAPIError(500, "Simulated internal server error (fault injection: error_rate)", bare=not self._faults.error_body)
         prompts = await self._prompts(params, kind)
         max_len = self.config.max_model_len
         for ids in prompts:

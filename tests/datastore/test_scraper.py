@@ -121,3 +121,22 @@ def test_cache_config_values_that_are_not_positive_counts_are_unknown(bad):
     m = parse_vllm_metrics(text)
     assert m.block_size is None and m.num_gpu_blocks is None
     assert m.running == 3  # the rest of the scrape still counts
+
+
+@pytest.mark.parametrize("gauge", ["vllm:num_requests_running", "vllm:num_requests_waiting"])
+@pytest.mark.parametrize("bad", ["+Inf", "NaN", "-1"])
+def test_request_gauges_that_are_not_counts_fail_the_scrape_cleanly(gauge, bad):
+    # `int(inf)` raised OverflowError, which escaped the scrape's except clause and logged a
+    # traceback on every scrape; a ValueError is what the scrape already treats as unreadable.
+    with pytest.raises(ValueError, match=gauge):
+        parse_vllm_metrics(f"{gauge} {bad}\n")
+
+
+@pytest.mark.parametrize("bad", ["NaN", "+Inf", "-0.5"])
+def test_kv_usage_that_is_not_a_fraction_fails_the_scrape(bad):
+    with pytest.raises(ValueError, match="kv_cache_usage_perc"):
+        parse_vllm_metrics(f"vllm:kv_cache_usage_perc {bad}\n")
+
+
+def test_kv_usage_a_hair_above_one_is_full():
+    assert parse_vllm_metrics("vllm:kv_cache_usage_perc 1.0000001\n").kv_usage == 1.0

@@ -154,6 +154,22 @@ async def test_engine_4xx_reaches_the_client_in_the_gateway_shape(stack):
     assert r.headers["x-request-id"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_bodiless_engine_error_reaches_the_client_in_the_gateway_shape(stack, stream):
+    # A bare 500 (no body: a proxy in front of the engine, a crashed handler) passed through as
+    # an empty answer; the client now reads the same JSON error as from any other refusal.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": stream}
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as c:
+        faults = f"http://{stack.sim.address}/sim/faults"
+        assert (await c.post(faults, json={"error_rate": 1.0, "error_body": False})).status_code == 200
+        try:
+            r = await c.post(f"{stack.envoy.url}/v1/chat/completions", json=body)
+        finally:
+            assert (await c.delete(faults)).status_code == 200
+    err = assert_openai_error(r, 500)
+    assert err["message"] == "HTTP 500 from the engine" and r.headers["x-request-id"]
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status"),
     [

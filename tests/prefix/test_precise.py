@@ -306,3 +306,37 @@ async def publishing(*batches: list) -> AsyncIterator[tuple[KVEventPublisher, zm
     finally:
         await publisher.aclose()
         ctx.destroy(linger=0)
+
+
+async def test_a_large_batch_is_decoded_off_the_loop_and_applied_in_slices() -> None:
+    # An 11 MB batch held the event loop ~3 s (decode and apply in one go): every decision waited.
+    # Now a payload over OFF_LOOP_DECODE_BYTES decodes in a thread and the events apply a slice
+    # per loop turn, so another task gets turns while the batch is being taken in.
+    from extproc.prefix import precise
+
+    tracker, idx, _ = make()
+    chains = 2000  # distinct one-block prompts, each a root store: 2,000 events (~300 kB)
+    events = [stored([5000 + i], None, [i] * BS) for i in range(chains)]
+    payload = encode_batch(batch(*events))
+    assert len(payload) > precise.OFF_LOOP_DECODE_BYTES  # the thread path is the one tested
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    ctx = zmq.asyncio.Context()
+    task = asyncio.create_task(ticker())
+    try:
+        await KVEventSubscriber(EP, "tcp://127.0.0.1:1", None, idx, ctx).handle([b"kv", encode_seq(0), payload])
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx.destroy(linger=0)
+    assert turns >= chains // precise.APPLY_SLICE_EVENTS  # the loop ran between slices
+    for i in (0, chains - 1):
+        assert tracker.index.match(chain_block_hashes([i] * BS, BS)).get(EP) == 1
+    assert idx.metrics.batches.labels(EP)._value.get() == 1  # one batch, however many slices

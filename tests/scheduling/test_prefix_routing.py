@@ -145,6 +145,9 @@ async def test_a_hot_prefix_is_warmed_onto_a_cold_endpoint(stack):  # noqa: F811
     assert len(warmed) == 1 and warmed[0] not in holders  # it really prefilled the prefix on a cold engine
     held = [f"127.0.0.1:{s.port}" for s in sims if app.prefix.index.blocks(f"127.0.0.1:{s.port}") >= 90]
     assert warmed[0] in held and len(held) >= 2
+    # The warm-up counted in flight on its endpoint (no decision went there), and let go after.
+    assert app.store.get(warmed[0]).routed_total == 1
+    await until(lambda: app.store.open_reservations == 0)
 
 
 async def test_decisions_explain_matched_blocks_and_the_admin_api_shows_the_index(stack):  # noqa: F811

@@ -498,6 +498,22 @@ def test_no_more_than_the_max_share_of_endpoints_is_ejected():
     assert sum(od2.record(ep, 500, 0.0, 0.0) is not None for ep in eps2) == 1
 
 
+def test_the_max_share_is_per_model_pool():
+    # Ejections on a big pool must not use up a small pool's share (nor the reverse): counted
+    # over the whole fleet, the 2-endpoint model lost both endpoints while 1 of 6 were out.
+    from extproc.config.schema import EndpointConfig, OutlierDetectionConfig
+    from extproc.datastore.endpoints import Datastore
+    from extproc.datastore.outliers import OutlierDetector
+
+    cfgs = [EndpointConfig(address=f"127.0.0.{i + 1}:1", models=["big"]) for i in range(4)]
+    cfgs += [EndpointConfig(address=f"127.0.1.{i + 1}:1", models=["small"]) for i in range(2)]
+    store = Datastore(cfgs)
+    od = OutlierDetector(store, OutlierDetectionConfig(consecutive_5xx=1))
+    big, small = store.all()[:4], store.all()[4:]
+    assert [od.record(ep, 500, 0.0, 0.0) is not None for ep in small] == [True, False]
+    assert [od.record(ep, 500, 0.0, 0.0) is not None for ep in big] == [True, True, False, False]
+
+
 def test_only_answers_routed_after_the_ejection_reset_the_streak():
     od, (ep,) = _detector(consecutive_5xx=3, ejection_s=10.0)
     for _ in range(3):

@@ -79,13 +79,29 @@ async def test_on_request_truncation_rewrites_body_and_tells_the_client(make_app
 async def test_without_opt_in_the_400_is_unchanged(make_app):
     baseline = await make_app(limits=LIMITS, models=model())
     _, reference, _ = error_of((await decide(baseline, long_chat()))[0])
-    for truncation, header in (({"mode": "off"}, b"head-tail"), ({"mode": "on-request"}, None), ({"mode": "head-tail"}, b"off")):
+    for truncation, header in (({"mode": "off"}, b"head-tail"), ({"mode": "head-tail"}, b"off")):
         app = await make_app(limits=LIMITS, models=model(**truncation))
         r_body, _ = await decide(app, long_chat(), truncate=header)
         status, payload, _ = error_of(r_body)
         assert (status, payload) == (400, reference), truncation
         assert app.metrics.registry.get_sample_value("llm_extproc_truncation_requests_total", {"model": MODEL}) is None
     assert reference["error"]["code"] == "context_length_exceeded"
+
+
+async def test_on_request_model_says_how_to_ask_for_the_cut(make_app):
+    # A new user on an `on-request` model got the plain context 400 and no way to learn that the
+    # gateway would have cut the prompt had they sent the header.
+    baseline = await make_app(limits=LIMITS, models=model())
+    _, reference, _ = error_of((await decide(baseline, long_chat()))[0])
+    app = await make_app(limits=LIMITS, models=model(mode="on-request"))
+    status, payload, _ = error_of((await decide(app, long_chat()))[0])
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
+    assert payload["error"]["param"] == reference["error"]["param"]
+    message = payload["error"]["message"]
+    assert message.startswith(reference["error"]["message"]) and "'x-llm-truncate: head-tail'" in message
+    # Asked and declined (`off`): the plain 400, no hint.
+    _, declined, _ = error_of((await decide(app, long_chat(), truncate=b"off"))[0])
+    assert declined == reference
 
 
 async def test_a_request_that_fits_is_not_rewritten(make_app):

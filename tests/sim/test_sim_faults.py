@@ -57,7 +57,10 @@ async def test_error_rate(start_sim, http) -> None:
     async with http.post(f"{sim.url}/v1/completions", data=orjson.dumps({"prompt": "x"})) as resp:
         err = await resp.json()
     assert resp.status == 500 and err["code"] == 500 and err["object"] == "error"
-    await set_faults(http, sim.url, {"error_rate": 0.0})
+    await set_faults(http, sim.url, {"error_body": False})
+    async with http.post(f"{sim.url}/v1/completions", data=orjson.dumps({"prompt": "x"})) as resp:
+        assert resp.status == 500 and await resp.read() == b""  # a bare 500, as a proxy may answer
+    await set_faults(http, sim.url, {"error_rate": 0.0, "error_body": True})
     assert await generation_status(http, sim.url) == 200
 
 
