@@ -11,6 +11,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     admission: {kv: {...}, priority: {...}}
     ratelimit: {enabled, backend, tenant_header, default, tenants: {...}, redis: {...}}
     decision_log: {path, max_bytes, backup_count, queue_size}
+    replicas:  {sync: off|redis, channel, heartbeat_s, owner_timeout_s, ...}  (Redis: ratelimit.redis)
     protocol:  {mode: buffered | epp, fallbacks, destination_namespace, subset_namespace, chunk_bytes}
 """
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from extproc.config.diagnose import did_you_mean
 from extproc.ratelimit.config import RateLimitConfig
+from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
 from extproc.telemetry.stats import StreamStatsParams
 
@@ -889,6 +891,7 @@ class Config(_Strict):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     ratelimit: RateLimitConfig = Field(default_factory=RateLimitConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
 
     @model_validator(mode="after")

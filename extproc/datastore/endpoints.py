@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior
 from extproc.types import EndpointAddress
@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["Endpoint", "Datastore", "Reservation", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+__all__ = ["Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,8 @@ class Reservation:
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens
         ep.decode_inflight += 1
+        if self._store.listener is not None:
+            self._store.listener.first_token(self)
 
     def settle(self) -> None:
         """Stop counting this request's blocks (the engine's metrics now include it)."""
@@ -233,8 +235,22 @@ class Reservation:
         else:
             ep.decode_inflight -= 1
         self._store._open.discard(self)
+        if self._store.listener is not None:
+            self._store.listener.released(self)
         if ep.draining and ep.inflight == 0:
             self._store._drained(ep)
+
+
+class ReservationListener(Protocol):
+    """Told synchronously, on the event loop, as a reservation is made, reaches its first
+    token and is released (`extproc.replicas.sync` shares them with the other replicas). Must
+    not raise nor block: it runs inside the decision."""
+
+    def reserved(self, r: Reservation) -> None: ...
+
+    def first_token(self, r: Reservation) -> None: ...
+
+    def released(self, r: Reservation) -> None: ...
 
 
 class Datastore:
@@ -258,6 +274,8 @@ class Datastore:
         self._by_model: dict[str, list[Endpoint]] = {}
         self._prior = prefill_prior
         self._open: set[Reservation] = set()
+        self.listener: ReservationListener | None = None
+        """Told of every reservation, first token and release (replica sync); None: nobody."""
         self.on_added: list[Callable[[Endpoint], None]] = []
         self.on_removed: list[Callable[[Endpoint], None]] = []
         for cfg in endpoints:
@@ -384,6 +402,8 @@ class Datastore:
             endpoint.reserved_blocks += blocks
             endpoint.unsettled.add(r)
         self._open.add(r)
+        if self.listener is not None:
+            self.listener.reserved(r)
         return r
 
     def settle_scraped(self, endpoint: Endpoint, scraped_at: float) -> int:

@@ -138,6 +138,9 @@ class PrefixTracker:
         """Set by the KV-event source: called instead of `index.add` for precise endpoints."""
         self.on_reset: Callable[[str], None] | None = None
         """Set by the KV-event source: called after an endpoint's entries were dropped."""
+        self.on_shared: Callable[[str, int, list[int], bytes | None], None] | None = None
+        """Set by replica sync: called by `on_pick` with (address, block size, the prompt's block
+        hashes, session key) so the other replicas learn the pick (`apply_remote_pick`)."""
         self._clock = clock
         self.warmer = PrefixWarmer(config.warmup, self.index, registry, clock)
         self.metrics.index_bytes.set_function(lambda: len(self.index) * BYTES_PER_ENTRY)
@@ -197,6 +200,8 @@ class PrefixTracker:
         addr = endpoint.address
         if session is not None:
             self.sessions.bind(session, addr, now)
+        if self.on_shared is not None and (session is not None or match is not None):
+            self.on_shared(addr, block_size, (match.hashes.get(block_size) or []) if match is not None else [], session)
         if match is None:
             return
         st = self._stats(addr)
@@ -232,6 +237,19 @@ class PrefixTracker:
             self.on_precise_pick(addr, hashes)
         else:
             self.index.add(addr, hashes)
+
+    def apply_remote_pick(self, address: str, hashes: list[int], session: bytes | None) -> None:
+        """Another replica routed a prompt with these block `hashes` (and `session`) to
+        `address`: learn it as if this replica had (index entries, speculative ones for a precise
+        endpoint; the session binding). Statistics and hot prefixes stay this replica's own."""
+        if session is not None:
+            self.sessions.bind(session, address, self._clock())
+        if not self.enabled or not hashes:
+            return
+        if address in self.precise and self.on_precise_pick is not None:
+            self.on_precise_pick(address, hashes)
+        else:
+            self.index.add(address, hashes)
 
     def session_endpoint(self, session: bytes | None) -> str | None:
         """The endpoint `session` was last routed to, or None."""

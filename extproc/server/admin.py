@@ -30,6 +30,7 @@ from extproc.types import LLMRequest, RequestKind, TokenCount
 if TYPE_CHECKING:
     from extproc.pipeline.request import RequestPipeline
     from extproc.ratelimit.limiter import RateLimiter
+    from extproc.replicas.sync import ReplicaSync
 
 __all__ = ["AdminServer", "REFERENCE_PROMPT_TOKENS"]
 
@@ -72,6 +73,7 @@ class AdminServer:
         host, port: listen address (port 0 picks a free one; see `.port` after start).
         sample_rate: `telemetry.sample_rate` (the share of responses the stream statistics of
             `/api/v1/endpoints` come from), shown there; None when telemetry is off.
+        replicas: replica sync, summarised in `/api/v1/endpoints` (None: sync off).
     """
 
     def __init__(
@@ -86,7 +88,9 @@ class AdminServer:
         reuse_port: bool = False,
         sample_rate: float | None = None,
         admin_token: str | None = None,
+        replicas: ReplicaSync | None = None,
     ) -> None:
+        self._replicas = replicas
         # The write routes' credential: given, else from the environment (None refuses them).
         self._overrides = OverridesAPI(store, metrics, admin_token if admin_token is not None else load_admin_token())
         self._reuse_port = reuse_port
@@ -154,6 +158,7 @@ class AdminServer:
                 # Which encoder counts each model's tokens (tiktoken once cross-checked, else
                 # tokenizers and why): docs/decisions/0200.
                 "token_encoders": self._pipeline.encoders() if self._pipeline is not None else None,
+                "replica_sync": self._replicas.summary() if self._replicas is not None else None,
                 # How much each learned value rests on: `prefill_samples` first tokens for the
                 # prefill speed; stream statistics from this share of responses only.
                 "telemetry_sample_rate": self._sample_rate,

@@ -34,6 +34,7 @@ from extproc.prefix.precise import PreciseSource
 from extproc.prefix.tracker import PrefixMetrics, PrefixTracker
 from extproc.ratelimit.limiter import RateLimiter, build_backend
 from extproc.ratelimit.metrics import RateLimitMetrics
+from extproc.replicas.sync import ReplicaSync
 from extproc.server.admin import AdminServer
 from extproc.server.epp import EppServicer
 from extproc.server.extproc import ExtProcServicer
@@ -139,6 +140,10 @@ class ExtProcApp:
             speculative_ttl_s=config.scheduling.prefix.speculative_ttl_s,
             registry=self.metrics.registry,
         )
+        self.sync: ReplicaSync | None = None
+        if config.replicas.sync == "redis":
+            # Hooks on the datastore and tracker: every pick, first token and release is shared.
+            self.sync = ReplicaSync(config.replicas, config.ratelimit.redis, self.store, self.prefix, registry=self.metrics.registry)
         self._models = models
         self._executor: ThreadPoolExecutor | None = None
         self._decision_log: DecisionLog | None = None
@@ -196,6 +201,8 @@ class ExtProcApp:
         self._agents.remove(ep)
         self._checker.forget(ep)
         self.kv_events.remove(ep.address)  # before the index drop: no late batch re-adds entries
+        if self.sync is not None:
+            self.sync.drop_endpoint(ep.address)  # the other replicas' requests counted on it
         self.prefix.drop_endpoint(ep.address)
         self.metrics.forget_endpoint(ep.address)
 
@@ -283,6 +290,8 @@ class ExtProcApp:
         if self._scraper is not None:
             await self._scraper.start()
         await self.kv_events.start()
+        if self.sync is not None:
+            await self.sync.start()
 
         options = [
             ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
@@ -325,6 +334,7 @@ class ExtProcApp:
                 reuse_port=cfg.listen.reuse_port,
                 sample_rate=rate,
                 ratelimit=self.ratelimit,
+                replicas=self.sync,
             )
             try:
                 await self._admin.start()
@@ -349,6 +359,8 @@ class ExtProcApp:
         if self._scraper is not None:
             await self._scraper.aclose()
         await self.kv_events.aclose()
+        if self.sync is not None:
+            await self.sync.aclose()  # after the streams: the others release what this one held
         if self._admin is not None:
             await self._admin.aclose()
             self._admin = None

@@ -16,6 +16,9 @@ def serve(
         [], "--endpoint", "-e", help="ip:port of an endpoint serving the default model (repeatable; only without --config)"
     ),
     log_level: str = typer.Option("info", help="debug, info, warning, error, critical"),
+    workers: int = typer.Option(
+        1, "--workers", "-w", min=1, help="processes; worker i listens on the gRPC and admin ports + i (see docs/replicas.md)"
+    ),
 ) -> None:
     """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
     import asyncio
@@ -42,6 +45,22 @@ def serve(
         load_admin_token()  # an unreadable token file stops the start with its variable named
     except ValueError as exc:
         raise fail(str(exc)) from None
+    if workers > 1:
+        from extproc.replicas.workers import run_workers
+
+        argv = [sys.executable, "-m", "extproc", "serve", "--log-level", log_level]
+        argv += ["--config", config] if config else [a for e in endpoint for a in ("--endpoint", e)]
+        if cfg.replicas.sync == "redis":
+            from extproc.replicas.sync import redis_location
+
+            note = f"they share picks through Redis at {redis_location(cfg.ratelimit.redis.url)} (replicas.sync: redis)"
+        else:
+            note = "replicas.sync is off: each worker decides on its own state only (set replicas.sync: redis to share it)"
+        try:
+            code = run_workers(cfg, workers, argv, sync_note=note)
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        raise typer.Exit(code)
 
     async def run() -> None:
         app = ExtProcApp(cfg, config_path=config or None)
@@ -67,6 +86,7 @@ def envoy_config(
     listen: str = typer.Option("0.0.0.0:8080", "--listen", help="Envoy's client-facing listener, host:port"),
     admin: str = typer.Option("127.0.0.1:9901", "--admin", help="Envoy's admin API, host:port"),
     extproc: str = typer.Option("", "--extproc", help="where Envoy reaches llm-extproc (host:port); default: listen.grpc"),
+    workers: int = typer.Option(1, "--workers", "-w", min=1, help="list the ports of `serve --workers N`: port .. port+N-1"),
     output: str = typer.Option("-", "--output", "-o", help="write the bootstrap here ('-': stdout)"),
 ) -> None:
     """Write the Envoy bootstrap for your fleet from llm-extproc's own config (endpoints typed
@@ -81,7 +101,7 @@ def envoy_config(
     try:
         cfg = load_config(config)
         text = render_bootstrap(
-            envoy_bootstrap(cfg, template=template, listener=listen, admin=admin, extproc=extproc or None),
+            envoy_bootstrap(cfg, template=template, listener=listen, admin=admin, extproc=extproc or None, workers=workers),
             template=template,
             source=config,
         )

@@ -42,6 +42,7 @@ def envoy_bootstrap(
     listener: str = "0.0.0.0:8080",
     admin: str = "127.0.0.1:9901",
     extproc: str | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """The Envoy bootstrap (a parsed YAML mapping) for `cfg`.
 
@@ -52,10 +53,11 @@ def envoy_bootstrap(
         admin: `host:port` of Envoy's admin API.
         extproc: `host:port` where Envoy reaches llm-extproc's gRPC server; default
             `listen.grpc`, with a wildcard host (0.0.0.0) read as 127.0.0.1 (a sidecar).
+        workers: `serve --workers N`: the cluster lists ports port .. port + N − 1, health-checked.
 
     Raises:
-        EnvoyError: tier mode, an unknown template, a malformed address, or a template whose
-            fields are not where the shipped ones keep them.
+        EnvoyError: tier mode, an unknown template, a malformed address, a worker count that
+            runs past port 65535, or a template whose fields are not where the shipped ones keep them.
     """
     if cfg.scheduling.mode == "tier":
         raise EnvoyError(
@@ -71,10 +73,14 @@ def envoy_bootstrap(
         )
     try:
         grpc_host, grpc_port = _host_port(extproc or cfg.listen.grpc)
+        grpc_host = "127.0.0.1" if grpc_host in _ANY_HOST else grpc_host
+        if workers < 1 or grpc_port + workers - 1 > 65535:
+            raise ValueError(f"{workers} workers from port {grpc_port}: need 1 or more, ports up to 65535")
         settings = RunSettings(
             listener=_host_port(listener),
             admin=_host_port(admin),
-            extproc=("127.0.0.1" if grpc_host in _ANY_HOST else grpc_host, grpc_port),
+            extproc=(grpc_host, grpc_port),
+            extproc_replicas=[(grpc_host, grpc_port + i) for i in range(1, workers)],
             endpoints=[_host_port(e.address) for e in cfg.endpoints],
             max_body_bytes=cfg.limits.max_body_bytes,
             grpc_max_message_bytes=cfg.limits.grpc_max_message_bytes,

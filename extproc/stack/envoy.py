@@ -196,6 +196,17 @@ def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"address": host, "port_value": port}
 
 
+_EXTPROC_HEALTH_CHECK: dict[str, Any] = {
+    "timeout": "1s",
+    "interval": "1s",
+    "unhealthy_threshold": 2,
+    "healthy_threshold": 1,
+    # SERVING until a replica drains (SIGTERM): Envoy moves new streams to the others.
+    "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+}
+"""Health check of the `llm_extproc` cluster when it lists several replicas."""
+
+
 def _set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int] | tuple[str, int, int]]) -> None:
     """Replace a cluster's endpoints; a third tuple element is the endpoint's health-check port."""
     lb = []
@@ -323,6 +334,9 @@ class RunSettings:
         extra_served_paths: literal paths routed to engines besides `SERVED_PATHS` (the
             allow-list; every other path gets the gateway's JSON 404).
         extproc_tls: speak TLS (mTLS with a client certificate) to llm-extproc, or None.
+        extproc_replicas: more llm-extproc processes (host, port) listed beside `extproc` in
+            its cluster (`serve --workers N`); the cluster then checks each over
+            grpc.health.v1, so a draining or dead one gets no new streams.
     """
 
     listener: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -334,6 +348,7 @@ class RunSettings:
     clusters: Mapping[str, Sequence[tuple[str, int] | tuple[str, int, int]]] | None = None
     extra_served_paths: Sequence[str] = ()
     extproc_tls: ExtProcTLS | None = None
+    extproc_replicas: Sequence[tuple[str, int]] = ()
 
 
 def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, Any]:
@@ -370,7 +385,9 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
             if cluster is None:
                 raise EnvoyError(f"ext_proc cluster {name!r} is not defined")
             if settings.extproc is not None:
-                _set_endpoints(cluster, [settings.extproc])
+                _set_endpoints(cluster, [settings.extproc, *settings.extproc_replicas])
+                if settings.extproc_replicas:
+                    cluster["health_checks"] = [_EXTPROC_HEALTH_CHECK]
             if settings.extproc_tls is not None:
                 cluster["transport_socket"] = settings.extproc_tls.transport_socket()
     if settings.endpoints is not None:

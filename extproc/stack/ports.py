@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["free_port", "free_port_run", "free_ports"]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -39,3 +39,33 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """Return one TCP port that was free on `host` a moment ago (see `free_ports`)."""
     return free_ports(1, host)[0]
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """Return the first of `count` consecutive TCP ports that were all free on `host` a moment
+    ago (for `serve --workers N`, whose worker i listens on port + i).
+
+    Raises:
+        ValueError: `count` below 1.
+        OSError: no such run found in `attempts` tries.
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(attempts):
+        base = free_port(host)
+        if base + count - 1 > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(family, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no {count} consecutive free ports on {host} in {attempts} tries")

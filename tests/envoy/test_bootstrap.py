@@ -85,3 +85,18 @@ def test_configured_trusted_headers_are_stripped_from_clients(tmp_path: Path, te
     path = tmp_path / "envoy.yaml"
     path.write_text(render_bootstrap(boot, template=template, source="cfg.yaml"), encoding="utf-8")
     validate_config_file(path)
+
+
+@pytest.mark.parametrize("template", ["fail-open", "fail-closed"])
+def test_workers_are_each_listed_and_health_checked(tmp_path: Path, template: str):
+    boot = envoy_bootstrap(config_from_mapping(CONFIG), template=template, workers=3)
+    cluster = _cluster(boot, "llm_extproc")
+    assert _addresses(cluster) == [("127.0.0.1", 9123), ("127.0.0.1", 9124), ("127.0.0.1", 9125)]
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert "health_checks" not in _cluster(envoy_bootstrap(config_from_mapping(CONFIG), template=template), "llm_extproc")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(boot, template=template, source="cfg.yaml"), encoding="utf-8")
+    validate_config_file(path)
+    with pytest.raises(EnvoyError, match="65535"):
+        envoy_bootstrap(config_from_mapping({**CONFIG, "listen": {"grpc": "127.0.0.1:65535"}}), workers=2)

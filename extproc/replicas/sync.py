@@ -1,0 +1,462 @@
+"""Replica sync: each replica's picks reach the others over one Redis pub/sub channel.
+
+What travels (docs/decisions/0210-replicas-share-picks-over-redis.md):
+
+* a pick's reservation — endpoint, KV blocks, prefill and decode-context tokens — so every
+  replica counts every replica's requests in flight (`Endpoint.inflight`, `prefill_tokens`,
+  `reserved_blocks`, ...), its first token (prefill → decode) and its release;
+* a pick's prompt block hashes and session key, which the other replicas add to their approximate
+  prefix index and session table (`PrefixTracker.apply_remote_pick`);
+* a heartbeat every `heartbeat_s` with the ids of the replica's open reservations: a release lost
+  in transit is undone by the next heartbeat, and a replica not heard from for
+  `owner_timeout_s` (killed, partitioned) has everything it held released.
+
+What does not: engine metrics, KV events, learned prefill speeds and outlier state — each replica
+observes the engines itself, and those observations converge without help.
+
+Nothing here is on the critical path of a decision: the datastore's and tracker's hooks append a
+tuple to a bounded in-memory queue (full: the event is dropped and counted) and a publisher task
+sends what accumulated in one PUBLISH (msgpack). A subscriber task applies the others' batches
+on the event loop between decisions. Redis down: the replica decides on its own state, the
+others' reservations expire, and both tasks reconnect by themselves.
+
+Wire format (msgpack): `[origin, sent_at, events]`, `origin` a random id per process,
+`sent_at` the wall time (`time.time()`, seconds) the oldest event of the batch was queued, and
+each event one of:
+
+    ["p", rid, address, blocks, prompt_tokens, context_tokens, settle_after_s]   reservation
+    ["f", rid]                                                                  first token
+    ["r", rid]                                                                  release
+    ["x", address, [block hash, ...], session key or nil]                        prefix / session
+    ["h", [rid, ...] or nil]                                                     heartbeat
+    ["b"]                                                                       leaving
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgpack
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from extproc.datastore.endpoints import Datastore, Reservation
+from extproc.prefix.tracker import PrefixTracker
+from extproc.ratelimit.config import RedisConfig
+from extproc.replicas.config import ReplicasConfig
+
+__all__ = ["ReplicaSync", "SyncMetrics", "redis_location"]
+
+log = logging.getLogger(__name__)
+
+MAX_HEARTBEAT_IDS = 50_000
+"""A heartbeat lists at most this many open reservations (about 0.5 MB of msgpack); beyond it it
+lists none and the others skip that round of reconciliation (owner expiry still applies)."""
+
+RECONNECT_S = 0.5
+"""Seconds between two attempts to reach Redis again."""
+
+
+def redis_location(url: str) -> str:
+    """`host:port/db` of a Redis URL, without scheme, user or password (for logs)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname or '?'}:{parts.port or 6379}{parts.path or ''}"
+
+
+class SyncMetrics:
+    """Prometheus series of replica sync (no endpoint or replica labels: a fixed set)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        kw = {"registry": registry}
+        self.events = Counter(
+            "llm_extproc_replica_sync_events_total",
+            "Replica-sync events, by direction: published (sent to Redis), applied (another replica's, "
+            "applied here), dropped (queue full or Redis unreachable: never sent).",
+            ["direction"],
+            **kw,
+        )
+        self.delay = Histogram(
+            "llm_extproc_replica_sync_delay_seconds",
+            "From another replica queueing an event to this replica applying it (seconds; wall clocks, "
+            "exact on one host, as good as clock sync across hosts).",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            **kw,
+        )
+        self.expired = Counter(
+            "llm_extproc_replica_sync_expired_total",
+            "Reservations of another replica released here without its release event, by reason "
+            "(owner_gone: not heard from for owner_timeout_s; reconciled: absent from its heartbeat).",
+            ["reason"],
+            **kw,
+        )
+        self.connected = Gauge("llm_extproc_replica_sync_connected", "1 while subscribed to the replica channel.", **kw)
+        self.peers = Gauge("llm_extproc_replica_sync_peers", "Other replicas heard from within owner_timeout_s.", **kw)
+        self.remote_inflight = Gauge(
+            "llm_extproc_replica_sync_remote_inflight", "Requests in flight that other replicas routed, counted here.", **kw
+        )
+
+
+@dataclass(slots=True)
+class _Peer:
+    """Another replica as seen from here: when it was last heard, its open reservations."""
+
+    last_seen: float
+    open: dict[int, Reservation] = field(default_factory=dict)
+
+
+class ReplicaSync:
+    """Publish this replica's picks and apply the others' (see the module doc).
+
+    Args:
+        config: `replicas`.
+        redis: the Redis connection (`ratelimit.redis`: url, timeout_ms).
+        store: the datastore (its `listener` is set to this object).
+        tracker: the prefix tracker (its `on_shared` hook is set), or None.
+        registry: where the metrics go (None: a private registry).
+        replica_id: this replica's id on the channel (default: random, new per process).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        config: ReplicasConfig,
+        redis: RedisConfig,
+        store: Datastore,
+        tracker: PrefixTracker | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        replica_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.id = replica_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._own_head = b"\x93" + msgpack.packb(self.id)
+        """How this replica's own batches start (a 3-array, then its id): skipped unread."""
+        self.metrics = SyncMetrics(registry if registry is not None else CollectorRegistry())
+        self._redis = redis
+        self._store = store
+        self._tracker = tracker
+        self._clock = clock
+        self._queue: list[list[Any]] = []
+        self._queued_at = 0.0
+        self._wake = asyncio.Event()
+        self._next_rid = 0
+        self._local: dict[Reservation, int] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._remote = 0
+        self._applying = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pub: aioredis.Redis | None = None
+        self._last_warn = float("-inf")
+        self.connected = False
+        m = self.metrics
+        self._published = m.events.labels("published")
+        self._applied = m.events.labels("applied")
+        self._dropped = m.events.labels("dropped")
+        m.remote_inflight.set_function(lambda: self._remote)
+        m.peers.set_function(lambda: len(self._peers))
+        store.listener = self
+        if tracker is not None:
+            tracker.on_shared = self.shared
+
+    # -- the decision's side: queue only ----------------------------------------------------
+    def _enqueue(self, event: list[Any]) -> None:
+        if len(self._queue) >= self.config.max_queue:
+            self._dropped.inc()
+            return
+        if not self._queue:
+            self._queued_at = time.time()
+        self._queue.append(event)
+        self._wake.set()
+
+    def reserved(self, r: Reservation) -> None:
+        """A reservation was made here: share it (a remote one being applied is not re-sent)."""
+        if self._applying:
+            return
+        rid = self._next_rid = self._next_rid + 1
+        self._local[r] = rid
+        ep = r.endpoint
+        self._enqueue(["p", rid, ep.address, r.blocks, r.prompt_tokens, r.context_tokens, round(r.settle_at - r.created_at, 3)])
+
+    def first_token(self, r: Reservation) -> None:
+        """A local reservation reached its first token."""
+        rid = self._local.get(r)
+        if rid is not None:
+            self._enqueue(["f", rid])
+
+    def released(self, r: Reservation) -> None:
+        """A local reservation was released."""
+        rid = self._local.pop(r, None)
+        if rid is not None:
+            self._enqueue(["r", rid])
+
+    def shared(self, address: str, block_size: int, hashes: list[int], session: bytes | None) -> None:
+        """A pick's prompt blocks (`hashes` at `block_size`) and session, for the others' prefix
+        index and session table."""
+        del block_size  # the receiver uses the endpoint's own (hashes are per block size)
+        self._enqueue(["x", address, hashes[: self.config.max_hashes], session])
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start publishing, subscribing and expiring (returns at once; Redis may be down)."""
+        timeout = self._redis.timeout_ms / 1000
+        self._pub = aioredis.Redis.from_url(
+            self._redis.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._publisher(), name="replica-sync-publish"),
+            loop.create_task(self._subscriber(), name="replica-sync-subscribe"),
+            loop.create_task(self._ticker(), name="replica-sync-heartbeat"),
+        ]
+        log.info(
+            "replica sync on redis %s channel %r as replica %s: picks, first tokens, releases and prefix blocks "
+            "are shared with the other replicas",
+            redis_location(self._redis.url),
+            self.config.channel,
+            self.id,
+        )
+
+    async def aclose(self) -> None:
+        """Say goodbye (the others release what this replica held at once), stop the tasks."""
+        if self._pub is not None and self._tasks:
+            try:
+                async with asyncio.timeout(self._redis.timeout_ms / 1000 * 2):
+                    await self._pub.publish(self.config.channel, msgpack.packb([self.id, time.time(), [["b"]]]))
+            except (RedisError, OSError, TimeoutError):
+                pass
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
+                pass
+        self._tasks = []
+        if self._pub is not None:
+            await self._pub.aclose()
+            self._pub = None
+        self._store.listener = None
+        if self._tracker is not None:
+            self._tracker.on_shared = None
+        for peer in self._peers.values():
+            self._release_all(peer)
+        self._peers.clear()
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        now = self._clock()
+        if now - self._last_warn >= 10.0:
+            self._last_warn = now
+            log.warning(
+                "replica sync: %s (%s: %s); deciding on this replica's own state until Redis answers",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+
+    async def _publisher(self) -> None:
+        assert self._pub is not None
+        timeout = self._redis.timeout_ms / 1000 * 2
+        window = self.config.flush_ms / 1000
+        last = float("-inf")
+        while True:
+            await self._wake.wait()
+            # At most one PUBLISH per `flush_ms`: what queues meanwhile goes in the same batch,
+            # so the cost per second is bounded whatever the decision rate (an event after a
+            # quiet spell goes at once).
+            wait = last + window - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._wake.clear()
+            if not self._queue:
+                continue
+            last = time.monotonic()
+            batch, self._queue = self._queue, []
+            payload = msgpack.packb([self.id, self._queued_at, batch])
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._pub.publish(self.config.channel, payload)
+                self._published.inc(len(batch))
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._dropped.inc(len(batch))
+                self._warn("cannot publish", exc)
+                await asyncio.sleep(RECONNECT_S)  # what queues meanwhile goes in the next try
+
+    async def _subscriber(self) -> None:
+        timeout = self._redis.timeout_ms / 1000
+        while True:
+            client = aioredis.Redis.from_url(self._redis.url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(timeout * 4):
+                    await pubsub.subscribe(self.config.channel)
+                self._set_connected(True)
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None and msg.get("type") == "message" and not msg["data"].startswith(self._own_head):
+                        self.apply(msg["data"])
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._set_connected(False)
+                self._warn("lost the replica channel", exc)
+            finally:
+                self._set_connected(False)
+                try:
+                    await pubsub.aclose()
+                    await client.aclose()
+                except (RedisError, OSError):
+                    pass
+            await asyncio.sleep(RECONNECT_S)
+
+    def _set_connected(self, up: bool) -> None:
+        if up and not self.connected:
+            log.info("replica sync: subscribed to %r", self.config.channel)
+        self.connected = up
+        self.metrics.connected.set(1 if up else 0)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            ids = list(self._local.values()) if len(self._local) <= MAX_HEARTBEAT_IDS else None
+            self._enqueue(["h", ids])
+            self.expire()
+
+    # -- the others' events -----------------------------------------------------------------
+    def apply(self, payload: bytes) -> int:
+        """Apply one batch from the channel (this replica's own are skipped); a malformed batch
+        is logged and ignored. Returns the events applied."""
+        try:
+            origin, sent_at, events = msgpack.unpackb(payload, raw=False)
+            origin = str(origin)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            log.warning("replica sync: ignored a malformed message (%s)", exc)
+            return 0
+        if origin == self.id:
+            return 0  # (normally skipped before unpacking: see _own_head)
+        now = self._clock()
+        peer = self._peers.get(origin)
+        if peer is None:
+            peer = self._peers[origin] = _Peer(now)
+        peer.last_seen = now
+        done = 0
+        for ev in events:
+            try:
+                done += self._apply_event(origin, peer, ev)
+            except (ValueError, TypeError, IndexError, KeyError) as exc:
+                log.warning("replica sync: ignored a malformed event from %s (%s)", origin, exc)
+        if done:
+            self._applied.inc(done)
+            if isinstance(sent_at, (int, float)):
+                self.metrics.delay.observe(max(0.0, time.time() - sent_at))
+        return done
+
+    def _apply_event(self, origin: str, peer: _Peer, ev: list[Any]) -> int:
+        kind = ev[0]
+        if kind == "p":
+            _, rid, address, blocks, prompt_tokens, context_tokens, settle_after_s = ev
+            ep = self._store.get(address)
+            if ep is None or self._remote >= self.config.max_remote or rid in peer.open:
+                return 0
+            self._applying = True
+            try:
+                r = self._store.reserve(
+                    ep,
+                    max(0, int(blocks)),
+                    prompt_tokens=max(0, int(prompt_tokens)),
+                    settle_after_s=float(settle_after_s),
+                    context_tokens=max(0, int(context_tokens)),
+                )
+            finally:
+                self._applying = False
+            peer.open[rid] = r
+            self._remote += 1
+            return 1
+        if kind == "f":
+            r = peer.open.get(ev[1])
+            if r is None:
+                return 0
+            r.mark_first_token(learn=False)  # the owner saw the time to first token, not this replica
+            return 1
+        if kind == "r":
+            r = peer.open.pop(ev[1], None)
+            if r is None:
+                return 0
+            r.release()
+            self._remote -= 1
+            return 1
+        if kind == "x":
+            _, address, hashes, session = ev
+            if self._tracker is None or self._store.get(address) is None:
+                return 0
+            self._tracker.apply_remote_pick(address, [int(h) for h in hashes], bytes(session) if session is not None else None)
+            return 1
+        if kind == "h":
+            if ev[1] is not None:
+                alive = set(ev[1])
+                gone = [rid for rid in peer.open if rid not in alive]
+                for rid in gone:
+                    peer.open.pop(rid).release()
+                self._remote -= len(gone)
+                if gone:
+                    self.metrics.expired.labels("reconciled").inc(len(gone))
+            return 0
+        if kind == "b":
+            self._release_all(peer)
+            del self._peers[origin]
+            return 1
+        raise ValueError(f"unknown event kind {kind!r}")
+
+    def _release_all(self, peer: _Peer) -> int:
+        n = len(peer.open)
+        for r in peer.open.values():
+            r.release()
+        peer.open.clear()
+        self._remote -= n
+        return n
+
+    def expire(self) -> int:
+        """Release everything held by replicas not heard from for `owner_timeout_s`; returns
+        how many reservations went."""
+        limit = self._clock() - self.config.owner_timeout_s
+        gone = 0
+        for origin in [o for o, p in self._peers.items() if p.last_seen < limit]:
+            n = self._release_all(self._peers.pop(origin))
+            if n:
+                log.info("replica sync: replica %s not heard from for %.1f s; released its %d reservations", origin, self.config.owner_timeout_s, n)
+            gone += n
+        if gone:
+            self.metrics.expired.labels("owner_gone").inc(gone)
+        return gone
+
+    def drop_endpoint(self, address: str) -> int:
+        """The endpoint left the fleet: forget the other replicas' reservations on it (released,
+        so its counts go too). Returns how many went."""
+        gone = 0
+        for peer in self._peers.values():
+            for rid in [rid for rid, r in peer.open.items() if r.endpoint.address == address]:
+                peer.open.pop(rid).release()
+                gone += 1
+        self._remote -= gone
+        return gone
+
+    # -- observability ----------------------------------------------------------------------
+    def summary(self) -> dict[str, object]:
+        """For `/api/v1/endpoints`: this replica's id, whether it is subscribed, its peers."""
+        now = self._clock()
+        return {
+            "replica_id": self.id,
+            "connected": self.connected,
+            "local_inflight": len(self._local),
+            "remote_inflight": self._remote,
+            "peers": {o: {"inflight": len(p.open), "last_seen_s_ago": round(now - p.last_seen, 3)} for o, p in self._peers.items()},
+        }

@@ -1,0 +1,201 @@
+"""Replica sync, in process: the apply logic on crafted batches (expiry, reconciliation, bad
+input), then two `ReplicaSync`s on a real redis-server (propagation, Redis lost and back)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+
+from extproc.config.schema import EndpointConfig, PrefixConfig
+from extproc.datastore.endpoints import Datastore
+from extproc.prefix.hashing import chain_block_hashes
+from extproc.prefix.tracker import PrefixTracker
+from extproc.ratelimit.config import RedisConfig
+from extproc.replicas.config import ReplicasConfig
+from extproc.replicas.sync import ReplicaSync, redis_location
+from tests.ratelimit.conftest import redis_server  # noqa: F401 - a real redis-server per test
+
+MODEL = "m"
+ADDRS = ["10.0.0.1:8000", "10.0.0.2:8000"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store() -> Datastore:
+    return Datastore([EndpointConfig(address=a, models=[MODEL]) for a in ADDRS])
+
+
+def make_sync(clock=time.monotonic, url: str = "redis://127.0.0.1:1/0", **cfg) -> tuple[ReplicaSync, Datastore, PrefixTracker]:
+    store = make_store()
+    tracker = PrefixTracker(PrefixConfig(), clock=clock)
+    config = ReplicasConfig(sync="redis", **cfg)
+    return ReplicaSync(config, RedisConfig(url=url, timeout_ms=200), store, tracker, clock=clock), store, tracker
+
+
+def batch(origin: str, *events) -> bytes:
+    return msgpack.packb([origin, time.time(), list(events)])
+
+
+def test_a_remote_pick_counts_until_its_release_and_first_token_moves_it_to_decode():
+    sync, store, _ = make_sync()
+    ep = store.get(ADDRS[1])
+    assert sync.apply(batch("peer", ["p", 1, ADDRS[1], 4, 300, 500, 2.0])) == 1
+    assert (ep.inflight, ep.prefill_inflight, ep.prefill_tokens, ep.reserved_blocks, ep.context_tokens) == (1, 1, 300, 4, 500)
+    sync.apply(batch("peer", ["f", 1]))
+    assert (ep.prefill_inflight, ep.decode_inflight, ep.prefill_tokens) == (0, 1, 0)
+    assert ep.prefill_fit.samples == 0  # the owner observed that first token, not this replica
+    sync.apply(batch("peer", ["r", 1]))
+    assert (ep.inflight, ep.decode_inflight, ep.reserved_blocks, ep.context_tokens) == (0, 0, 0, 0)
+    assert store.open_reservations == 0
+    assert sync.apply(batch("peer", ["r", 1])) == 0  # a repeated release changes nothing
+
+
+def test_own_batches_and_applied_picks_are_not_shared_again():
+    sync, store, _ = make_sync()
+    assert sync.apply(batch(sync.id, ["p", 1, ADDRS[0], 0, 10, 10, 2.0])) == 0
+    assert store.get(ADDRS[0]).inflight == 0
+    sync.apply(batch("peer", ["p", 1, ADDRS[0], 0, 10, 10, 2.0]))
+    assert sync._queue == []  # a remote reservation is not published as this replica's
+
+
+def test_local_reservations_are_queued_as_pick_first_token_release():
+    sync, store, _ = make_sync()
+    r = store.reserve(store.get(ADDRS[0]), 3, prompt_tokens=100, settle_after_s=2.0, context_tokens=150)
+    r.mark_first_token()
+    r.release()
+    r.release()
+    kinds = [e[0] for e in sync._queue]
+    assert kinds == ["p", "f", "r"]
+    assert sync._queue[0][2:] == [ADDRS[0], 3, 100, 150, 2.0]
+
+
+def test_a_replica_not_heard_from_has_its_reservations_released():
+    clock = Clock()
+    sync, store, _ = make_sync(clock, heartbeat_s=0.5, owner_timeout_s=3.0)
+    sync.apply(batch("dead", *(["p", i, ADDRS[i % 2], 1, 10, 10, 2.0] for i in range(10))))
+    sync.apply(batch("alive", ["p", 1, ADDRS[0], 1, 10, 10, 2.0]))
+    assert sum(ep.inflight for ep in store.all()) == 11
+    clock.now += 2.0
+    sync.apply(batch("alive", ["h", [1]]))
+    assert sync.expire() == 0
+    clock.now += 1.5  # "dead": 3.5 s of silence; "alive": 1.5 s
+    assert sync.expire() == 10
+    assert sum(ep.inflight for ep in store.all()) == 1
+    assert sum(ep.reserved_blocks for ep in store.all()) == 1
+    assert sync.summary()["remote_inflight"] == 1
+
+
+def test_a_heartbeat_releases_what_its_owner_no_longer_holds():
+    sync, store, _ = make_sync()
+    sync.apply(batch("peer", *(["p", i, ADDRS[0], 0, 10, 10, 2.0] for i in (1, 2, 3))))
+    sync.apply(batch("peer", ["h", [2]]))  # the releases of 1 and 3 were lost in transit
+    assert store.get(ADDRS[0]).inflight == 1
+    sync.apply(batch("peer", ["h", None]))  # too many to list: no reconciliation this round
+    assert store.get(ADDRS[0]).inflight == 1
+    sync.apply(batch("peer", ["b"]))  # leaving: everything goes
+    assert store.get(ADDRS[0]).inflight == 0 and store.open_reservations == 0
+
+
+def test_prefix_blocks_and_sessions_of_a_remote_pick_are_learned():
+    sync, store, tracker = make_sync()
+    hashes = chain_block_hashes(list(range(64)), 16)
+    sync.apply(batch("peer", ["x", ADDRS[1], hashes, b"s1"]))
+    assert tracker.index.match(hashes) == {ADDRS[1]: 4}
+    assert tracker.session_endpoint(b"s1") == ADDRS[1]
+    sync.apply(batch("peer", ["x", "10.9.9.9:1", hashes, None]))  # not an endpoint here: ignored
+    assert tracker.index.blocks("10.9.9.9:1") == 0
+
+
+def test_bad_input_is_ignored_not_raised(caplog):
+    sync, store, _ = make_sync()
+    assert sync.apply(b"\xc1not msgpack") == 0
+    assert sync.apply(msgpack.packb([1, 2])) == 0
+    # One bad event does not stop the good ones after it.
+    assert sync.apply(batch("peer", ["p", 1], ["zz"], ["p", 2, ADDRS[0], 0, 1, 1, 2.0])) == 1
+    assert store.get(ADDRS[0]).inflight == 1
+    assert sync.apply(batch("peer", ["p", 3, "nowhere:1", 0, 1, 1, 2.0])) == 0
+    assert "malformed" in caplog.text
+
+
+def test_remote_state_is_bounded_and_a_full_queue_drops_instead_of_waiting():
+    sync, store, _ = make_sync(max_remote=5, max_queue=3)
+    sync.apply(batch("peer", *(["p", i, ADDRS[0], 0, 1, 1, 2.0] for i in range(20))))
+    assert store.get(ADDRS[0]).inflight == 5
+    for _ in range(5):
+        store.reserve(store.get(ADDRS[1]))
+    assert len(sync._queue) == 3
+    assert sync.metrics.events.labels("dropped")._value.get() == 2
+
+
+def test_drop_endpoint_forgets_the_remote_reservations_on_it():
+    sync, store, _ = make_sync()
+    sync.apply(batch("peer", ["p", 1, ADDRS[0], 2, 1, 1, 2.0], ["p", 2, ADDRS[1], 2, 1, 1, 2.0]))
+    assert sync.drop_endpoint(ADDRS[0]) == 1
+    assert store.get(ADDRS[0]).inflight == 0 and store.get(ADDRS[1]).inflight == 1
+    assert sync.summary()["remote_inflight"] == 1
+
+
+def test_config_and_log_location_keep_secrets_out():
+    assert redis_location("redis://user:s3cret@redis.internal:6380/2") == "redis.internal:6380/2"
+    with pytest.raises(ValueError, match="owner_timeout_s"):
+        ReplicasConfig(sync="redis", heartbeat_s=1.0, owner_timeout_s=1.5)
+
+
+# -- on a real redis-server --------------------------------------------------------------------
+
+
+async def until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_picks_reach_the_other_replica_and_redis_loss_is_survived(redis_server):
+    a, store_a, _ = make_sync(url=redis_server.url, heartbeat_s=0.2, owner_timeout_s=1.0)
+    b, store_b, tracker_b = make_sync(url=redis_server.url, heartbeat_s=0.2, owner_timeout_s=1.0)
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.connected and b.connected)
+        ep_a, ep_b = store_a.get(ADDRS[0]), store_b.get(ADDRS[0])
+        r = store_a.reserve(ep_a, 2, prompt_tokens=50, context_tokens=80)
+        await until(lambda: ep_b.inflight == 1)
+        assert ep_b.reserved_blocks == 2 and ep_b.prefill_tokens == 50
+        r.release()
+        await until(lambda: ep_b.inflight == 0)
+        assert b.metrics.delay._sum.get() > 0
+
+        # Redis goes away: both keep accounting for their own, the other's entries expire.
+        held = store_a.reserve(ep_a)
+        await until(lambda: ep_b.inflight == 1)
+        await redis_server.stop()
+        local = store_b.reserve(ep_b)
+        assert ep_b.inflight == 2
+        await until(lambda: not b.connected)
+        await until(lambda: ep_b.inflight == 1, timeout_s=5.0)  # a's entry expired: only b's own
+        held.release()
+        local.release()
+
+        # Redis is back on the same port: sharing resumes without a restart.
+        await redis_server.start()
+        await until(lambda: a.connected and b.connected, timeout_s=10.0)
+        hashes = chain_block_hashes(list(range(32)), 16)
+        again = store_a.reserve(ep_a)
+        a.shared(ADDRS[0], 16, hashes, None)
+        await until(lambda: ep_b.inflight == 1 and tracker_b.index.match(hashes) == {ADDRS[0]: 2}, timeout_s=10.0)
+        again.release()
+        await until(lambda: ep_b.inflight == 0)
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert store_a.open_reservations == 0 and store_b.open_reservations == 0
