@@ -346,3 +346,37 @@ def test_prefix_and_session_scorers(store):
     assert build("session-affinity-scorer").score(ctx, [a, b]) == [0.0, 0.0]
     ctx.session_endpoint = c.address
     assert build("session-affinity-scorer").score(ctx, [a, b, c]) == [0.0, 0.0, 1.0]
+
+
+def test_ttft_estimate_scores_cost_differences_not_ratios_of_whole_costs(store):
+    """A decode slowdown every endpoint would charge says nothing about where to go: adding the
+    same decode context everywhere leaves the scores as they were. (Ratios of whole costs
+    squeezed them towards 1 — a warm endpoint 0.3 s cheaper scored 1.0 against 0.73 with 150k
+    tokens decoding everywhere — and the count balancers then moved requests off warm
+    endpoints; decision 0180.)"""
+    from extproc.prefix.match import PrefixMatch
+
+    a, b, _ = store.all()
+    for ep in (a, b):
+        _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
+    ctx = context(prompt=7200, output=1000)
+    ctx.prefix = PrefixMatch(prompt_tokens=7200, matched={a.address: 375}, block_size={a.address: 16})  # 6,000 tokens warm on a
+    scorer = build("ttft-estimate-scorer")
+    idle = scorer.score(ctx, [a, b])
+    assert idle[0] == 1.0 and idle[1] < 0.3  # a prefills 1,200 tokens, b 7,200
+    for ep in (a, b):
+        store.reserve(ep, prompt_tokens=0, context_tokens=150_000)
+    assert scorer.score(ctx, [a, b]) == pytest.approx(idle, rel=1e-6)
+    store.reserve(a, prompt_tokens=0, context_tokens=20_000)  # a decodes more: it costs more, in seconds
+    busier = scorer.score(ctx, [a, b])
+    assert busier[0] == pytest.approx(1.0) and idle[1] < busier[1] < 1.0
+
+
+def test_cost_scores_are_the_ratio_of_costs_without_decode_load():
+    from extproc.scheduling.plugins.scorers.ttft_estimate import cost_scores
+
+    assert cost_scores([0.1, 0.2, 0.4], [0.1, 0.2, 0.4]) == pytest.approx([1.0, 0.5, 0.25])
+    # decode seconds count like prefill seconds: 0.1 s of prefill saved, 0.3 s more decode
+    assert cost_scores([0.1, 0.2], [0.5, 0.3]) == pytest.approx([0.1 / 0.3, 1.0])
+    assert cost_scores([], []) == []
+    assert cost_scores([0.0, 0.1], [0.0, 0.1]) == [1.0, 0.0]

@@ -38,7 +38,15 @@ engine dying must not take most of the fleet's streams with it) and stops a burs
 prompts piling onto the endpoint that holds their prefix once its decode batch costs more than a
 cold prefill elsewhere.
 
-Score = min_j(cost_j) / cost_i: the cheapest endpoint scores 1.0 and one twice as costly 0.5.
+Score = P / (P + cost_i − min_j cost_j), with P = min_j (the first two terms plus the work
+term), the request's best prefill cost: the cheapest endpoint scores 1.0 and one costing P more
+0.5 (`cost_scores`). With no decode load this is min_j(cost_j) / cost_i. The earlier ratio of
+whole costs let decode load present on every engine squeeze every score towards 1: on the
+shared-system-prompt benchmark, with ~150k tokens decoding on each engine, a warm endpoint 0.3 s
+cheaper than a cold A100 (0.08 s predicted TTFT against 0.56 s) scored 1.0 against 0.73, under
+three points at weight 10, and the count balancers' three points for the idler A100 sent the
+request there to prefill the 6k-token system prompt again (7-12 such duplicates in 120 requests;
+decision 0180). Scored on differences, seconds of decode and seconds of prefill weigh the same.
 Each endpoint's predicted TTFT is kept in `ctx.data["predicted_ttft_s"]` for the route-debug
 header.
 
@@ -66,7 +74,7 @@ from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["TTFTEstimateScorer", "effective_fits", "predicted_ttft_s"]
+__all__ = ["TTFTEstimateScorer", "cost_scores", "effective_fits", "predicted_ttft_s"]
 
 
 def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
@@ -127,7 +135,26 @@ class TTFTEstimateScorer(Plugin):
         predicted = [f.predict(ep.prefill_tokens + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
         ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
         p = self.params
-        decode = p.decode_weight * p.decode_s_per_context_token * ctx.expected_output_tokens
-        cost = [t + p.work_weight * f.s_per_token * w + decode * ep.context_tokens for ep, f, t, w in zip(endpoints, fits, predicted, work)]
-        best = min(cost)
-        return [best / c if c > 0 else 1.0 for c in cost]
+        per_step = p.decode_weight * ctx.expected_output_tokens
+        prefill = [t + p.work_weight * f.s_per_token * w for f, t, w in zip(fits, predicted, work)]
+        cost = [c + per_step * p.decode_s_per_context_token * ep.context_tokens for c, ep in zip(prefill, endpoints)]
+        return cost_scores(prefill, cost)
+
+
+def cost_scores(prefill_s: Sequence[float], cost_s: Sequence[float]) -> list[float]:
+    """Scores in [0, 1] from each endpoint's cost (seconds, same order as `prefill_s`).
+
+    `scale / (scale + cost_i − min cost)`, with `scale` the least prefill cost (`prefill_s`:
+    predicted TTFT plus the delay imposed on later requests, seconds): the cheapest endpoint
+    scores 1.0, one costing `scale` seconds more 0.5. Only differences of cost count, so a
+    decode slowdown every endpoint would charge says nothing, and a second of decode weighs what
+    a second of prefill does. Without decode terms (`cost_s == prefill_s`) this is
+    `min cost / cost_i`. An empty list gives an empty list.
+    """
+    if not cost_s:
+        return []
+    best = min(cost_s)
+    scale = min(prefill_s)
+    if scale <= 0:
+        return [1.0 if c <= best else 0.0 for c in cost_s]
+    return [scale / (scale + c - best) for c in cost_s]
