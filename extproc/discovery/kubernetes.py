@@ -63,7 +63,8 @@ class Params(EndpointTemplate):
             `key=value,key2 in (a,b)` the API accepts). Each slice endpoint's port is `port`.
         inference_pool: an InferencePool's name: its `spec.selector` picks Pods, its target
             port (`spec.targetPorts[0].number`, or `spec.targetPortNumber` before v1)
-            replaces `port`. The pool is read again at every full list.
+            replaces `port`, which may then be left out. The pool is read again at every full
+            list.
         pool_api: the InferencePool API `group/version`.
         resync_s: full list at least this often (seconds).
         watch_timeout_s: each watch asks the server to end it after this long (seconds).
@@ -77,6 +78,7 @@ class Params(EndpointTemplate):
     """
 
     type: Literal["kubernetes"] = "kubernetes"
+    port: int | None = pydantic.Field(default=None, ge=1, le=65535)  # type: ignore[assignment]  # the pool's own
     namespace: str | None = None
     selector: str | None = None
     inference_pool: str | None = None
@@ -92,6 +94,8 @@ class Params(EndpointTemplate):
     def _one_target(self) -> Params:
         if (self.selector is None) == (self.inference_pool is None):
             raise ValueError("set exactly one of selector (EndpointSlices) and inference_pool")
+        if self.selector is not None and self.port is None:
+            raise ValueError("port is required with selector (an EndpointSlice endpoint is an address; the port is yours)")
         if self.api_server is not None and not self.api_server.startswith(("https://", "http://")):
             raise ValueError(f"api_server must be an http(s):// URL, got {self.api_server!r}")
         return self
@@ -216,6 +220,8 @@ class Source(DiscoverySource):
             except ValueError as exc:
                 raise ApiError(f"inferencepool {self._params.inference_pool}: {exc}") from None
             self._port = port or self._params.port
+            if self._port is None:
+                raise ApiError(f"inferencepool {self._params.inference_pool}: no target port, and no port configured")
         body = await self._get_json(session, self._path(), {"labelSelector": self._selector})
         extract = pod_endpoint if self._params.inference_pool else slice_endpoints
         self._objects = {(o.get("metadata") or {}).get("name", ""): extract(o) for o in body.get("items") or ()}

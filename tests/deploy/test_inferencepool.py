@@ -116,6 +116,10 @@ def test_picker_config_loads_in_epp_mode_on_the_mounted_path():
     cm, dep = one("ConfigMap"), one("Deployment")
     cfg = config_from_mapping(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.protocol.mode == "epp"
+    # The pool's pods come from the pool itself (discovery), not a list that goes stale.
+    (source,) = cfg.discovery.sources
+    assert source.type == "kubernetes" and source.inference_pool == one("InferencePool")["metadata"]["name"]
+    assert not cfg.endpoints
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]

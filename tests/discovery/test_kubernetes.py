@@ -181,3 +181,14 @@ def test_exactly_one_of_selector_and_inference_pool():
         config_from_mapping(raw)
     raw["discovery"]["sources"][0]["selector"] = "app=vllm"
     assert config_from_mapping(raw).discovery.sources[0].selector == "app=vllm"
+
+
+def test_port_comes_from_the_pool_but_is_required_with_a_selector():
+    # The InferencePool names its target port: the picker config in deploy/inferencepool gives
+    # none (the schema used to require one anyway); a selector's EndpointSlices need ours.
+    src = {"type": "kubernetes", "models": ["m"], "inference_pool": "vllm-qwen3-8b"}
+    raw = {"models": [{"name": "m"}], "discovery": {"sources": [src]}}
+    assert config_from_mapping(raw).discovery.sources[0].port is None
+    raw["discovery"]["sources"] = [{"type": "kubernetes", "models": ["m"], "selector": "app=vllm"}]
+    with pytest.raises(ConfigError, match="port is required with selector"):
+        config_from_mapping(raw)
