@@ -17,9 +17,21 @@ import orjson
 
 from extproc.errors import error_body
 
-__all__ = ["is_client_error", "openai_error_body"]
+__all__ = ["MAX_ERROR_BODY_BYTES", "hold_error_bytes", "is_client_error", "openai_error_body"]
 
 _MAX_MESSAGE_CHARS = 2000
+
+MAX_ERROR_BODY_BYTES = 64 * 1024
+"""How much of an engine's error body is kept for the rewrite (bytes): an error answer is a few
+hundred bytes; past this a misbehaving engine's body is dropped, not held (a 50 MB error body was
+held whole). The rewrite reads the message from what was kept."""
+
+
+def hold_error_bytes(held: bytearray, chunk: bytes) -> None:
+    """Append `chunk` to the error body being held, up to `MAX_ERROR_BODY_BYTES` in all."""
+    room = MAX_ERROR_BODY_BYTES - len(held)
+    if room > 0:
+        held += chunk[:room]
 
 _TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 _CODES = {

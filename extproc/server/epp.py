@@ -54,7 +54,7 @@ from extproc.protocol.openai import generation_path, route_kind
 from extproc.ratelimit.limiter import Admission
 from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
-from extproc.server.engine_errors import openai_error_body
+from extproc.server.engine_errors import hold_error_bytes, openai_error_body
 from extproc.server.extproc import ExtProcServicer
 from extproc.telemetry.decision_log import DecisionRecord
 from extproc.telemetry.observer import StreamObserver
@@ -382,7 +382,7 @@ class EppServicer(ExtProcServicer):
                     if error_status:
                         if observer is not None:
                             observer.on_body_chunk(chunk.body, chunk.end_of_stream, time.monotonic_ns())
-                        error_body += chunk.body
+                        hold_error_bytes(error_body, chunk.body)
                         if chunk.end_of_stream:
                             for piece in _pieces("response_body", openai_error_body(error_status, bytes(error_body)), True, proto.chunk_bytes):
                                 yield piece

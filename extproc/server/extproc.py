@@ -57,7 +57,7 @@ from extproc.ratelimit.limiter import Admission, RateLimiter
 from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
 from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
-from extproc.server.engine_errors import is_client_error, openai_error_body
+from extproc.server.engine_errors import hold_error_bytes, is_client_error, openai_error_body
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -246,7 +246,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     body = msg.response_body
                     if observer is not None:
                         observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
-                    error_body += body.body
+                    hold_error_bytes(error_body, body.body)
                     if body.end_of_stream:
                         yield responses.response_body(openai_error_body(error_status, bytes(error_body)))
                     else:

@@ -244,3 +244,18 @@ async def test_an_error_body_in_pieces_is_held_back_and_rewritten_whole(stub):
     await call.read()
     assert first.response_body.response.body_mutation.clear_body
     assert orjson.loads(last.response_body.response.body_mutation.body)["error"]["param"] == "min_tokens"
+
+
+def test_an_error_body_is_held_only_up_to_its_cap():
+    # A misbehaving engine's 50 MB error body was held whole until its end; the rewrite needs
+    # the first part only (the message is cut at 2,000 characters anyway).
+    from extproc.server.engine_errors import MAX_ERROR_BODY_BYTES, hold_error_bytes, openai_error_body
+
+    held = bytearray()
+    for _ in range(50):
+        hold_error_bytes(held, b"x" * 10_000)
+    assert len(held) == MAX_ERROR_BODY_BYTES
+    hold_error_bytes(held, b"y")
+    assert b"y" not in held
+    err = orjson.loads(openai_error_body(500, bytes(held)))["error"]
+    assert err["message"] == "x" * 2000 and err["code"] == "engine_error"
