@@ -66,6 +66,18 @@ def worker_addresses(config: Config, workers: int) -> list[WorkerAddress]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the worker, before exec (Linux): SIGTERM when the supervisor dies, however it dies —
+    a SIGKILLed supervisor otherwise left its workers running and holding their ports. Elsewhere
+    a no-op (the supervisor's own signal handler still stops them)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class _Worker:
     def __init__(self, addr: WorkerAddress, argv: Sequence[str]) -> None:
         self.addr = addr
@@ -78,7 +90,8 @@ class _Worker:
         env["LLM_EXTPROC_GRPC_ADDRESS"] = self.addr.grpc
         env["LLM_EXTPROC_ADMIN_ADDRESS"] = self.addr.admin
         env["LLM_EXTPROC_WORKER"] = str(self.addr.index)
-        self.proc = subprocess.Popen(self.argv, env=env)  # inherits stdout/stderr: one log stream
+        # inherits stdout/stderr: one log stream
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         self.started = time.monotonic()
 
 
