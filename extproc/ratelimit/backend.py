@@ -11,7 +11,16 @@ __all__ = ["BackendUnavailable", "WindowBackend"]
 
 
 class BackendUnavailable(Exception):
-    """The backend could not answer (Redis unreachable, timed out, or errored)."""
+    """The backend could not answer (Redis unreachable, timed out, or errored).
+
+    Attributes:
+        dropped: the connection failed (closed, reset, refused), as opposed to a timeout or an
+            error reply: a pooled connection Redis closed is worth one retry on a fresh one.
+    """
+
+    def __init__(self, message: str, *, dropped: bool = False) -> None:
+        super().__init__(message)
+        self.dropped = dropped
 
 
 class WindowBackend(Protocol):
@@ -37,7 +46,8 @@ class WindowBackend(Protocol):
 
     async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
         """Correct an admitted charge by `delta` tokens and release `request_id` from the
-        in-flight sets (`window.settle`).
+        in-flight sets (`window.settle`). A remote backend retries once on a fresh connection
+        when its connection dropped (a lost settlement holds a concurrency slot for the lease).
 
         Raises:
             BackendUnavailable: no answer (the charge stays as it was).

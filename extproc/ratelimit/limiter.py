@@ -17,11 +17,15 @@
 A tenant with no limit anywhere is not counted at all (no backend call). Backend failures follow
 `redis.on_error`: `open` admits uncounted, `closed` answers 503; both count
 `llm_extproc_ratelimit_backend_errors_total` and log at most one line per `log_interval_s`.
+A settlement (or the give-back of a cancelled admission) the backend cannot take, even after its
+retry on a fresh connection, waits in a bounded queue and is delivered before the next decision
+once the backend answers again, so a tenant's concurrency slot is not held for the whole lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -48,6 +52,17 @@ PROMPT_FLOOR_MARGIN = 0.5
 request seen so far (its lowest prompt tokens / body bytes), times this body's bytes. A request
 of the same tenant needs twice as many bytes per token as any before it to be refused early by
 mistake, and then only delayed (a full window or bucket still admits it)."""
+
+UNSETTLED_MAX = 10_000
+"""Settlements kept while the backend cannot take them; past this the oldest is dropped (its
+slot then waits for its lease, `inflight_lease_s`). One entry: keys, bucket, delta, id."""
+
+FLUSH_RETRY_S = 1.0
+"""While the backend keeps failing, a decision tries to deliver the queued settlements at most
+once per this many seconds (each try may cost one backend timeout)."""
+
+FLUSH_BATCH = 32
+"""Queued settlements sent at once (connections the flush may open together)."""
 
 REFUSED_MEMORY = 10_000
 """Tenants whose latest refusal this process remembers (for the remote precheck); forgotten
@@ -127,6 +142,9 @@ class RateLimiter:
         # In-flight ids: unique across replicas sharing Redis (a random prefix per process).
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
+        self._unsettled: collections.deque[tuple[list[str], int, int, str | None]] = collections.deque()
+        self._flushing: asyncio.Task | None = None
+        self._flush_failed_at = -1e18
 
     # -- identity and limits ---------------------------------------------------------------
 
@@ -261,6 +279,8 @@ class RateLimiter:
             self._learn_density(tenant, request.prompt_tokens / request.body_bytes)
         keys = tuple(s.key for s in scopes)
         request_id = f"{self._id_prefix}{next(self._ids):x}" if any(s.concurrent >= 0 for s in scopes) else None
+        if self._unsettled:
+            await self._flush()  # before deciding: a slot held by a lost settlement comes back first
         start = time.perf_counter()
         try:
             decision = await self._acquire(scopes, cost, request_id)
@@ -408,8 +428,41 @@ class RateLimiter:
         try:
             await self.backend.settle(keys, bucket, delta, request_id=request_id)
         except BackendUnavailable as exc:
-            self._metrics.child(self._metrics.backend_errors, self.backend.name, "settle").inc()
-            self._warn(f"rate-limit backend {self.backend.name} unavailable at settlement ({exc}); the reservation stands")
+            m = self._metrics
+            m.child(m.backend_errors, self.backend.name, "settle").inc()
+            self._warn(f"rate-limit backend {self.backend.name} unavailable at settlement ({exc}); kept until it answers again")
+            if len(self._unsettled) >= UNSETTLED_MAX:
+                self._unsettled.popleft()
+                m.child(m.settlements_deferred, "dropped").inc()
+            self._unsettled.append((keys, bucket, delta, request_id))
+            m.child(m.settlements_deferred, "queued").inc()
+            m.settlements_pending.set(len(self._unsettled))
+
+    async def _flush(self) -> None:
+        """Deliver the queued settlements (one flush at a time; while the backend keeps failing,
+        at most one try per `FLUSH_RETRY_S`). A cancelled caller leaves the flush running."""
+        if self._flushing is None or self._flushing.done():
+            if self._clock() - self._flush_failed_at < FLUSH_RETRY_S:
+                return
+            self._flushing = asyncio.get_running_loop().create_task(self._flush_unsettled())
+            self._pending.add(self._flushing)
+            self._flushing.add_done_callback(self._pending.discard)
+        await asyncio.shield(self._flushing)
+
+    async def _flush_unsettled(self) -> None:
+        m = self._metrics
+        while self._unsettled:
+            batch = [self._unsettled.popleft() for _ in range(min(FLUSH_BATCH, len(self._unsettled)))]
+            results = await asyncio.gather(
+                *(self.backend.settle(k, b, d, request_id=r) for k, b, d, r in batch), return_exceptions=True
+            )
+            failed = [entry for entry, res in zip(batch, results, strict=True) if isinstance(res, BaseException)]
+            m.child(m.settlements_deferred, "flushed").inc(len(batch) - len(failed))
+            if failed:
+                self._unsettled.extendleft(reversed(failed))  # still first in line, in order
+                self._flush_failed_at = self._clock()
+                break
+        m.settlements_pending.set(len(self._unsettled))
 
     def _warn(self, message: str) -> None:
         now = self._clock()
@@ -464,7 +517,10 @@ class RateLimiter:
         return out
 
     async def aclose(self) -> None:
-        """Wait for pending settlements (bounded by the backend's timeout), then close the backend."""
+        """Wait for pending settlements (bounded by the backend's timeout), try once more to deliver
+        those the backend refused earlier, then close the backend."""
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._unsettled:
+            await self._flush_unsettled()
         await self.backend.aclose()

@@ -67,6 +67,21 @@ class RateLimitMetrics:
             ["backend", "operation"],
             registry=registry,
         )
+        self.settlements_pending = Gauge(
+            "llm_extproc_ratelimit_settlements_pending",
+            "Settlements the backend could not take (even after a retry on a fresh connection), held "
+            "until it answers again; each keeps a concurrency slot and a reservation meanwhile.",
+            registry=registry,
+        )
+        self.settlements_deferred = Counter(
+            "llm_extproc_ratelimit_settlements_deferred_total",
+            "Deferred settlements: queued (the backend failed), flushed (delivered once it answered again), "
+            "dropped (the queue was full: the oldest gives way; its slot waits for its lease).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("queued", "flushed", "dropped"):
+            self.settlements_deferred.labels(outcome)
         self.decision_seconds = Histogram(
             "llm_extproc_ratelimit_decision_seconds",
             "Time for one rate-limit decision (one backend call), in seconds.",

@@ -8,6 +8,13 @@ After a Redis restart the script cache is empty: redis-py's `Script` reloads it 
 
 Failures (connection refused, timeout, any Redis error) raise `BackendUnavailable`; the limiter
 applies the configured policy. The client reconnects on the next call: no restart needed.
+Decisions are never retried (one timeout at most, then the policy); a settlement whose
+connection dropped (Redis's idle `timeout`, `CLIENT KILL`, a proxy closing idle connections —
+the pool hands out a dead connection once) is retried once on a fresh connection, since a lost
+settlement keeps a concurrency slot for the whole lease. A settlement's reply lost after Redis
+ran it makes the retry run it twice: the in-flight release is idempotent, the token correction
+is applied twice (a refund floors at 0 per bucket) — a small over-refund, against 900 s of a
+held slot.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from importlib import resources
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from extproc.ratelimit.backend import BackendUnavailable
@@ -80,7 +88,9 @@ class RedisBackend:
             async with asyncio.timeout(self._timeout * 2):  # connect + command at most
                 return await self._script(keys=keys, args=args)
         except (RedisError, OSError, TimeoutError) as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from None
+            # The builtin TimeoutError is an OSError: a timeout is not a dropped connection.
+            dropped = isinstance(exc, RedisConnectionError) or (isinstance(exc, OSError) and not isinstance(exc, TimeoutError))
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}", dropped=dropped) from None
 
     def _args(self, scopes: Sequence[ScopeLimit], mode: str, cost: int, now_ms: int | None, request_id: str | None = None) -> list[object]:
         args: list[object] = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, mode, cost, request_id or "", self._lease_ms]
@@ -104,7 +114,15 @@ class RedisBackend:
 
     async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
         args = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, "settle", bucket, delta, request_id or "", self._lease_ms]
-        await self._run([self.key(k) for k in keys], args)
+        try:
+            await self._run([self.key(k) for k in keys], args)
+        except BackendUnavailable as exc:
+            if not exc.dropped:
+                raise
+            # A dropped connection is not Redis down: the pool's idle connections are likely dead
+            # too (a `CLIENT KILL TYPE normal` closes them all), so retry once on a new one.
+            await self._client.connection_pool.disconnect(inuse_connections=False)
+            await self._run([self.key(k) for k in keys], args)
 
     async def aclose(self) -> None:
         await self._client.aclose()

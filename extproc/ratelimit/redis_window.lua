@@ -143,6 +143,7 @@ for i, key in ipairs(KEYS) do
         stale[#stale + 1] = f
       else
         st.inflight = st.inflight + 1
+        if st.first == nil or v < st.first then st.first = v end
       end
     else
       named[f] = v
@@ -201,9 +202,20 @@ end
 
 if mode == 'peek' then return answer(1, 0, 0, 0) end
 
+-- window.py's _concurrency_retry_ms: the mean hold / in flight, no less than what the oldest
+-- still needs at the mean hold, no more than its lease's remaining time
+local function concurrency_retry(st)
+  local est = math.ceil(st.hold / math.max(1, st.inflight))
+  if st.first ~= nil then
+    est = math.max(est, st.hold - (now - st.first))
+    est = math.min(est, st.first + lease - now)
+  end
+  return math.max(1, est)
+end
+
 for i, st in ipairs(states) do
   if st.clim >= 0 and st.inflight + 1 > st.clim then
-    return answer(0, i, 3, math.max(1, math.ceil(st.hold / math.max(1, st.inflight))))
+    return answer(0, i, 3, concurrency_retry(st))
   end
   if st.rlim >= 0 and st.ur + 1 > st.rlim then
     return answer(0, i, 2, retry_ms(st.r, st.ur + 1 - st.rlim))

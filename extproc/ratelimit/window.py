@@ -113,7 +113,8 @@ class Decision:
         retry_after_ms: when the refusing control would admit (milliseconds; 0 when admitted):
             window — until enough of it has left; pacing — until the bucket has refilled to
             `min(cost, burst)`; concurrency — the scope's mean hold time / requests in flight
-            (when the next one is expected to end, were hold times memoryless).
+            (when the next one is expected to end, were hold times memoryless), no less than the
+            oldest one's mean-hold remainder, no more than its lease's remaining time.
     """
 
     admitted: bool
@@ -206,6 +207,23 @@ def _retry_ms(state: WindowState, slot: int, need: int, n: int, bucket_ms: int, 
     return n * bucket_ms
 
 
+def _concurrency_retry_ms(st: WindowState, now_ms: int, lease_ms: int) -> int:
+    """When a full concurrency cap should be asked again (ms, at least 1; decision 0190).
+
+    The mean hold time / requests in flight (when the next one is expected to end, were hold
+    times memoryless), but no less than what the oldest request in flight still needs if it is
+    held the mean time (requests of similar length admitted together end together, not one per
+    hold/k), and no more than its lease's remaining time (when its slot is free for certain:
+    a lease whose settlement was lost ends then). Call after `expire`."""
+    k = len(st.inflight)
+    est = -(-st.hold_ms // max(1, k))
+    if k:
+        first = min(st.inflight.values())
+        est = max(est, st.hold_ms - (now_ms - first))
+        est = min(est, first + lease_ms - now_ms)
+    return max(1, est)
+
+
 def _pace(st: WindowState, lim: ScopeLimit, now_ms: int) -> int:
     """The scope's pacing level at `now_ms` under its current limits (1/60,000 tokens)."""
     st.rate, st.burst = lim.tokens, lim.burst
@@ -273,7 +291,7 @@ def decide(
         for k, (lim, (t, r)) in enumerate(zip(limits, used, strict=True)):
             st = states[k]
             if lim.concurrent >= 0 and len(st.inflight) + 1 > lim.concurrent:
-                retry = max(1, -(-st.hold_ms // max(1, len(st.inflight))))
+                retry = _concurrency_retry_ms(st, now_ms, lease_ms)
                 return _refusal(states, limits, used, k, "concurrency", retry, cur, n, bucket_ms, now_ms)
             if lim.requests >= 0 and r + 1 > lim.requests:
                 retry = _retry_ms(st, 1, r + 1 - lim.requests, n, bucket_ms, now_ms)

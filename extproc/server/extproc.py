@@ -48,7 +48,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.datastore.endpoints import Endpoint, Reservation
 from extproc.datastore.outliers import OutlierDetector
-from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError
+from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError, NoEndpointError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import RequestPipeline, Routed
 from extproc.pipeline.truncate import TRUNCATE_HEADER
@@ -407,14 +407,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
         Only the rate-limit charge may await between the decision and the KV reservation: the
         memory backend never suspends, and a remote one gives a charge back when the stream is
-        cancelled during the call (`RateLimiter._acquire`).
+        cancelled during the call (`RateLimiter._acquire`). Discovery may drain or remove the
+        chosen endpoint during that call: the request is then routed once more (the charge is
+        per tenant and model, so it stands), and when that endpoint is gone too the charge is
+        given back (tokens and in-flight slot) and the answer is a 503 `endpoint_gone`. Any
+        refusal after the charge gives it back.
 
         No timer guards the whole decision: its only wait is token counting off the event loop,
         which the pipeline bounds (half of `limits.decision_timeout_ms`, then a character
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
-        try:
-            routed = await self._pipeline.route(
+        admission: Admission | None = None
+
+        async def route(before_count: Callable | None) -> Routed:
+            return await self._pipeline.route(
                 kind,
                 body,
                 priority_header=hdrs.get(self._priority_header),
@@ -422,10 +428,24 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 truncate_header=hdrs.get(TRUNCATE_HEADER),
                 record=record,
                 trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
-                before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
+                before_count=before_count,
                 subset=subset,
             )
-            admission = await self._ratelimit.admit(tenant, routed.request) if tenant is not None else None  # type: ignore[union-attr]
+
+        try:
+            routed = await route(functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None)  # type: ignore[union-attr]
+            if tenant is not None:
+                admission = await self._ratelimit.admit(tenant, routed.request)  # type: ignore[union-attr]
+                if not self._still_listed(routed):
+                    # Discovery drained or removed the endpoint during the charge's round trip:
+                    # route once more (same model, so the charge stands), else give it back.
+                    log.info("endpoint %s left the pool during the rate-limit charge; routing again", routed.endpoint.address)  # type: ignore[union-attr]
+                    routed = await route(None)
+                    if not self._still_listed(routed):
+                        raise NoEndpointError(
+                            f"the endpoints chosen for model `{routed.request.served_model}` left the pool during the decision; retry",
+                            code="endpoint_gone",
+                        )
         except ExtProcError as exc:
             err: ExtProcError = exc
         except Exception:
@@ -455,12 +475,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if req.model != req.served_model:
                 rewritten = with_model(rewritten or body, req.served_model)
             return Decision(routed, reservation, admission, headers, rewritten)
+        if admission is not None:  # refused after the charge: nothing was sent, nothing is owed
+            self._ratelimit.settle(admission, 0)  # type: ignore[union-attr]
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)
         if record is not None and self._log is not None:
             record.outcome, record.reason, record.status = "rejected", err.code, err.status
             record.decision_s = time.perf_counter() - start
             self._log.write(record)
         return self._reject(err, hdrs)
+
+    def _still_listed(self, routed: Routed) -> bool:
+        """The routed endpoint is still in the datastore, as the same object, and takes new
+        requests (True also when nothing was picked)."""
+        ep = routed.endpoint
+        return ep is None or (self._pipeline.endpoint(ep.address) is ep and not ep.draining)
 
     def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
         """Feed one answer's status to outlier detection; count and log an ejection."""

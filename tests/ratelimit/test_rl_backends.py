@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc.ratelimit.window import ScopeLimit
+from extproc.ratelimit.window import LEASE_MS, ScopeLimit
 
 BASE = 1_700_000_000_000  # an epoch in ms, as Redis's TIME gives; a multiple of 1000
 
@@ -119,8 +119,9 @@ async def test_concurrency_cap_admits_up_to_the_cap_and_settlement_frees_a_slot(
     d = await backend.acquire(lim, 10, BASE, request_id="r2")
     assert d.admitted and d.uses[0].inflight == 2
     d = await backend.acquire(lim, 10, BASE + 1, request_id="r3")
-    # Refused; retry-after: the mean hold time (1 s before any ended) / requests in flight.
-    assert not d.admitted and d.refused_limit == "concurrency" and d.retry_after_ms == 500 and d.uses[0].inflight == 2
+    # Refused; retry-after: the mean hold time (1 s before any ended) / requests in flight = 500 ms,
+    # but both were admitted 1 ms ago: the oldest still needs 999 ms at the mean hold.
+    assert not d.admitted and d.refused_limit == "concurrency" and d.retry_after_ms == 999 and d.uses[0].inflight == 2
     assert (await backend.check(lim, 10, BASE + 1)).refused_limit == "concurrency"
     # A refusal holds nothing; settlement (with or without a token correction) releases.
     await backend.settle(["{cc}"], d.bucket, 0, BASE + 3_000, request_id="r1")
@@ -142,6 +143,18 @@ async def test_an_unsettled_request_stops_counting_after_its_lease(backend):
     assert (await backend.acquire(lim, 1, BASE, request_id="lost")).admitted  # its replica died
     assert not (await backend.acquire(lim, 1, BASE + LEASE_MS - 1, request_id="b")).admitted
     assert (await backend.acquire(lim, 1, BASE + LEASE_MS, request_id="b")).admitted
+
+
+async def test_a_concurrency_retry_after_never_outlasts_the_oldest_lease(backend):
+    """A slot held near the end of its lease (its settlement lost, say) frees when the lease
+    ends: the retry-after says no later than that, and no sooner than 1 ms."""
+    lim = [ScopeLimit("{lease}", concurrent=1)]
+    assert (await backend.acquire(lim, 10, BASE, request_id="r1")).admitted
+    d = await backend.acquire(lim, 10, BASE + LEASE_MS - 400, request_id="r2")
+    assert not d.admitted and d.refused_limit == "concurrency" and d.retry_after_ms == 400
+    d = await backend.acquire(lim, 10, BASE + 10, request_id="r2")
+    assert not d.admitted and d.retry_after_ms == 1_000  # far from the lease's end: the mean hold / 1
+    assert (await backend.acquire(lim, 10, BASE + LEASE_MS, request_id="r2")).admitted  # the lease ended
 
 
 async def test_fifty_concurrent_acquires_never_exceed_the_concurrency_cap(backend):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import orjson
@@ -354,3 +355,71 @@ async def test_precheck_estimates_the_prompt_from_the_tenants_sparsest_bytes_per
     with pytest.raises(TenantRateLimitedError) as exc:
         await lim.precheck(fresh, MODEL, 10, 1, 100)
     assert "Requested 11" in exc.value.message
+
+
+async def _kill_clients(server) -> None:
+    """`CLIENT KILL TYPE normal` from a client of its own (what Redis's idle `timeout`, a proxy,
+    or an operator does to the limiter's pooled connections)."""
+    admin = aioredis.Redis.from_url(server.url)
+    try:
+        await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    finally:
+        await admin.aclose()
+
+
+async def test_a_dropped_pooled_connection_before_settlement_does_not_hold_the_slot(redis_server):
+    """The limiter's pooled connections are killed between admission and settlement: the
+    settlement goes through on a fresh connection, so a cap-1 tenant's next request is admitted
+    (not refused for the 900 s lease); the same for the give-back of a cancelled admission."""
+    registry = CollectorRegistry()
+    lim = _limiter(redis_backend(redis_server), registry, default={"tokens_per_minute": 100_000, "max_concurrent_requests": 1})
+    t = lim.tenant({"authorization": "Bearer sk-anything"})
+    scopes = lim.scopes(t, MODEL)
+    try:
+        adm = await lim.admit(t, _req(10, max_tokens=100))
+        await _kill_clients(redis_server)
+        lim.settle(adm, 50)
+        await _settled(lim)
+        assert (await lim.backend.peek(scopes)).uses[0].inflight == 0
+        adm = await lim.admit(t, _req(10, max_tokens=100))  # admitted: the slot came back
+        assert adm is not None and adm.bucket is not None
+        # A give-back (what a cancelled admission's undo sends) on a pool whose connections died.
+        await _kill_clients(redis_server)
+        await lim.backend.settle(adm.keys, adm.bucket, -adm.charged, request_id=adm.request_id)
+        assert (await lim.backend.peek(scopes)).uses[0].inflight == 0
+        assert _sample(registry, "llm_extproc_ratelimit_backend_errors_total", backend="redis", operation="settle") == 0
+    finally:
+        await lim.aclose()
+
+
+async def test_a_settlement_redis_cannot_take_waits_and_is_delivered_before_the_next_decision(redis_server):
+    """Redis holds every script (`CLIENT PAUSE ... WRITE`) past the settlement's timeout: the
+    settlement is kept (counted, not lost) and delivered before the next decision once Redis
+    answers, so a cap-1 tenant's next request is admitted rather than refused for the lease."""
+    registry = CollectorRegistry()
+    lim = _limiter(
+        redis_backend(redis_server, timeout_ms=100),
+        registry,
+        default={"tokens_per_minute": 100_000, "max_concurrent_requests": 1},
+        redis={"url": redis_server.url, "timeout_ms": 100},
+    )
+    t = lim.tenant({"authorization": "Bearer sk-anything"})
+    scopes = lim.scopes(t, MODEL)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        adm = await lim.admit(t, _req(10, max_tokens=100))
+        await admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
+        lim.settle(adm, 50)
+        await _settled(lim)
+        assert _sample(registry, "llm_extproc_ratelimit_settlements_pending") == 1
+        assert _sample(registry, "llm_extproc_ratelimit_settlements_deferred_total", outcome="queued") == 1
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        nxt = await lim.admit(t, _req(10, max_tokens=100))  # the slot came back before this decision
+        assert nxt is not None and nxt.bucket is not None
+        assert (await lim.backend.peek(scopes)).uses[0].inflight == 1
+        assert _sample(registry, "llm_extproc_ratelimit_settlements_pending") == 0
+        assert _sample(registry, "llm_extproc_ratelimit_settlements_deferred_total", outcome="flushed") == 1
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+        await lim.aclose()

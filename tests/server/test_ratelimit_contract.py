@@ -18,6 +18,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 
+from extproc.config.schema import EndpointConfig
+from extproc.ratelimit.memory import MemoryBackend
 from tests.server.test_contract import MODEL, body_msg, chat_body, error_of, exchange, headers_msg, set_headers, wait_until
 
 SECRET = "sk-live-ratelimit-0123456789"
@@ -247,3 +249,78 @@ async def test_a_concurrency_slot_is_released_however_the_stream_ends(make_app):
                 assert await call.read() == grpc.aio.EOF
             await wait_until(lambda: app.servicer.active_streams == 0)
             assert await inflight_now() == 0, how
+
+
+async def _open_stream(stub) -> tuple[grpc.aio.StreamStreamCall, pb.ProcessingResponse]:
+    """A tenant's chat request, headers then body, left open: the call and the body's reply."""
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+    await call.read()
+    await call.write(body_msg(chat_body(max_tokens=50)))
+    return call, await call.read()
+
+
+class _DiscoveryDuringCharge(MemoryBackend):
+    """The memory backend, with endpoint discovery acting while the charge is decided (what a
+    Redis round trip leaves room for): `during` runs once, inside the first acquire."""
+
+    def __init__(self, during) -> None:
+        super().__init__(60)
+        self._during = during
+
+    async def acquire(self, scopes, cost, now_ms=None, request_id=None):
+        during, self._during = self._during, None
+        if during is not None:
+            during()
+            await asyncio.sleep(0)  # a real suspension, as a remote call has
+        return await super().acquire(scopes, cost, now_ms, request_id)
+
+
+CAPPED = {"enabled": True, "default": {"tokens_per_minute": 100_000, "max_concurrent_requests": 1}}
+
+
+async def test_an_endpoint_drained_during_the_charge_is_not_used_the_request_is_routed_again(make_app):
+    """Discovery drains the chosen endpoint while the rate-limit charge is in flight: the request
+    is routed again to an endpoint still in the pool, never sent to (or counted on) the gone one."""
+    app = await make_app(ratelimit=CAPPED)
+    first, second = [ep.address for ep in app.store.all()]
+    app.store.drain_endpoint(second)  # only `first` can be picked
+    cfg_second = EndpointConfig(address=second, models=[MODEL])
+    gone = app.store.get(first)
+
+    def discovery() -> None:
+        app.store.drain_endpoint(first)  # nothing in flight there: removed at once
+        app.store.add_endpoint(cfg_second)
+
+    app.ratelimit.backend = _DiscoveryDuringCharge(discovery)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call, reply = await _open_stream(pb_grpc.ExternalProcessorStub(ch))
+        assert reply.WhichOneof("response") == "request_body"
+        assert set_headers(reply.request_body.response)["x-gateway-destination-endpoint"] == second
+        assert app.store.get(first) is None and gone.inflight == 0  # nothing counted on the detached one
+        assert app.store.get(second).inflight == 1
+        call.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_an_endpoint_removed_during_the_charge_with_no_other_left_is_a_503_and_the_charge_comes_back(make_app):
+    """The chosen endpoint is removed during the charge and no other is left: a 503 in the
+    OpenAI error shape, the tokens and the concurrency slot given back (the tenant's next
+    request, with a cap of 1, is admitted once an endpoint is back)."""
+    app = await make_app(ratelimit=CAPPED)
+    first, second = [ep.address for ep in app.store.all()]
+    app.store.remove_endpoint(second)
+    app.ratelimit.backend = _DiscoveryDuringCharge(lambda: app.store.remove_endpoint(first))
+    lim = app.ratelimit
+    t = lim.tenant({"authorization": f"Bearer {SECRET}"})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=50)))
+        status, body, _ = error_of(reply)
+        assert status == 503 and body["error"]["type"] == "service_unavailable", body
+        use = (await lim.backend.peek(lim.scopes(t, MODEL))).uses[0]
+        assert use.inflight == 0 and use.tokens == 0
+        assert app.store.open_reservations == 0
+        app.store.add_endpoint(EndpointConfig(address=second, models=[MODEL]))
+        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=50)))
+        assert reply.WhichOneof("response") == "request_body"
