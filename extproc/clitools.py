@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 
 import typer
@@ -25,11 +27,11 @@ def setup_logging(level: str) -> None:
     Raises:
         typer.Exit: (2) an unknown level, after saying which ones exist.
     """
-    import logging
-
     if level.lower() not in LOG_LEVELS:
         raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker = os.environ.get("LLM_EXTPROC_WORKER")  # `serve --workers`: say which worker speaks
+    who = f"[worker {worker}] " if worker else ""
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
 
 
 def stop_on_signals() -> asyncio.Event:

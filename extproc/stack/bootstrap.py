@@ -56,9 +56,15 @@ def envoy_bootstrap(
         workers: `serve --workers N`: the cluster lists ports port .. port + N − 1, health-checked.
 
     Raises:
-        EnvoyError: tier mode, an unknown template, a malformed address, a worker count that
+        EnvoyError: epp or tier mode, an unknown template, a malformed address, a worker count that
             runs past port 65535, or a template whose fields are not where the shipped ones keep them.
     """
+    if cfg.protocol.mode == "epp":
+        raise EnvoyError(
+            "protocol.mode is epp: the picker of a gateway that configures it itself (Envoy Gateway, Istio, "
+            "kgateway, GKE: an InferencePool's endpointPickerRef), which these BUFFERED templates are not; "
+            "see docs/epp.md (deploy/inferencepool), or set protocol.mode: buffered for our own Envoy"
+        )
     if cfg.scheduling.mode == "tier":
         raise EnvoyError(
             "scheduling.mode is tier: its Envoy clusters (one per tier, health-checked through the node agents' "

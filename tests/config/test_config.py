@@ -151,3 +151,16 @@ def test_a_lone_late_problem_is_reported_once_with_its_suggestion():
     with pytest.raises(ConfigError) as info:
         config_from_mapping(minimal(scheduling={"profile": "least-inflite"}), env={})
     assert str(info.value).count("least-inflite") == 1 and "did you mean 'least-inflight'?" in str(info.value)
+
+
+def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():
+    # `serve --workers` sets each worker's listen addresses in its environment; a config error
+    # in a worker named them as "environment overrides" the user never set.
+    bad = {**minimal(), "endpoints": [{"address": "not-an-address", "models": ["m"]}]}
+    own = {"LLM_EXTPROC_GRPC_ADDRESS": "127.0.0.1:7000", "LLM_EXTPROC_ADMIN_ADDRESS": "127.0.0.1:7001"}
+    with pytest.raises(ConfigError) as worker:
+        config_from_mapping(bad, env={**own, "LLM_EXTPROC_WORKER": "1"})
+    assert "environment overrides" not in str(worker.value)
+    with pytest.raises(ConfigError) as user:
+        config_from_mapping(bad, env=own)
+    assert "LLM_EXTPROC_GRPC_ADDRESS" in str(user.value)  # set by the user: still said

@@ -61,6 +61,11 @@ def test_tier_mode_and_unknown_templates_are_refused_with_the_reason():
         envoy_bootstrap(config_from_mapping(CONFIG), template="tier")
     with pytest.raises(EnvoyError, match="host:port"):
         envoy_bootstrap(config_from_mapping(CONFIG), listener="8080")
+    # A picker for a gateway's InferencePool got a BUFFERED bootstrap in silence; every request
+    # through it would then be the mode-mismatch 500.
+    epp = config_from_mapping({**CONFIG, "protocol": {"mode": "epp"}})
+    with pytest.raises(EnvoyError, match="docs/epp.md"):
+        envoy_bootstrap(epp)
 
 
 @pytest.mark.parametrize("template", ["fail-open", "fail-closed"])
