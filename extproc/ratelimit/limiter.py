@@ -216,7 +216,8 @@ class RateLimiter:
             TenantRateLimitedError: no request of this tenant could be admitted now (429).
         """
         floor = self.config.size_cost_base + 1 if self.config.cost == "size" else 1
-        await self._precheck(tenant, self.scopes(tenant, "")[:1], floor)
+        # Its cost is unknown before the body: the refusal counts as a request, not as tokens.
+        await self._precheck(tenant, self.scopes(tenant, "")[:1], floor, count_tokens=False)
 
     async def precheck(self, tenant: Tenant, model: str, max_tokens: int | None, n: int, body_bytes: int) -> None:
         """Refuse before the prompt is tokenized when even the request's least possible cost
@@ -240,7 +241,7 @@ class RateLimiter:
             floor = max(1, prompt) + (max_tokens or 1) * max(1, n)
         await self._precheck(tenant, self.scopes(tenant, model), floor)
 
-    async def _precheck(self, tenant: Tenant, scopes: list[ScopeLimit], floor: int) -> None:
+    async def _precheck(self, tenant: Tenant, scopes: list[ScopeLimit], floor: int, *, count_tokens: bool = True) -> None:
         if not self.limited(tenant):
             return
         if not self.backend.local and self._clock() - self._refused_at.get(tenant.id, -1e18) > 1.0:
@@ -253,7 +254,8 @@ class RateLimiter:
             return  # admit applies the failure policy
         if not decision.admitted:
             self._metrics.child(self._metrics.requests, tenant.label, f"refused_{decision.refused_limit}").inc()
-            self._metrics.child(self._metrics.tokens_refused, tenant.label).inc(floor)
+            if count_tokens:  # the least the request would have cost
+                self._metrics.child(self._metrics.tokens_refused, tenant.label).inc(floor)
             self._note_refusal(tenant)
             raise self._refusal(tenant, scopes, decision, floor, ratelimit_headers(scopes, decision.uses))
 
@@ -410,6 +412,8 @@ class RateLimiter:
             return
         final = admission.charged if used is None else max(0, used)
         self._metrics.child(self._metrics.tokens_settled, admission.tenant.label).inc(final)
+        if admission.request_id is not None:  # it held a slot: the gauge set at decisions drops now
+            self._metrics.child(self._metrics.inflight, admission.tenant.label).dec()
         delta = final - admission.charged
         if delta == 0 and admission.request_id is None:
             return

@@ -39,7 +39,8 @@ class RateLimitMetrics:
         )
         self.tokens_refused = Counter(
             "llm_extproc_ratelimit_tokens_refused_total",
-            "Tokens of requests refused by a rate limit.",
+            "Tokens of requests refused by a rate limit: their cost, or the least they could cost when refused "
+            "before counting (a refusal at the request headers, cost unknown, adds none).",
             ["tenant"],
             registry=registry,
         )
@@ -57,7 +58,8 @@ class RateLimitMetrics:
         )
         self.inflight = Gauge(
             "llm_extproc_ratelimit_inflight_requests",
-            "The tenant's requests in flight at its latest decision (tenants with max_concurrent_requests).",
+            "The tenant's requests in flight (tenants with max_concurrent_requests): as counted at its latest "
+            "decision (all replicas), less those this process saw end since.",
             ["tenant"],
             registry=registry,
         )

@@ -272,9 +272,12 @@ async def test_the_in_flight_slot_is_released_on_abort_error_unknown_and_never_h
         cut.on_end("client_abort")
         adm = first
         for result in (aborted.result, failed.result, cut.result):
+            assert _sample(registry, "llm_extproc_ratelimit_inflight_requests", tenant=t.label) == 1
             lim.settle(adm, lim.used_tokens(adm, result))
             await _settled(lim)
             assert (await lim.backend.peek(scopes)).uses[0].inflight == 0
+            # The gauge follows the end too (it stayed at the last decision's count: phantom load).
+            assert _sample(registry, "llm_extproc_ratelimit_inflight_requests", tenant=t.label) == 0
             adm = await lim.admit(t, _req(10, max_tokens=100))  # the slot is free again
         assert (await lim.backend.peek(scopes)).uses[0].tokens == 12 + 0 + 110 + 110
     finally:
@@ -314,7 +317,8 @@ async def test_redis_keys_holding_requests_in_flight_or_a_refilling_bucket_outli
 
 
 async def test_precheck_at_the_headers_refuses_only_a_tenant_that_could_admit_nothing():
-    lim = _limiter(default={"tokens_per_minute": 1000, "max_concurrent_requests": 2}, tenants={"m": {"models": {MODEL: {"tokens_per_minute": 10}}}}, tenant_header="x-t")
+    registry = CollectorRegistry()
+    lim = _limiter(registry=registry, default={"tokens_per_minute": 1000, "max_concurrent_requests": 2}, tenants={"m": {"models": {MODEL: {"tokens_per_minute": 10}}}}, tenant_header="x-t")
     t = lim.tenant({})
     await lim.precheck_headers(t)
     a = await lim.admit(t, _req(100, max_tokens=800))
@@ -323,6 +327,9 @@ async def test_precheck_at_the_headers_refuses_only_a_tenant_that_could_admit_no
     with pytest.raises(TenantRateLimitedError) as exc:  # both slots held
         await lim.precheck_headers(t)
     assert "requests in flight" in exc.value.message
+    # Refused before its body: a request counted, no tokens (it read as 1 token per refusal).
+    assert _sample(registry, "llm_extproc_ratelimit_requests_total", tenant=t.label, outcome="refused_concurrency") == 1
+    assert _sample(registry, "llm_extproc_ratelimit_tokens_refused_total", tenant=t.label) == 0
     lim.settle(b, 60)
     await lim.precheck_headers(t)
     lim.settle(a, None)  # keeps its 900: the window holds 960 of 1000, a 1-token request fits
