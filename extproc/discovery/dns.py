@@ -3,8 +3,9 @@ per ready pod), re-resolved every `interval_s`, each address on the configured p
 the configured models with the configured labels.
 
 Answers: records → those endpoints; NXDOMAIN or no record of either type → none (the service
-scaled to zero: every endpoint drains). A timeout, SERVFAIL or refusal from every server says
-nothing about the fleet: the last answer stays and the failure is logged (once per outage).
+scaled to zero: every endpoint drains). Any other failure — a timeout, SERVFAIL or refusal from
+every server, YXDOMAIN, or another dnspython error — says nothing about the fleet: the last answer
+stays and the failure is logged (once per outage).
 Resolution uses dnspython's asyncio resolver, with no cache: every period asks the server.
 """
 
@@ -17,6 +18,7 @@ from typing import Literal
 
 import dns.asyncresolver
 import dns.exception
+import dns.name
 import dns.nameserver
 import dns.rdatatype
 import dns.resolver
@@ -49,6 +51,15 @@ class Params(EndpointTemplate):
     nameservers: list[str] = pydantic.Field(default_factory=list)
     record_types: list[Literal["A", "AAAA"]] = pydantic.Field(default_factory=lambda: ["A", "AAAA"], min_length=1)
 
+    @pydantic.field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        try:
+            dns.name.from_text(v)
+        except dns.exception.DNSException as exc:
+            raise ValueError(f"{v!r} is not a DNS name: {exc}") from None
+        return v
+
     @pydantic.field_validator("nameservers")
     @classmethod
     def _servers(cls, v: list[str]) -> list[str]:
@@ -79,7 +90,8 @@ def _split_server(value: str) -> tuple[str, int]:
 
 
 class ResolverDown(Exception):
-    """No server gave an answer (timeout, SERVFAIL, refused): the fleet is unknown, not empty."""
+    """No usable answer (timeout, SERVFAIL, refused, YXDOMAIN, another resolver error): the
+    fleet is unknown, not empty."""
 
 
 class Source(DiscoverySource):
@@ -106,7 +118,8 @@ class Source(DiscoverySource):
         """The name's addresses now, sorted (empty: NXDOMAIN or no records).
 
         Raises:
-            ResolverDown: no server answered.
+            ResolverDown: no usable answer (any dnspython error but NXDOMAIN and NoAnswer, or a
+                socket error).
         """
         found: set[str] = set()
         for rtype in self._params.record_types:
@@ -116,7 +129,7 @@ class Source(DiscoverySource):
                 return []
             except dns.resolver.NoAnswer:
                 continue
-            except (dns.resolver.NoNameservers, dns.exception.Timeout, OSError) as exc:
+            except (dns.exception.DNSException, OSError) as exc:  # NoNameservers, Timeout, YXDOMAIN, ...
                 raise ResolverDown(f"{type(exc).__name__}: {exc}") from None
             found.update(r.address for r in answer if r.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA))
         return sorted(found, key=lambda a: ipaddress.ip_address(a).packed)

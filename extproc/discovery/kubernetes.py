@@ -8,7 +8,11 @@ Protocol (the API server's list/watch contract, kept by a thin aiohttp client �
 * **watch** from it (`?watch=1&resourceVersion=…&allowWatchBookmarks=true&timeoutSeconds=…`):
   ADDED / MODIFIED / DELETED events update the objects, BOOKMARK events only move the version;
 * a watch that ends or drops (server timeout, connection reset, a proxy's idle cut) **resumes**
-  from the last version seen, without a new list; an error before any event backs off first;
+  from the last version seen, without a new list;
+* a cycle (list if due, then watch) that lasted under `MIN_CYCLE_S`, whether it failed, was
+  refused or delivered events before ending, is followed by a capped exponential backoff with
+  jitter: a server or proxy that ends every watch at once (after an event or none) cannot make
+  the source spin; a cycle that lasted longer resets the backoff;
 * **410 Gone** (the version was compacted away), as the watch's status or as an ERROR event,
   means **relist**; so does every `resync_s` (a periodic full list repairs any missed event).
 
@@ -17,6 +21,11 @@ ready, per the API) and not `conditions.terminating`; a Pod is ready when its `R
 is True and it has no `deletionTimestamp`. An endpoint listed but not ready or terminating is
 published as not ready: it takes no new requests and its in-flight ones finish
 (`extproc.discovery.manager`). IPv4 and IPv6 addresses are used; FQDN slices are skipped.
+
+Malformed objects (a field of the wrong JSON type: an event that is not an object, a name that
+is a list, an address that is a number, ...) are skipped with a rate-limited warning; the other
+objects of the list or watch are used. An InferencePool without selector labels, or whose target
+port is not an integer 1..65535, is an error: the list is retried and what was published stays.
 
 Credentials: in a pod, the service account's token and CA are read from
 `/var/run/secrets/kubernetes.io/serviceaccount/` and the server from `KUBERNETES_SERVICE_HOST`
@@ -42,13 +51,24 @@ import orjson
 import pydantic
 
 from extproc.datastore.agent_client import backoff_delay
-from extproc.discovery.base import Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext
+from extproc.discovery.base import Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext, WarnEvery
 
-__all__ = ["Params", "Source", "Gone", "ApiError", "SERVICE_ACCOUNT_DIR", "slice_endpoints", "pod_endpoint", "pool_selector"]
+__all__ = [
+    "Params", "Source", "Gone", "ApiError", "Malformed", "SERVICE_ACCOUNT_DIR", "slice_endpoints", "pod_endpoint", "pool_selector", "object_name",
+]
 
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+MIN_CYCLE_S = 1.0
+"""A list + watch cycle shorter than this (seconds) is followed by a backoff (module doc). A
+watch that runs its course lasts its `timeoutSeconds`, at least 1 s (the smallest this source
+asks for), so only a cut or refused one is shorter."""
+
+BACKOFF_INITIAL_S, BACKOFF_MAX_S = 0.1, 10.0
+"""Backoff bounds after a short or failed cycle (seconds): `backoff_delay`'s equal jitter over
+`min(max, initial · 2^attempt)`."""
 
 
 class Params(EndpointTemplate):
@@ -109,43 +129,120 @@ class Gone(Exception):
     """410 Gone: the resource version is too old; relist."""
 
 
+class Malformed(ValueError):
+    """An API object not of its kind's shape (an object that is not a JSON object, a field of
+    the wrong JSON type); the message names the field, never the object's content."""
+
+
+def _json_type(value: Any) -> str:
+    """`value`'s JSON type, with its article (for error messages that must not show content)."""
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return "null" if value is None else kinds.get(type(value), f"a {type(value).__name__}")
+
+
+def _field(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    """`obj[key]` when it is a `kind`; `default` when it is absent or null.
+
+    Raises:
+        Malformed: it is of another type (a bool is not an int).
+    """
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise Malformed(f"{key} is {_json_type(value)}")
+    return value
+
+
+def _objects_in(items: list[Any], what: str) -> list[Mapping[str, Any]]:
+    """`items` when every one is a JSON object.
+
+    Raises:
+        Malformed: one is not.
+    """
+    for item in items:
+        if not isinstance(item, Mapping):
+            raise Malformed(f"{what} is {_json_type(item)}")
+    return items
+
+
+def object_name(obj: Any) -> str:
+    """An object's `metadata.name`.
+
+    Raises:
+        Malformed: `obj` or its metadata is not an object, or the name is missing or not a
+            string.
+    """
+    if not isinstance(obj, Mapping):
+        raise Malformed(f"the object is {_json_type(obj)}")
+    name = _field(_field(obj, "metadata", Mapping, {}), "name", str, "")
+    if not name:
+        raise Malformed("metadata.name is missing")
+    return name
+
+
 def slice_endpoints(obj: Mapping[str, Any]) -> list[tuple[str, bool]]:
     """(ip, ready) for every address of an EndpointSlice (discovery.k8s.io/v1); FQDN slices
-    give none. Ready: `conditions.ready` not false and `conditions.terminating` not true."""
+    give none. Ready: `conditions.ready` not false and `conditions.terminating` not true.
+
+    Raises:
+        Malformed: a field of the wrong type (endpoints not a list, an endpoint or its
+            conditions not an object, an address not a string).
+    """
+    if not isinstance(obj, Mapping):
+        raise Malformed(f"the object is {_json_type(obj)}")
     if obj.get("addressType") not in ("IPv4", "IPv6"):
         return []
     out = []
-    for ep in obj.get("endpoints") or ():
-        cond = ep.get("conditions") or {}
+    for ep in _objects_in(_field(obj, "endpoints", list, []), "an endpoint"):
+        cond = _field(ep, "conditions", Mapping, {})
         ready = cond.get("ready") is not False and cond.get("terminating") is not True
-        out.extend((ip, ready) for ip in ep.get("addresses") or ())
+        for ip in _field(ep, "addresses", list, []):
+            if not isinstance(ip, str):
+                raise Malformed(f"an address is {_json_type(ip)}")
+            out.append((ip, ready))
     return out
 
 
 def pod_endpoint(obj: Mapping[str, Any]) -> list[tuple[str, bool]]:
     """(ip, ready) of a Pod: none before it has an IP; ready when its `Ready` condition is True
-    and it is not being deleted."""
-    status = obj.get("status") or {}
-    ips = [p.get("ip") for p in status.get("podIPs") or () if p.get("ip")] or ([status["podIP"]] if status.get("podIP") else [])
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
-    ready = ready and not (obj.get("metadata") or {}).get("deletionTimestamp")
+    and it is not being deleted.
+
+    Raises:
+        Malformed: a field of the wrong type (status, metadata or a condition not an object,
+            podIPs or conditions not a list, an IP not a string).
+    """
+    if not isinstance(obj, Mapping):
+        raise Malformed(f"the object is {_json_type(obj)}")
+    status = _field(obj, "status", Mapping, {})
+    ips = [ip for p in _objects_in(_field(status, "podIPs", list, []), "a podIPs entry") if (ip := _field(p, "ip", str, ""))]
+    if not ips and (ip := _field(status, "podIP", str, "")):
+        ips = [ip]
+    conditions = _objects_in(_field(status, "conditions", list, []), "a condition")
+    deleting = _field(obj, "metadata", Mapping, {}).get("deletionTimestamp")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions) and not deleting
     return [(ip, ready) for ip in ips]
 
 
-def pool_selector(pool: Mapping[str, Any]) -> tuple[str, int | None]:
+def pool_selector(pool: Any) -> tuple[str, int | None]:
     """An InferencePool's Pod label selector (`k=v,...`) and target port (None if unset).
 
     Raises:
-        ValueError: the pool has no selector labels.
+        ValueError: the pool has no selector labels, a field of the wrong type, or a target
+            port that is not an integer 1..65535 (the message names the port).
     """
-    spec = pool.get("spec") or {}
-    sel = spec.get("selector") or {}
+    if not isinstance(pool, Mapping):
+        raise Malformed(f"the InferencePool is {_json_type(pool)}")
+    spec = _field(pool, "spec", Mapping, {})
+    sel = _field(spec, "selector", Mapping, {})
     labels = sel.get("matchLabels") if isinstance(sel.get("matchLabels"), Mapping) else sel
     if not labels or not all(isinstance(v, str) for v in labels.values()):
         raise ValueError("the InferencePool has no selector labels")
-    ports = spec.get("targetPorts") or []
-    port = ports[0].get("number") if ports and isinstance(ports[0], Mapping) else spec.get("targetPortNumber")
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items())), int(port) if port else None
+    ports = _objects_in(_field(spec, "targetPorts", list, []), "a targetPorts entry")
+    port = ports[0].get("number") if ports else spec.get("targetPortNumber")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+        raise ValueError(f"the InferencePool's target port {port!r} is not an integer 1..65535")
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items())), port
 
 
 class Source(DiscoverySource):
@@ -174,6 +271,9 @@ class Source(DiscoverySource):
         """Watches opened (count)."""
         self.relists_for_gone = 0
         """Relists forced by 410 Gone (count)."""
+        self.malformed = 0
+        """Objects and events skipped as malformed (count)."""
+        self._warn_malformed = WarnEvery(log, 60.0)
 
     # -- HTTP ------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -199,7 +299,7 @@ class Source(DiscoverySource):
             return f"/api/v1/namespaces/{ns}/pods"
         return f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 
-    async def _get_json(self, session: aiohttp.ClientSession, path: str, query: Mapping[str, str]) -> dict[str, Any]:
+    async def _get_json(self, session: aiohttp.ClientSession, path: str, query: Mapping[str, str]) -> Any:
         url = f"{self._server}{path}" + (f"?{urlencode(query)}" if query else "")
         async with session.get(url, headers=self._headers(), timeout=aiohttp.ClientTimeout(total=self._params.timeout_s)) as resp:
             if resp.status == 410:
@@ -223,13 +323,30 @@ class Source(DiscoverySource):
             if self._port is None:
                 raise ApiError(f"inferencepool {self._params.inference_pool}: no target port, and no port configured")
         body = await self._get_json(session, self._path(), {"labelSelector": self._selector})
+        try:
+            if not isinstance(body, Mapping):
+                raise Malformed(f"the answer is {_json_type(body)}")
+            items, meta = _field(body, "items", list, []), _field(body, "metadata", Mapping, {})
+        except Malformed as exc:
+            raise ApiError(f"list {self._path()}: {exc}") from None
         extract = pod_endpoint if self._params.inference_pool else slice_endpoints
-        self._objects = {(o.get("metadata") or {}).get("name", ""): extract(o) for o in body.get("items") or ()}
-        self.resource_version = (body.get("metadata") or {}).get("resourceVersion")
+        objects: dict[str, list[tuple[str, bool]]] = {}
+        for obj in items:
+            try:
+                objects[object_name(obj)] = extract(obj)
+            except Malformed as exc:
+                self._skip_malformed("list", exc)
+        self._objects = objects
+        version = meta.get("resourceVersion")
+        self.resource_version = version if isinstance(version, str) and version else None
         self.lists += 1
         self._publish(publish)
 
-    async def _events(self, session: aiohttp.ClientSession, timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+    def _skip_malformed(self, where: str, exc: Malformed) -> None:
+        self.malformed += 1
+        self._warn_malformed.warning("%s: skipping a malformed object in the %s (%s)", self.name, where, exc)
+
+    async def _events(self, session: aiohttp.ClientSession, timeout_s: float) -> AsyncIterator[Any]:
         query = {
             "watch": "1",
             "labelSelector": self._selector,
@@ -250,32 +367,33 @@ class Source(DiscoverySource):
                 if line.strip():
                     yield orjson.loads(line)
 
-    def _apply(self, event: Mapping[str, Any]) -> bool:
+    def _apply(self, event: Any) -> bool:
         """Apply one watch event; True when the endpoints changed.
 
         Raises:
-            Gone: an ERROR event with code 410. ApiError: another ERROR event.
+            Gone: an ERROR event with code 410. ApiError: another ERROR event. Malformed: the
+                event or its object is not of the expected shape (nothing was changed).
         """
-        kind, obj = event.get("type"), event.get("object") or {}
-        meta = obj.get("metadata") or {}
+        if not isinstance(event, Mapping):
+            raise Malformed(f"the event is {_json_type(event)}")
+        kind, obj = event.get("type"), _field(event, "object", Mapping, {})
         if kind == "ERROR":
             if obj.get("code") == 410:
-                raise Gone(obj.get("message", ""))
+                raise Gone(str(obj.get("message", "")))
             raise ApiError(f"watch error event: {obj.get('code')} {obj.get('reason')}")
-        if meta.get("resourceVersion"):
-            self.resource_version = meta["resourceVersion"]
-        if kind == "BOOKMARK":
-            return False
-        name = meta.get("name", "")
+        version = _field(obj, "metadata", Mapping, {}).get("resourceVersion")
+        if isinstance(version, str) and version:
+            self.resource_version = version
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return False  # BOOKMARK (only the version moves), or a type this code does not know
+        name = object_name(obj)
         extract = pod_endpoint if self._params.inference_pool else slice_endpoints
         if kind == "DELETED":
             return self._objects.pop(name, None) is not None
-        if kind in ("ADDED", "MODIFIED"):
-            found = extract(obj)
-            changed = self._objects.get(name) != found
-            self._objects[name] = found
-            return changed
-        return False
+        found = extract(obj)
+        changed = self._objects.get(name) != found
+        self._objects[name] = found
+        return changed
 
     def _publish(self, publish: Publish) -> None:
         merged: dict[str, Discovered] = {}
@@ -298,32 +416,36 @@ class Source(DiscoverySource):
         listed_at = 0.0
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl())) as session:
             while True:
+                began = time.monotonic()
                 try:
                     if need_list or time.monotonic() - listed_at >= p.resync_s:
                         await self._list(session, publish)
                         listed_at, need_list = time.monotonic(), False
                     remaining = max(1.0, min(p.watch_timeout_s, p.resync_s - (time.monotonic() - listed_at)))
-                    started, events = time.monotonic(), 0
                     async for event in self._events(session, remaining):
-                        events += 1
-                        if self._apply(event):
+                        try:
+                            changed = self._apply(event)
+                        except Malformed as exc:
+                            self._skip_malformed("watch", exc)
+                            continue
+                        if changed:
                             self._publish(publish)
-                        attempt = 0
-                    if events or time.monotonic() - started >= 1.0:
-                        continue  # the watch ended (server timeout): resume from resource_version
-                    # An empty watch that ended at once: back off rather than spin.
+                    # The watch ended (server timeout): resume from resource_version.
                 except Gone:
                     self.relists_for_gone += 1
                     log.info("%s: resource version %s expired (410 Gone); listing again", self.name, self.resource_version)
                     need_list = True
                     self.resource_version = None
-                    continue
                 except (aiohttp.ClientError, TimeoutError, ApiError, ValueError) as exc:
                     # ValueError: a body that is not JSON. What was published stays.
                     log.warning("%s: %s; retrying", self.name, exc if isinstance(exc, ApiError) else type(exc).__name__)
                     if self.resource_version is None:
                         need_list = True
-                await asyncio.sleep(backoff_delay(attempt, initial_s=0.1, max_s=10.0, rng=self._rng))
+                if time.monotonic() - began >= MIN_CYCLE_S:
+                    attempt = 0  # a watch that ran a while (or a slow failure): go again at once
+                    continue
+                # Ended at once — refused, failed, or cut after an event or none: never spin.
+                await asyncio.sleep(backoff_delay(attempt, initial_s=BACKOFF_INITIAL_S, max_s=BACKOFF_MAX_S, rng=self._rng))
                 attempt += 1
 
 

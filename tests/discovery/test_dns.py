@@ -1,12 +1,18 @@
 """DNS discovery against a real DNS server (dnsmasq): records added, removed, changed, the
-name gone, and the server down then back."""
+name gone, and the server down then back; answers dnsmasq cannot give (YXDOMAIN) from a
+scripted UDP server built on dnspython's own message code."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
 import pytest
 import pytest_asyncio
 
@@ -16,13 +22,14 @@ from extproc.discovery.manager import Discovery
 from tests.agent.agent_helpers import eventually
 from tests.discovery.dnsmasq import DNSMASQ, Dnsmasq
 
-pytestmark = pytest.mark.skipif(not Path(DNSMASQ).exists(), reason="dnsmasq is not installed (apt-get install dnsmasq)")
 
 NAME = "vllm.svc.test"
 
 
 @pytest.fixture
 def dnsmasq(tmp_path: Path):
+    if not Path(DNSMASQ).exists():
+        pytest.skip("dnsmasq is not installed (apt-get install dnsmasq)")
     server = Dnsmasq(tmp_path)
     server.write({NAME: ["10.0.0.1", "10.0.0.2"]})
     server.start()
@@ -95,3 +102,64 @@ async def test_a_resolver_outage_keeps_the_endpoints_and_recovery_applies_the_ne
     dns.write({NAME: ["10.0.0.2", "10.0.0.5"]})
     dns.start(port)
     await eventually(lambda: addresses(store) == {"10.0.0.2:8000", "10.0.0.5:8000"})
+
+
+class ScriptedDns(asyncio.DatagramProtocol):
+    """A UDP DNS server on 127.0.0.1 answering every A query with `ips`, or with `rcode` when
+    set (YXDOMAIN, REFUSED: answers dnsmasq does not give for a name it serves)."""
+
+    def __init__(self) -> None:
+        self.ips: list[str] = []
+        self.rcode: int | None = None
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a datagram endpoint's
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        query = dns.message.from_wire(data)
+        reply = dns.message.make_response(query)
+        question = query.question[0]
+        if self.rcode is not None:
+            reply.set_rcode(self.rcode)
+        elif question.rdtype == dns.rdatatype.A and self.ips:
+            reply.answer.append(dns.rrset.from_text_list(question.name, 5, "IN", "A", self.ips))
+        assert self.transport is not None
+        self.transport.sendto(reply.to_wire(), addr)
+
+
+async def test_yxdomain_and_other_resolver_errors_keep_the_endpoints_and_do_not_crash_the_source(
+    caplog: pytest.LogCaptureFixture,
+):
+    server = ScriptedDns()
+    server.ips = ["10.0.0.1"]
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(lambda: server, local_addr=("127.0.0.1", 0))
+    store = Datastore([])
+    src = source(transport.get_extra_info("sockname")[1])
+    d = Discovery(store, [src], initial_wait_s=5)
+    try:
+        await d.start()
+        assert addresses(store) == {"10.0.0.1:8000"}
+        for rcode in (dns.rcode.YXDOMAIN, dns.rcode.REFUSED):  # YXDOMAIN: used to end run()
+            server.rcode = rcode
+            failures = src.failures
+            await eventually(lambda: src.failures >= failures + 3)
+            assert addresses(store) == {"10.0.0.1:8000"}  # unknown is not empty
+            server.rcode = None
+            resolutions = src.resolutions
+            await eventually(lambda: src.resolutions > resolutions)
+        server.ips = ["10.0.0.2"]
+        await eventually(lambda: addresses(store) == {"10.0.0.2:8000"})
+    finally:
+        await d.aclose()
+        transport.close()
+    assert "restarting" not in caplog.text  # the manager never had to restart the source
+    down = [r.getMessage() for r in caplog.records if "no answer" in r.getMessage()]
+    assert len(down) == 2 and "YXDOMAIN" in down[0]  # once per outage, naming the error
+
+
+def test_a_name_that_is_not_a_dns_name_is_a_configuration_error():
+    with pytest.raises(ValueError, match="not a DNS name"):
+        Params(name="a" * 64 + ".svc", port=8000, models=["m"])
+    with pytest.raises(ValueError, match="not a DNS name"):
+        Params(name="vllm..svc", port=8000, models=["m"])

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 import pytest
 
 from extproc.config.loader import ConfigError, config_from_mapping
 from extproc.datastore.endpoints import Datastore
-from extproc.discovery.base import Discovered
-from extproc.discovery.kubernetes import Params, Source, pool_selector
+from extproc.discovery.base import Discovered, WarnEvery
+from extproc.discovery.kubernetes import Malformed, Params, Source, pod_endpoint, pool_selector, slice_endpoints
 from extproc.discovery.manager import Discovery
 from tests.agent.agent_helpers import eventually
 from tests.discovery.fake_apiserver import FakeApiServer, data, gone, hold, stream
@@ -166,6 +168,127 @@ async def test_an_inference_pools_selector_and_port_pick_its_pods(tmp_path: Path
     assert split(reports[1]) == ({"10.44.1.17:8000"}, {"10.44.2.9:8000", "10.44.3.4:8000"})  # deletionTimestamp set
     assert split(reports[2])[0] == {"10.44.1.17:8000", "10.44.4.2:8000"}
     assert "10.44.2.9:8000" not in reports[3]
+
+
+def endpoint_slice(name: str, *ips: str, **fields) -> dict:
+    """A minimal IPv4 EndpointSlice, every address ready; `fields` replace its top-level ones."""
+    body = {"kind": "EndpointSlice", "metadata": {"name": name, "resourceVersion": "1"}, "addressType": "IPv4"}
+    return {**body, "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips], **fields}
+
+
+def slice_list(*items: object) -> bytes:
+    return orjson.dumps({"kind": "EndpointSliceList", "metadata": {"resourceVersion": "100"}, "items": list(items)})
+
+
+def events(*evs: object) -> bytes:
+    return b"".join(orjson.dumps(e) + b"\n" for e in evs)
+
+
+async def test_a_watch_cut_after_every_event_backs_off_instead_of_spinning(tmp_path: Path):
+    # A proxy (or a broken server) that ends every watch right after one event: each resumed
+    # watch ends at once too. The source must back off, not reconnect thousands of times a
+    # second; the events still apply.
+    one_event = events({"type": "MODIFIED", "object": endpoint_slice("s1", "10.0.0.2")})
+    server = FakeApiServer(TOKEN, SLICES, lists=[slice_list(endpoint_slice("s1", "10.0.0.1"))], watches=[stream(one_event)])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm"), rng=random.Random(7))
+    reports: list[dict[str, Discovered]] = []
+    task = asyncio.create_task(src.run(lambda r: reports.append(dict(r))))
+    try:
+        await asyncio.sleep(2.0)
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.aclose()
+    # Backoff 0.1 s doubling, equal jitter: the delays before watches 2..7 add up to at least
+    # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s = 1.55 s, so at most 7 watches fit in 2 s (without the backoff: over 1,500).
+    assert 2 <= len(server.watch_requests()) <= 7
+    assert len(server.list_requests()) == 1  # resumed each time, never relisted
+    assert set(reports[-1]) == {"10.0.0.2:8000"}
+
+
+async def test_malformed_objects_are_skipped_and_the_others_used(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    done = asyncio.Event()
+    good = endpoint_slice("good", "10.0.0.1", "10.0.0.2")
+    listed = slice_list(
+        "not an object",
+        endpoint_slice("name-a-list", "10.0.0.3", metadata={"name": ["x"]}),
+        endpoint_slice("int-address", "10.0.0.4", endpoints=[{"addresses": [167772165]}]),
+        good,
+        endpoint_slice("conditions-a-list", "10.0.0.6", endpoints=[{"addresses": ["10.0.0.6"], "conditions": [True]}]),
+    )
+    watched = events(
+        ["an", "event", "that", "is", "a", "list"],
+        {"type": "ADDED", "object": "a string"},
+        {"type": "ADDED", "object": endpoint_slice("endpoints-a-dict", endpoints={"addresses": ["10.0.0.7"]})},
+        # The good slice, modified into a bad shape: ignored, its addresses stay as they were.
+        {"type": "MODIFIED", "object": endpoint_slice("good", endpoints=[{"addresses": ["10.0.0.1"], "conditions": ["ready"]}])},
+        {"type": "ADDED", "object": endpoint_slice("new", "10.0.0.8")},
+    )
+    server = FakeApiServer(TOKEN, SLICES, lists=[listed], watches=[stream(watched), hold(done)])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm"))
+    # A second watch means run() lived through every bad object (a crash would end it).
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 2, done)
+    assert set(reports[0]) == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    assert set(reports[-1]) == {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.8:8000"}
+    assert src.malformed == 8 and len(server.list_requests()) == 1
+    warnings = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(warnings) == 1 and "the object is a string" in warnings[0].getMessage()  # rate-limited
+
+
+def test_warn_every_logs_once_per_interval_and_counts_the_rest(caplog: pytest.LogCaptureFixture):
+    now = [0.0]
+    warn = WarnEvery(logging.getLogger("test.warn_every"), 60.0, clock=lambda: now[0])
+    for t in (0.0, 1.0, 59.0, 60.0, 61.0):
+        now[0] = t
+        warn.warning("bad object %d", int(t))
+    assert [r.getMessage() for r in caplog.records] == ["bad object 0", "bad object 60 (2 similar warnings suppressed)"]
+    assert warn.suppressed == 1
+
+
+@pytest.mark.parametrize(
+    ("extract", "obj", "field"),
+    [
+        (slice_endpoints, endpoint_slice("s", endpoints={"addresses": ["10.0.0.1"]}), "endpoints is an object"),
+        (slice_endpoints, endpoint_slice("s", endpoints=["10.0.0.1"]), "an endpoint is a string"),
+        (slice_endpoints, endpoint_slice("s", endpoints=[{"addresses": [10]}]), "an address is a number"),
+        (slice_endpoints, endpoint_slice("s", endpoints=[{"addresses": "10.0.0.1"}]), "addresses is a string"),
+        (slice_endpoints, endpoint_slice("s", endpoints=[{"addresses": ["10.0.0.1"], "conditions": []}]), "conditions is a list"),
+        (slice_endpoints, [], "the object is a list"),
+        (pod_endpoint, {"status": []}, "status is a list"),
+        (pod_endpoint, {"status": {"podIPs": ["10.0.0.1"]}}, "a podIPs entry is a string"),
+        (pod_endpoint, {"status": {"podIP": 10}}, "podIP is a number"),
+        (pod_endpoint, {"status": {"podIP": "10.0.0.1", "conditions": {"type": "Ready"}}}, "conditions is an object"),
+        (pod_endpoint, {"status": {"podIP": "10.0.0.1"}, "metadata": "m"}, "metadata is a string"),
+    ],
+)
+def test_a_malformed_object_raises_malformed_naming_the_field(extract, obj, field):
+    with pytest.raises(Malformed, match=field):
+        extract(obj)
+
+
+@pytest.mark.parametrize("port", ["99999", 99999, 0, [8000], True, 8000.5, "8000"])
+def test_a_pool_target_port_must_be_an_integer_port_number(port):
+    with pytest.raises(ValueError, match=f"target port {port!r}".replace("[", r"\[").replace("]", r"\]")):
+        pool_selector({"spec": {"selector": {"app": "vllm"}, "targetPorts": [{"number": port}]}})
+    with pytest.raises(ValueError, match="target port"):
+        pool_selector({"spec": {"selector": {"app": "vllm"}, "targetPortNumber": port}})
+
+
+async def test_a_pool_with_an_out_of_range_port_publishes_nothing_and_says_which_port(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    # Was: "99999" accepted, then every pod skipped as "not an IP literal" (the fleet drained).
+    pool = orjson.loads(data("inferencepool.json"))
+    pool["spec"]["targetPorts"] = [{"number": "99999"}]
+    server = FakeApiServer(TOKEN, PODS, lists=[data("pods-list.json")], watches=[gone()], objects={POOL: orjson.dumps(pool)})
+    await server.start()
+    src = Source(params(server, tmp_path, inference_pool="qwen3-8b"))
+    reports = await run_source(src, server, lambda: len(server.seen) >= 2)
+    assert reports == [] and {s.path for s in server.seen} == {POOL}  # the pods were never listed
+    assert "target port '99999' is not an integer 1..65535" in caplog.text and "not an IP literal" not in caplog.text
 
 
 def test_pool_selector_reads_v1_and_v1alpha2_shapes():
