@@ -113,26 +113,44 @@ class Source(DiscoverySource):
         """Successful resolutions (count)."""
         self.failures = 0
         """Resolutions that got no answer (count)."""
+        self._by_type: dict[str, list[str]] = {}  # each record type's last answer
+        self._failing: set[str] = set()  # types whose last ask failed (warned once)
 
     async def resolve(self) -> list[str]:
         """The name's addresses now, sorted (empty: NXDOMAIN or no records).
 
+        Each record type is asked on its own. One that fails while another answers keeps its
+        own last answer (none yet: no addresses of that type): a server that refuses AAAA but
+        answers A (dnsmasq without `--local`, some resolvers) must not cost the A records.
+
         Raises:
-            ResolverDown: no usable answer (any dnspython error but NXDOMAIN and NoAnswer, or a
-                socket error).
+            ResolverDown: no type got a usable answer (any dnspython error but NXDOMAIN and
+                NoAnswer, or a socket error, for every type).
         """
-        found: set[str] = set()
+        found: dict[str, list[str]] = {}
+        errors: dict[str, str] = {}
         for rtype in self._params.record_types:
             try:
                 answer = await self._resolver.resolve(self._params.name, rtype, lifetime=self._params.timeout_s, search=False)
             except dns.resolver.NXDOMAIN:
+                self._by_type.clear()
                 return []
             except dns.resolver.NoAnswer:
+                found[rtype] = []
                 continue
             except (dns.exception.DNSException, OSError) as exc:  # NoNameservers, Timeout, YXDOMAIN, ...
-                raise ResolverDown(f"{type(exc).__name__}: {exc}") from None
-            found.update(r.address for r in answer if r.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA))
-        return sorted(found, key=lambda a: ipaddress.ip_address(a).packed)
+                errors[rtype] = f"{type(exc).__name__}: {exc}"
+                continue
+            found[rtype] = [r.address for r in answer if r.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA)]
+        if not found:
+            raise ResolverDown("; ".join(f"{t}: {e}" for t, e in errors.items()))
+        for rtype, error in errors.items():
+            if rtype not in self._failing:
+                log.warning("%s: %s records not answered (%s); the other types' answers are used", self.name, rtype, error)
+        self._failing = set(errors)
+        self._by_type.update(found)
+        addresses = {a for t in self._params.record_types for a in self._by_type.get(t, ())}
+        return sorted(addresses, key=lambda a: ipaddress.ip_address(a).packed)
 
     async def run(self, publish: Publish) -> None:
         down = False
@@ -143,7 +161,7 @@ class Source(DiscoverySource):
             except ResolverDown as exc:
                 self.failures += 1
                 if not down:
-                    log.warning("%s: no answer (%s); keeping the %d endpoints last resolved", self.name, exc, len(last or []))
+                    log.warning("%s: no answer (%s); keeping the endpoints last resolved (%d)", self.name, exc, len(last or []))
                 down = True
             else:
                 self.resolutions += 1

@@ -111,6 +111,7 @@ class ScriptedDns(asyncio.DatagramProtocol):
     def __init__(self) -> None:
         self.ips: list[str] = []
         self.rcode: int | None = None
+        self.refuse_aaaa = False  # REFUSED for AAAA only, as dnsmasq without --local answers
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -122,6 +123,8 @@ class ScriptedDns(asyncio.DatagramProtocol):
         question = query.question[0]
         if self.rcode is not None:
             reply.set_rcode(self.rcode)
+        elif self.refuse_aaaa and question.rdtype == dns.rdatatype.AAAA:
+            reply.set_rcode(dns.rcode.REFUSED)
         elif question.rdtype == dns.rdatatype.A and self.ips:
             reply.answer.append(dns.rrset.from_text_list(question.name, 5, "IN", "A", self.ips))
         assert self.transport is not None
@@ -156,6 +159,22 @@ async def test_yxdomain_and_other_resolver_errors_keep_the_endpoints_and_do_not_
     assert "restarting" not in caplog.text  # the manager never had to restart the source
     down = [r.getMessage() for r in caplog.records if "no answer" in r.getMessage()]
     assert len(down) == 2 and "YXDOMAIN" in down[0]  # once per outage, naming the error
+
+
+async def test_a_refused_aaaa_query_does_not_cost_the_a_records():
+    # A server refusing AAAA (dnsmasq without --local) made the whole resolution fail: a new
+    # user's fleet stayed empty though every A record was there.
+    server = ScriptedDns()
+    server.ips, server.refuse_aaaa = ["10.0.0.1"], True
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(lambda: server, local_addr=("127.0.0.1", 0))
+    try:
+        src = source(transport.get_extra_info("sockname")[1])
+        assert await src.resolve() == ["10.0.0.1"]
+        server.rcode = dns.rcode.REFUSED  # every type refused: unknown, not empty
+        with pytest.raises(ResolverDown, match="A: .*AAAA: "):
+            await src.resolve()
+    finally:
+        transport.close()
 
 
 def test_a_name_that_is_not_a_dns_name_is_a_configuration_error():
