@@ -75,6 +75,11 @@ lists none and the others skip that round of reconciliation (owner expiry still 
 RECONNECT_S = 0.5
 """Seconds between two attempts to reach Redis again."""
 
+CLOSE_WAIT_S = 5.0
+"""Most seconds `aclose` waits for its tasks to stop. redis-py (8.1) can return normally from a
+PUBLISH whose task was cancelled, so the cancellation is lost: every loop also checks a closing
+flag, and a task that still has not stopped by then is left behind with a warning."""
+
 LOG_EVERY_S = 10.0
 """Least seconds between two log lines of one kind (Redis lost, input rejected): a flood of bad
 messages or a Redis outage is counted in the metrics, not written once per message."""
@@ -205,6 +210,7 @@ class ReplicaSync:
         self._pub: aioredis.Redis | None = None
         self._last_log: dict[str, float] = {}
         self.connected = False
+        self._closing = False
         m = self.metrics
         self._published = m.events.labels("published")
         self._applied = m.events.labels("applied")
@@ -258,6 +264,7 @@ class ReplicaSync:
     async def start(self) -> None:
         """Start publishing, subscribing and expiring (returns at once; Redis may be down)."""
         timeout = self._redis.timeout_ms / 1000
+        self._closing = False
         self._pub = aioredis.Redis.from_url(
             self._redis.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
         )
@@ -276,7 +283,9 @@ class ReplicaSync:
         )
 
     async def aclose(self) -> None:
-        """Say goodbye (the others release what this replica held at once), stop the tasks."""
+        """Say goodbye (the others release what this replica held at once), stop the tasks
+        (waiting at most `CLOSE_WAIT_S` for them)."""
+        self._closing = True
         if self._pub is not None and self._tasks:
             try:
                 async with asyncio.timeout(self._redis.timeout_ms / 1000 * 2):
@@ -285,11 +294,14 @@ class ReplicaSync:
                 pass
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
-                pass
+        self._wake.set()  # a publisher whose cancellation redis-py swallowed sees _closing at once
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
+            for t in self._tasks:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: an error of a task being stopped changes nothing
+            if pending:
+                log.warning("replica sync: %d task(s) did not stop within %.0f s", len(pending), CLOSE_WAIT_S)
         self._tasks = []
         if self._pub is not None:
             await self._pub.aclose()
@@ -323,8 +335,10 @@ class ReplicaSync:
         timeout = self._redis.timeout_ms / 1000 * 2
         window = self.config.flush_ms / 1000
         last = float("-inf")
-        while True:
+        while not self._closing:
             await self._wake.wait()
+            if self._closing:
+                return
             # At most one PUBLISH per `flush_ms`: what queues meanwhile goes in the same batch,
             # so the cost per second is bounded whatever the decision rate (an event after a
             # quiet spell goes at once).
@@ -348,14 +362,14 @@ class ReplicaSync:
 
     async def _subscriber(self) -> None:
         timeout = self._redis.timeout_ms / 1000
-        while True:
+        while not self._closing:
             client = aioredis.Redis.from_url(self._redis.url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 async with asyncio.timeout(timeout * 4):
                     await pubsub.subscribe(self.config.channel)
                 self._set_connected(True)
-                while True:
+                while not self._closing:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None and msg.get("type") == "message" and not msg["data"].startswith(self._own_head):
                         try:
@@ -379,7 +393,8 @@ class ReplicaSync:
                     await client.aclose()
                 except (RedisError, OSError):
                     pass
-            await asyncio.sleep(RECONNECT_S)
+            if not self._closing:
+                await asyncio.sleep(RECONNECT_S)
 
     def _set_connected(self, up: bool) -> None:
         if up and not self.connected:
@@ -388,7 +403,7 @@ class ReplicaSync:
         self.metrics.connected.set(1 if up else 0)
 
     async def _ticker(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.config.heartbeat_s)
             ids = list(self._local.values()) if len(self._local) <= MAX_HEARTBEAT_IDS else None
             self._enqueue(["h", ids])
