@@ -30,12 +30,20 @@ each event one of:
     ["x", address, [block hash, ...], session key or nil]                        prefix / session
     ["h", [rid, ...] or nil]                                                     heartbeat
     ["b"]                                                                       leaving
+
+Anything that can publish on the channel is read as untrusted input: a message not of this shape
+is rejected whole, an event not of its shape (a number that is not finite or out of range, an id
+that is not an int, a session key that is not short bytes) is rejected alone, both counted in
+`llm_extproc_replica_sync_rejected_total{what}` and logged at most once per `LOG_EVERY_S`. No
+message, however built, ends the subscription. Events after a goodbye in the same batch are
+ignored, and at most `MAX_PEERS` other replicas are tracked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
@@ -66,6 +74,40 @@ lists none and the others skip that round of reconciliation (owner expiry still 
 
 RECONNECT_S = 0.5
 """Seconds between two attempts to reach Redis again."""
+
+CLOSE_WAIT_S = 5.0
+"""Most seconds `aclose` waits for its tasks to stop. redis-py (8.1) can return normally from a
+PUBLISH whose task was cancelled, so the cancellation is lost: every loop also checks a closing
+flag, and a task that still has not stopped by then is left behind with a warning."""
+
+LOG_EVERY_S = 10.0
+"""Least seconds between two log lines of one kind (Redis lost, input rejected): a flood of bad
+messages or a Redis outage is counted in the metrics, not written once per message."""
+
+MAX_PEERS = 1024
+"""Other replicas tracked at once (count). A batch from a replica not yet tracked is rejected
+while this many are (each is forgotten `owner_timeout_s` after its last batch), so random
+origin ids on the channel cannot grow the table without bound. Far above the handful of router
+replicas a fleet runs."""
+
+MAX_ORIGIN_CHARS = 256
+"""Longest replica id accepted from the channel (characters; ours are about 20)."""
+
+MAX_COUNT = 1 << 24
+"""Largest KV block count and token count of a remote pick accepted (16,777,216): above any
+engine's KV cache in blocks and any model's context in tokens, so a larger number is bad input,
+not a request."""
+
+MAX_SETTLE_S = 3600.0
+"""Largest `settle_after_s` of a remote pick accepted (seconds); the configured value is a few
+seconds (`scheduling.settle_after_s`, default 2). An infinite one would never settle."""
+
+MAX_SESSION_BYTES = 256
+"""Longest session key accepted from the channel (bytes; ours are 16-byte BLAKE2b digests,
+`extproc.prefix.sessions.session_key`)."""
+
+_U64 = 1 << 64
+"""Block hashes are unsigned 64-bit (`extproc.prefix.hashing.chain_block_hashes`)."""
 
 
 def redis_location(url: str) -> str:
@@ -98,6 +140,14 @@ class SyncMetrics:
             "Reservations of another replica released here without its release event, by reason "
             "(owner_gone: not heard from for owner_timeout_s; reconciled: absent from its heartbeat).",
             ["reason"],
+            **kw,
+        )
+        self.rejected = Counter(
+            "llm_extproc_replica_sync_rejected_total",
+            "Input from the replica channel ignored, by what: message (not [origin, sent_at, events], or "
+            "from one replica more than max peers), event (malformed, non-finite or out-of-range values, "
+            "or failed to apply).",
+            ["what"],
             **kw,
         )
         self.connected = Gauge("llm_extproc_replica_sync_connected", "1 while subscribed to the replica channel.", **kw)
@@ -158,12 +208,15 @@ class ReplicaSync:
         self._applying = False
         self._tasks: list[asyncio.Task[None]] = []
         self._pub: aioredis.Redis | None = None
-        self._last_warn = float("-inf")
+        self._last_log: dict[str, float] = {}
         self.connected = False
+        self._closing = False
         m = self.metrics
         self._published = m.events.labels("published")
         self._applied = m.events.labels("applied")
         self._dropped = m.events.labels("dropped")
+        self._bad_message = m.rejected.labels("message")
+        self._bad_event = m.rejected.labels("event")
         m.remote_inflight.set_function(lambda: self._remote)
         m.peers.set_function(lambda: len(self._peers))
         store.listener = self
@@ -211,6 +264,7 @@ class ReplicaSync:
     async def start(self) -> None:
         """Start publishing, subscribing and expiring (returns at once; Redis may be down)."""
         timeout = self._redis.timeout_ms / 1000
+        self._closing = False
         self._pub = aioredis.Redis.from_url(
             self._redis.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
         )
@@ -229,7 +283,9 @@ class ReplicaSync:
         )
 
     async def aclose(self) -> None:
-        """Say goodbye (the others release what this replica held at once), stop the tasks."""
+        """Say goodbye (the others release what this replica held at once), stop the tasks
+        (waiting at most `CLOSE_WAIT_S` for them)."""
+        self._closing = True
         if self._pub is not None and self._tasks:
             try:
                 async with asyncio.timeout(self._redis.timeout_ms / 1000 * 2):
@@ -238,11 +294,14 @@ class ReplicaSync:
                 pass
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
-                pass
+        self._wake.set()  # a publisher whose cancellation redis-py swallowed sees _closing at once
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
+            for t in self._tasks:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: an error of a task being stopped changes nothing
+            if pending:
+                log.warning("replica sync: %d task(s) did not stop within %.0f s", len(pending), CLOSE_WAIT_S)
         self._tasks = []
         if self._pub is not None:
             await self._pub.aclose()
@@ -254,10 +313,16 @@ class ReplicaSync:
             self._release_all(peer)
         self._peers.clear()
 
-    def _warn(self, what: str, exc: BaseException) -> None:
+    def _may_log(self, kind: str) -> bool:
+        """True at most once per `LOG_EVERY_S` for each `kind` of log line."""
         now = self._clock()
-        if now - self._last_warn >= 10.0:
-            self._last_warn = now
+        if now - self._last_log.get(kind, float("-inf")) < LOG_EVERY_S:
+            return False
+        self._last_log[kind] = now
+        return True
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        if self._may_log("redis"):
             log.warning(
                 "replica sync: %s (%s: %s); deciding on this replica's own state until Redis answers",
                 what,
@@ -270,8 +335,10 @@ class ReplicaSync:
         timeout = self._redis.timeout_ms / 1000 * 2
         window = self.config.flush_ms / 1000
         last = float("-inf")
-        while True:
+        while not self._closing:
             await self._wake.wait()
+            if self._closing:
+                return
             # At most one PUBLISH per `flush_ms`: what queues meanwhile goes in the same batch,
             # so the cost per second is bounded whatever the decision rate (an event after a
             # quiet spell goes at once).
@@ -295,20 +362,30 @@ class ReplicaSync:
 
     async def _subscriber(self) -> None:
         timeout = self._redis.timeout_ms / 1000
-        while True:
+        while not self._closing:
             client = aioredis.Redis.from_url(self._redis.url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 async with asyncio.timeout(timeout * 4):
                     await pubsub.subscribe(self.config.channel)
                 self._set_connected(True)
-                while True:
+                while not self._closing:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None and msg.get("type") == "message" and not msg["data"].startswith(self._own_head):
-                        self.apply(msg["data"])
+                        try:
+                            self.apply(msg["data"])
+                        except Exception as exc:  # a bug must not end the subscription for good
+                            self._bad_message.inc()
+                            self._reject("a message could not be applied", exc, exc_info=True)
             except (RedisError, OSError, TimeoutError) as exc:
                 self._set_connected(False)
                 self._warn("lost the replica channel", exc)
+            except Exception as exc:  # anything else (not CancelledError): subscribe again, never stop
+                self._set_connected(False)
+                if self._may_log("subscriber"):
+                    log.error(
+                        "replica sync: the subscriber failed (%s: %s); subscribing again", type(exc).__name__, exc, exc_info=True
+                    )
             finally:
                 self._set_connected(False)
                 try:
@@ -316,7 +393,8 @@ class ReplicaSync:
                     await client.aclose()
                 except (RedisError, OSError):
                     pass
-            await asyncio.sleep(RECONNECT_S)
+            if not self._closing:
+                await asyncio.sleep(RECONNECT_S)
 
     def _set_connected(self, up: bool) -> None:
         if up and not self.connected:
@@ -325,7 +403,7 @@ class ReplicaSync:
         self.metrics.connected.set(1 if up else 0)
 
     async def _ticker(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.config.heartbeat_s)
             ids = list(self._local.values()) if len(self._local) <= MAX_HEARTBEAT_IDS else None
             self._enqueue(["h", ids])
@@ -333,34 +411,122 @@ class ReplicaSync:
 
     # -- the others' events -----------------------------------------------------------------
     def apply(self, payload: bytes) -> int:
-        """Apply one batch from the channel (this replica's own are skipped); a malformed batch
-        is logged and ignored. Returns the events applied."""
+        """Apply one batch from the channel (this replica's own are skipped). A batch not of the
+        wire format is rejected whole, a malformed event alone (both counted and logged, see the
+        module doc); events after a goodbye are ignored; nothing raises. Returns the events
+        applied."""
         try:
-            origin, sent_at, events = msgpack.unpackb(payload, raw=False)
-            origin = str(origin)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            log.warning("replica sync: ignored a malformed message (%s)", exc)
+            message = msgpack.unpackb(payload, raw=False)
+        except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
+            self._bad_message.inc()
+            self._reject("ignored a malformed message", exc)
             return 0
+        if not (
+            isinstance(message, list)
+            and len(message) == 3
+            and isinstance(message[0], str)
+            and 0 < len(message[0]) <= MAX_ORIGIN_CHARS
+            and isinstance(message[2], list)
+        ):
+            self._bad_message.inc()
+            self._reject("ignored a malformed message", ValueError("not [origin, sent_at, [event, ...]]"))
+            return 0
+        origin, sent_at, events = message
         if origin == self.id:
             return 0  # (normally skipped before unpacking: see _own_head)
+        parsed: list[tuple[Any, ...]] = []
+        for ev in events:
+            try:
+                parsed.append(self._parse_event(ev))
+            except ValueError as exc:
+                self._bad_event.inc()
+                self._reject(f"ignored a malformed event from {origin}", exc)
+                continue
+            if parsed[-1][0] == "b":
+                break  # the peer is gone with its goodbye: nothing after it may be held for it
+        if not parsed:
+            return 0  # no peer entry for a replica that said nothing valid
         now = self._clock()
         peer = self._peers.get(origin)
         if peer is None:
+            if len(self._peers) >= MAX_PEERS:
+                self._bad_message.inc()
+                self._reject(f"ignored replica {origin}", ValueError(f"already {MAX_PEERS} other replicas (MAX_PEERS)"))
+                return 0
             peer = self._peers[origin] = _Peer(now)
         peer.last_seen = now
         done = 0
-        for ev in events:
+        for ev in parsed:
             try:
                 done += self._apply_event(origin, peer, ev)
-            except (ValueError, TypeError, IndexError, KeyError) as exc:
-                log.warning("replica sync: ignored a malformed event from %s (%s)", origin, exc)
+            except Exception as exc:  # one event's failure must not stop the batch or the subscriber
+                self._bad_event.inc()
+                self._reject(f"could not apply an event from {origin}", exc, exc_info=True)
         if done:
             self._applied.inc(done)
-            if isinstance(sent_at, (int, float)):
+            if isinstance(sent_at, (int, float)) and math.isfinite(sent_at):
                 self.metrics.delay.observe(max(0.0, time.time() - sent_at))
         return done
 
-    def _apply_event(self, origin: str, peer: _Peer, ev: list[Any]) -> int:
+    def _reject(self, what: str, exc: BaseException, *, exc_info: bool = False) -> None:
+        if self._may_log("rejected"):
+            log.warning(
+                "replica sync: %s (%s: %s); further rejections for %.0f s are only counted "
+                "(llm_extproc_replica_sync_rejected_total)",
+                what,
+                type(exc).__name__,
+                exc,
+                LOG_EVERY_S,
+                exc_info=exc_info,
+            )
+
+    def _parse_event(self, ev: object) -> tuple[Any, ...]:
+        """One event of the wire format (module doc) checked and normalised: `("p", rid, address,
+        blocks, prompt_tokens, context_tokens, settle_after_s)`, `("f"|"r", rid)`, `("x", address,
+        hashes, session)` (hashes cut to `max_hashes`), `("h", rids or None)` or `("b",)`.
+
+        Raises:
+            ValueError: not one of those shapes, or a value of the wrong type or out of range.
+        """
+        if not isinstance(ev, list) or not ev:
+            raise ValueError(f"an event is a non-empty array, got {type(ev).__name__}")
+        kind, n = ev[0], len(ev)
+        if kind == "p" and n == 7:
+            _, rid, address, blocks, prompt_tokens, context_tokens, settle_after_s = ev
+            return (
+                "p",
+                _rid(rid),
+                _address(address),
+                _count(blocks, "blocks"),
+                _count(prompt_tokens, "prompt_tokens"),
+                _count(context_tokens, "context_tokens"),
+                _settle_s(settle_after_s),
+            )
+        if kind in ("f", "r") and n == 2:
+            return (kind, _rid(ev[1]))
+        if kind == "x" and n == 4:
+            _, address, hashes, session = ev
+            if not isinstance(hashes, list):
+                raise ValueError("block hashes are an array")
+            hashes = hashes[: self.config.max_hashes]
+            if not all(type(h) is int and 0 <= h < _U64 for h in hashes):
+                raise ValueError("a block hash is not an unsigned 64-bit int")
+            if session is not None and not (isinstance(session, bytes) and len(session) <= MAX_SESSION_BYTES):
+                raise ValueError(f"a session key is bytes of at most {MAX_SESSION_BYTES}")
+            return ("x", _address(address), hashes, session)
+        if kind == "h" and n == 2:
+            rids = ev[1]
+            if rids is None:
+                return ("h", None)
+            if not isinstance(rids, list):
+                raise ValueError("a heartbeat lists reservation ids in an array")
+            return ("h", {_rid(rid) for rid in rids})
+        if kind == "b":
+            return ("b",)
+        raise ValueError(f"unknown event {str(kind)[:20]!r} of {n} items")
+
+    def _apply_event(self, origin: str, peer: _Peer, ev: tuple[Any, ...]) -> int:
+        """Apply one event `_parse_event` returned; returns 1 when it changed something."""
         kind = ev[0]
         if kind == "p":
             _, rid, address, blocks, prompt_tokens, context_tokens, settle_after_s = ev
@@ -370,11 +536,7 @@ class ReplicaSync:
             self._applying = True
             try:
                 r = self._store.reserve(
-                    ep,
-                    max(0, int(blocks)),
-                    prompt_tokens=max(0, int(prompt_tokens)),
-                    settle_after_s=float(settle_after_s),
-                    context_tokens=max(0, int(context_tokens)),
+                    ep, blocks, prompt_tokens=prompt_tokens, settle_after_s=settle_after_s, context_tokens=context_tokens
                 )
             finally:
                 self._applying = False
@@ -398,11 +560,11 @@ class ReplicaSync:
             _, address, hashes, session = ev
             if self._tracker is None or self._store.get(address) is None:
                 return 0
-            self._tracker.apply_remote_pick(address, [int(h) for h in hashes], bytes(session) if session is not None else None)
+            self._tracker.apply_remote_pick(address, hashes, session)
             return 1
         if kind == "h":
-            if ev[1] is not None:
-                alive = set(ev[1])
+            alive = ev[1]
+            if alive is not None:
                 gone = [rid for rid in peer.open if rid not in alive]
                 for rid in gone:
                     peer.open.pop(rid).release()
@@ -410,11 +572,10 @@ class ReplicaSync:
                 if gone:
                     self.metrics.expired.labels("reconciled").inc(len(gone))
             return 0
-        if kind == "b":
-            self._release_all(peer)
-            del self._peers[origin]
-            return 1
-        raise ValueError(f"unknown event kind {kind!r}")
+        # "b" (the only other kind `_parse_event` returns)
+        self._release_all(peer)
+        del self._peers[origin]
+        return 1
 
     def _release_all(self, peer: _Peer) -> int:
         n = len(peer.open)
@@ -460,3 +621,36 @@ class ReplicaSync:
             "remote_inflight": self._remote,
             "peers": {o: {"inflight": len(p.open), "last_seen_s_ago": round(now - p.last_seen, 3)} for o, p in self._peers.items()},
         }
+
+
+def _rid(value: object) -> int:
+    """A reservation id from the channel (an int; msgpack keeps ints within 64 bits)."""
+    if type(value) is not int:
+        raise ValueError(f"a reservation id is an int, got {type(value).__name__}")
+    return value
+
+
+def _address(value: object) -> str:
+    """An endpoint address from the channel (a str; looked up, never stored unless known)."""
+    if not isinstance(value, str):
+        raise ValueError(f"an endpoint address is a str, got {type(value).__name__}")
+    return value
+
+
+def _count(value: object, name: str) -> int:
+    """A block or token count from the channel: finite, 0..`MAX_COUNT` (an int; a float is truncated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= MAX_COUNT):
+        raise ValueError(f"{name} must be a number in 0..{MAX_COUNT}, got {_shown(value)}")
+    return int(value)
+
+
+def _settle_s(value: object) -> float:
+    """A pick's `settle_after_s` from the channel: finite, 0..`MAX_SETTLE_S` seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= MAX_SETTLE_S):
+        raise ValueError(f"settle_after_s must be a number in 0..{MAX_SETTLE_S:g}, got {_shown(value)}")
+    return float(value)
+
+
+def _shown(value: object) -> str:
+    """A received value for a log line: a number as is, anything else by its type only."""
+    return repr(value) if isinstance(value, (int, float)) else type(value).__name__

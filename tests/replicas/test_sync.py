@@ -8,6 +8,7 @@ import time
 
 import msgpack
 import pytest
+import redis.asyncio as aioredis
 
 from extproc.config.schema import EndpointConfig, PrefixConfig
 from extproc.datastore.endpoints import Datastore
@@ -15,7 +16,7 @@ from extproc.prefix.hashing import chain_block_hashes
 from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
 from extproc.replicas.config import ReplicasConfig
-from extproc.replicas.sync import ReplicaSync, redis_location
+from extproc.replicas.sync import MAX_PEERS, ReplicaSync, redis_location
 from tests.ratelimit.conftest import redis_server  # noqa: F401 - a real redis-server per test
 
 MODEL = "m"
@@ -126,6 +127,98 @@ def test_bad_input_is_ignored_not_raised(caplog):
     assert "malformed" in caplog.text
 
 
+def rejected(sync: ReplicaSync, what: str) -> float:
+    return sync.metrics.rejected.labels(what)._value.get()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        ["evil", 0, None],  # events not an array: iterating it raised TypeError out of apply()
+        ["evil", 0, 5],
+        ["evil", 0],
+        [["not", "a", "str"], 0, []],
+        "evil",
+        None,
+    ],
+)
+def test_a_message_of_the_wrong_shape_is_rejected_and_counted_not_raised(message):
+    sync, store, _ = make_sync()
+    assert sync.apply(msgpack.packb(message)) == 0
+    assert rejected(sync, "message") == 1
+    assert sync.summary()["peers"] == {}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ["p", 1, ADDRS[0], float("inf"), 10, 10, 2.0],  # int(inf) raised OverflowError, uncaught
+        ["p", 1, ADDRS[0], float("-inf"), 10, 10, 2.0],
+        ["p", 1, ADDRS[0], 4, float("inf"), 10, 2.0],
+        ["p", 1, ADDRS[0], 4, 10, float("inf"), 2.0],
+        ["p", 1, ADDRS[0], 4, float("nan"), 10, 2.0],
+        ["p", 1, ADDRS[0], 1e30, 10, 10, 2.0],  # finite but beyond any engine: was reserved as is
+        ["p", 1, ADDRS[0], 4, 10, 1 << 40, 2.0],
+        ["p", 1, ADDRS[0], -4, 10, 10, 2.0],
+        ["p", 1, ADDRS[0], 4, 10, 10, float("inf")],  # a reservation that never settles
+        ["p", 1, ADDRS[0], 4, 10, 10, float("nan")],
+        ["p", 1, ADDRS[0], 4, 10, 10, -1.0],
+        ["p", 1, ADDRS[0], 4, 10, 10, 3601.0],
+        ["p", [1], ADDRS[0], 4, 10, 10, 2.0],  # an unhashable id
+        ["p", 1, [ADDRS[0]], 4, 10, 10, 2.0],
+        "p",
+        5,
+    ],
+)
+def test_non_finite_or_out_of_range_numbers_are_rejected_per_event(event):
+    sync, store, _ = make_sync()
+    good = ["p", 2, ADDRS[1], 1, 10, 10, 2.0]
+    assert sync.apply(batch("peer", event, good)) == 1  # the good event after it still applies
+    assert rejected(sync, "event") == 1
+    assert store.get(ADDRS[0]).inflight == 0 and store.get(ADDRS[1]).inflight == 1
+    assert store.get(ADDRS[0]).reserved_blocks == 0
+
+
+def test_a_remote_session_key_must_be_short_bytes_and_hashes_are_bounded_ints():
+    sync, store, tracker = make_sync(max_hashes=2)
+    hashes = chain_block_hashes(list(range(64)), 16)
+    # An int session used to become bytes(n): n zero bytes allocated (one small PUBLISH, any n).
+    assert sync.apply(batch("peer", ["x", ADDRS[1], hashes, 1000])) == 0
+    assert tracker.session_endpoint(bytes(1000)) is None
+    assert sync.apply(batch("peer", ["x", ADDRS[1], hashes, b"k" * 257])) == 0
+    assert tracker.session_endpoint(b"k" * 257) is None
+    assert sync.apply(batch("peer", ["x", ADDRS[1], [1.5, 2.5], None])) == 0  # was int()-ed
+    assert sync.apply(batch("peer", ["x", ADDRS[1], [-1], None])) == 0
+    assert rejected(sync, "event") == 4
+    assert tracker.index.blocks(ADDRS[1]) == 0
+    # Longer than max_hashes: only the first max_hashes blocks are learned.
+    assert sync.apply(batch("peer", ["x", ADDRS[1], hashes, b"k" * 256])) == 1
+    assert tracker.index.match(hashes) == {ADDRS[1]: 2}
+    assert tracker.session_endpoint(b"k" * 256) == ADDRS[1]
+
+
+def test_events_after_a_goodbye_in_the_same_batch_are_not_applied():
+    sync, store, _ = make_sync()
+    sync.apply(batch("peer", ["p", 1, ADDRS[0], 2, 10, 10, 2.0], ["b"], ["p", 2, ADDRS[0], 2, 10, 10, 2.0]))
+    # The second pick used to be reserved into the peer just deleted: held for good.
+    assert store.get(ADDRS[0]).inflight == 0 and store.open_reservations == 0
+    assert sync.summary()["remote_inflight"] == 0 and sync.summary()["peers"] == {}
+
+
+def test_the_peer_table_is_bounded_and_holds_only_replicas_that_sent_a_valid_event():
+    sync, store, _ = make_sync()
+    sync.apply(batch("empty"))
+    sync.apply(batch("junk", ["zz"], ["p", 1]))
+    assert sync.summary()["peers"] == {}
+    for i in range(MAX_PEERS + 10):
+        sync.apply(batch(f"r{i}", ["h", []]))
+    assert len(sync.summary()["peers"]) == MAX_PEERS
+    assert rejected(sync, "message") == 10
+    assert sync.apply(batch("late", ["p", 1, ADDRS[0], 0, 1, 1, 2.0])) == 0
+    assert store.get(ADDRS[0]).inflight == 0
+    assert sync.apply(batch("r0", ["p", 1, ADDRS[0], 0, 1, 1, 2.0])) == 1  # known: still applied
+
+
 def test_remote_state_is_bounded_and_a_full_queue_drops_instead_of_waiting():
     sync, store, _ = make_sync(max_remote=5, max_queue=3)
     sync.apply(batch("peer", *(["p", i, ADDRS[0], 0, 1, 1, 2.0] for i in range(20))))
@@ -199,3 +292,71 @@ async def test_picks_reach_the_other_replica_and_redis_loss_is_survived(redis_se
         await a.aclose()
         await b.aclose()
     assert store_a.open_reservations == 0 and store_b.open_reservations == 0
+
+
+async def test_a_malformed_message_on_the_channel_does_not_end_the_subscription(redis_server):
+    a, store_a, _ = make_sync(url=redis_server.url)
+    b, store_b, _ = make_sync(url=redis_server.url)
+    await a.start()
+    await b.start()
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await until(lambda: a.connected and b.connected)
+        channel = b.config.channel
+        await raw.publish(channel, msgpack.packb(["evil", 0, None]))  # used to end b's subscriber task
+        await raw.publish(channel, msgpack.packb(["evil", 0, [["p", 1, ADDRS[0], float("inf"), 1, 1, 2.0]]]))
+        await until(lambda: b.metrics.rejected.labels("event")._value.get() == 1)
+        assert b.connected
+        r = store_a.reserve(store_a.get(ADDRS[0]), 2)
+        await until(lambda: store_b.get(ADDRS[0]).inflight == 1)
+        r.release()
+        await until(lambda: store_b.get(ADDRS[0]).inflight == 0)
+    finally:
+        await raw.aclose()
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_bug_while_applying_a_message_is_logged_and_the_subscription_goes_on(redis_server, caplog):
+    a, store_a, _ = make_sync(url=redis_server.url)
+    b, store_b, _ = make_sync(url=redis_server.url)
+    real_apply, calls = b.apply, []
+
+    def apply_failing_once(payload: bytes) -> int:  # fault injection: a bug apply() does not catch
+        calls.append(payload)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real_apply(payload)
+
+    b.apply = apply_failing_once
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.connected and b.connected)
+        first = store_a.reserve(store_a.get(ADDRS[0]))
+        await until(lambda: len(calls) == 1)
+        second = store_a.reserve(store_a.get(ADDRS[1]))
+        await until(lambda: store_b.get(ADDRS[1]).inflight == 1)
+        assert b.connected and "injected" in caplog.text
+        first.release()
+        second.release()
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_aclose_returns_even_when_redis_py_swallows_the_publishers_cancellation(redis_server):
+    # redis-py 8.1 can return normally from a PUBLISH cancelled in flight; the publisher then
+    # waited for its next event for good and aclose() with it. Closing right after a release
+    # (its PUBLISH in flight) hit that within a few rounds.
+    for _ in range(25):
+        a, store_a, _ = make_sync(url=redis_server.url, flush_ms=0)
+        await a.start()
+        await until(lambda: a.connected)
+        store_a.reserve(store_a.get(ADDRS[0])).release()
+        await asyncio.sleep(0)
+        close = asyncio.create_task(a.aclose())
+        done, _ = await asyncio.wait({close}, timeout=8.0)  # a hang, not a speed: it takes ms
+        close.cancel()
+        assert close in done, "aclose() did not return"
+        assert store_a.open_reservations == 0
