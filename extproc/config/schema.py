@@ -695,13 +695,13 @@ class KVAdmissionConfig(_Strict):
         reject_status: status when no endpoint can fit the request: 429 (with retry-after) or 503.
         retry_after_s: the `retry-after` value on that 429 (seconds).
         settle_after_s: without an observed first token, a reservation stops counting at the
-            first scrape this long after the pick (seconds).
+            first scrape this long after the pick (seconds; at most 3600, the bound other replicas accept).
     """
 
     enabled: bool = True
     reject_status: Literal[429, 503] = 429
     retry_after_s: int = Field(default=1, ge=1)
-    settle_after_s: float = Field(default=2.0, gt=0)
+    settle_after_s: float = Field(default=2.0, gt=0, le=3600)
 
 
 class PriorityConfig(_Strict):
