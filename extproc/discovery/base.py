@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import abc
-import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ import pydantic
 if TYPE_CHECKING:
     from extproc.config.schema import Config, EndpointConfig
 
-__all__ = ["Discovered", "DiscoverySource", "EndpointTemplate", "Publish", "SourceContext", "WarnEvery"]
+__all__ = ["Discovered", "DiscoverySource", "EndpointTemplate", "Publish", "SourceContext"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,37 +57,6 @@ class DiscoverySource(abc.ABC):
     @abc.abstractmethod
     async def run(self, publish: Publish) -> None:
         """Publish endpoint sets until cancelled."""
-
-
-class WarnEvery:
-    """Logs a warning at most once per `interval_s` (seconds); the next one that gets through
-    says how many were suppressed meanwhile. For errors a source meets on every cycle (a bad
-    object in every list, a resolver answering garbage) that must show without flooding.
-
-    Args:
-        logger: where the warnings go.
-        interval_s: least time between two warnings (seconds).
-        clock: monotonic seconds (tests pass their own).
-    """
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._log = logger
-        self._interval_s = interval_s
-        self._clock = clock
-        self._last = float("-inf")
-        self.suppressed = 0
-        """Warnings not logged since the last one that was (count)."""
-
-    def warning(self, msg: str, *args: object) -> None:
-        """`logger.warning(msg, *args)` unless one was logged less than `interval_s` ago."""
-        now = self._clock()
-        if now - self._last < self._interval_s:
-            self.suppressed += 1
-            return
-        if self.suppressed:
-            msg, args = msg + " (%d similar warnings suppressed)", (*args, self.suppressed)
-        self._last, self.suppressed = now, 0
-        self._log.warning(msg, *args)
 
 
 class EndpointTemplate(pydantic.BaseModel):

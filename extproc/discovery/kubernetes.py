@@ -51,7 +51,8 @@ import orjson
 import pydantic
 
 from extproc.datastore.agent_client import backoff_delay
-from extproc.discovery.base import Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext, WarnEvery
+from extproc.discovery.base import Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext
+from extproc.logthrottle import WarnEvery
 
 __all__ = [
     "Params", "Source", "Gone", "ApiError", "Malformed", "SERVICE_ACCOUNT_DIR", "slice_endpoints", "pod_endpoint", "pool_selector", "object_name",

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.errors import NoEndpointError
+from extproc.logthrottle import WarnEvery
 from extproc.ratelimit.backend import BackendUnavailable, WindowBackend
 from extproc.ratelimit.config import LimitValues, RateLimitConfig
 from extproc.ratelimit.metrics import RateLimitMetrics
@@ -135,8 +136,7 @@ class RateLimiter:
         self._clock = clock
         self._pending: set[asyncio.Task] = set()
         self._seen: dict[str, Tenant] = {}
-        self._last_warn = -1e18
-        self._suppressed = 0
+        self._backend_warning = WarnEvery(log, config.redis.log_interval_s, self._clock)
         self._refused_at: dict[str, float] = {}
         self._tokens_per_byte: dict[str, float] = {}  # tenant id → its lowest prompt tokens / body byte
         # In-flight ids: unique across replicas sharing Redis (a random prefix per process).
@@ -469,13 +469,7 @@ class RateLimiter:
         m.settlements_pending.set(len(self._unsettled))
 
     def _warn(self, message: str) -> None:
-        now = self._clock()
-        if now - self._last_warn < self.config.redis.log_interval_s:
-            self._suppressed += 1
-            return
-        more = f" ({self._suppressed} more since the last such line)" if self._suppressed else ""
-        log.warning("%s%s", message, more)
-        self._last_warn, self._suppressed = now, 0
+        self._backend_warning.warning("%s", message)
 
     # -- admin ---------------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from extproc.datastore.endpoints import Datastore, Reservation
+from extproc.logthrottle import WarnEvery
 from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
 from extproc.replicas.config import ReplicasConfig
@@ -208,7 +209,8 @@ class ReplicaSync:
         self._applying = False
         self._tasks: list[asyncio.Task[None]] = []
         self._pub: aioredis.Redis | None = None
-        self._last_log: dict[str, float] = {}
+        # One throttle per kind of line: a Redis outage, a failing subscriber, rejected input.
+        self._redis_log, self._subscriber_log, self._reject_log = (WarnEvery(log, LOG_EVERY_S, self._clock) for _ in range(3))
         self.connected = False
         self._closing = False
         m = self.metrics
@@ -313,22 +315,10 @@ class ReplicaSync:
             self._release_all(peer)
         self._peers.clear()
 
-    def _may_log(self, kind: str) -> bool:
-        """True at most once per `LOG_EVERY_S` for each `kind` of log line."""
-        now = self._clock()
-        if now - self._last_log.get(kind, float("-inf")) < LOG_EVERY_S:
-            return False
-        self._last_log[kind] = now
-        return True
-
     def _warn(self, what: str, exc: BaseException) -> None:
-        if self._may_log("redis"):
-            log.warning(
-                "replica sync: %s (%s: %s); deciding on this replica's own state until Redis answers",
-                what,
-                type(exc).__name__,
-                exc,
-            )
+        self._redis_log.warning(
+            "replica sync: %s (%s: %s); deciding on this replica's own state until Redis answers", what, type(exc).__name__, exc
+        )
 
     async def _publisher(self) -> None:
         assert self._pub is not None
@@ -382,10 +372,9 @@ class ReplicaSync:
                 self._warn("lost the replica channel", exc)
             except Exception as exc:  # anything else (not CancelledError): subscribe again, never stop
                 self._set_connected(False)
-                if self._may_log("subscriber"):
-                    log.error(
-                        "replica sync: the subscriber failed (%s: %s); subscribing again", type(exc).__name__, exc, exc_info=True
-                    )
+                self._subscriber_log.log(
+                    logging.ERROR, "replica sync: the subscriber failed (%s: %s); subscribing again", type(exc).__name__, exc, exc_info=True
+                )
             finally:
                 self._set_connected(False)
                 try:
@@ -469,16 +458,14 @@ class ReplicaSync:
         return done
 
     def _reject(self, what: str, exc: BaseException, *, exc_info: bool = False) -> None:
-        if self._may_log("rejected"):
-            log.warning(
-                "replica sync: %s (%s: %s); further rejections for %.0f s are only counted "
-                "(llm_extproc_replica_sync_rejected_total)",
-                what,
-                type(exc).__name__,
-                exc,
-                LOG_EVERY_S,
-                exc_info=exc_info,
-            )
+        self._reject_log.warning(
+            "replica sync: %s (%s: %s); further rejections for %.0f s are only counted (llm_extproc_replica_sync_rejected_total)",
+            what,
+            type(exc).__name__,
+            exc,
+            LOG_EVERY_S,
+            exc_info=exc_info,
+        )
 
     def _parse_event(self, ev: object) -> tuple[Any, ...]:
         """One event of the wire format (module doc) checked and normalised: `("p", rid, address,

@@ -17,7 +17,8 @@ import pytest
 
 from extproc.config.loader import ConfigError, config_from_mapping
 from extproc.datastore.endpoints import Datastore
-from extproc.discovery.base import Discovered, WarnEvery
+from extproc.discovery.base import Discovered
+from extproc.logthrottle import WarnEvery
 from extproc.discovery.kubernetes import Malformed, Params, Source, pod_endpoint, pool_selector, slice_endpoints
 from extproc.discovery.manager import Discovery
 from tests.agent.agent_helpers import eventually
@@ -244,7 +245,7 @@ def test_warn_every_logs_once_per_interval_and_counts_the_rest(caplog: pytest.Lo
     for t in (0.0, 1.0, 59.0, 60.0, 61.0):
         now[0] = t
         warn.warning("bad object %d", int(t))
-    assert [r.getMessage() for r in caplog.records] == ["bad object 0", "bad object 60 (2 similar warnings suppressed)"]
+    assert [r.getMessage() for r in caplog.records] == ["bad object 0", "bad object 60 (2 similar lines suppressed)"]
     assert warn.suppressed == 1
 
 
