@@ -429,6 +429,12 @@ async def main() -> None:
             sys.exit(f"--baseline {tree}: no extproc package there")
         baseline = ExtProcServerProcess(server_cfg, workdir=work, log_level="warning", env={"PYTHONPATH": str(tree)}, cwd=tree, name="baseline")
     base = without_access_log(load_envoy_config("fail-open"))
+
+    def gateway(extproc: tuple[str, int], name: str) -> EnvoyProcess:
+        """The fail-open gateway onto the instant backend, its ext_proc filter pointing at `extproc`."""
+        settings = RunSettings(extproc=extproc, endpoints=[("127.0.0.1", backend_port)])
+        return EnvoyProcess(rewrite_config(base, settings), workdir=work, name=name, concurrency=1)
+
     floor_port = free_port()
     floor: subprocess.Popen | None = None
     gw = floor_gw = alone = base_gw = var_gw = None
@@ -438,22 +444,13 @@ async def main() -> None:
         await server.start()
         if baseline is not None:
             await baseline.start()
-            base_gw = EnvoyProcess(
-                rewrite_config(base, RunSettings(extproc=baseline.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
-                workdir=work, name="gateway-baseline", concurrency=1,
-            )  # fmt: skip
+            base_gw = gateway(baseline.grpc_address, "gateway-baseline")
             await base_gw.start()
         if variant is not None:
             await variant.start()
-            var_gw = EnvoyProcess(
-                rewrite_config(base, RunSettings(extproc=variant.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
-                workdir=work, name="gateway-variant", concurrency=1,
-            )  # fmt: skip
+            var_gw = gateway(variant.grpc_address, "gateway-variant")
             await var_gw.start()
-        gw = EnvoyProcess(
-            rewrite_config(base, RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", backend_port)])),
-            workdir=work, name="gateway", concurrency=1,
-        )  # fmt: skip
+        gw = gateway(server.grpc_address, "gateway")
         floor = subprocess.Popen(
             [sys.executable, __file__, "--passthrough-server", str(floor_port), f"127.0.0.1:{backend_port}"],
             stdout=subprocess.PIPE,
@@ -461,10 +458,7 @@ async def main() -> None:
         )
         if floor.stdout.readline().strip() != "ready":
             raise RuntimeError("the pass-through ext_proc server did not start")
-        floor_gw = EnvoyProcess(
-            rewrite_config(base, RunSettings(extproc=("127.0.0.1", floor_port), endpoints=[("127.0.0.1", backend_port)])),
-            workdir=work, name="passthrough", concurrency=1,
-        )  # fmt: skip
+        floor_gw = gateway(("127.0.0.1", floor_port), "passthrough")
         alone = EnvoyProcess(
             rewrite_config(without_ext_proc(base), RunSettings(endpoints=[("127.0.0.1", backend_port)])),
             workdir=work, name="alone", concurrency=1,
