@@ -165,13 +165,6 @@ def served_endpoint(msg: pb.ProcessingRequest, namespace: str) -> str | None:
     return first or None
 
 
-def _set(headers: dict[str, str]) -> list[base_pb2.HeaderValueOption]:
-    return [
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1", "replace")), append_action=_OVERWRITE)
-        for k, v in headers.items()
-    ]
-
-
 def _destination_reply(headers: dict[str, str], destination: str, namespace: str) -> pb.ProcessingResponse:
     """The (deferred) answer to the request headers: routing headers set, owned headers the
     client sent removed, the route recomputed, and the destination in dynamic metadata too
@@ -183,7 +176,7 @@ def _destination_reply(headers: dict[str, str], destination: str, namespace: str
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=_set(headers), remove_headers=remove),
+                header_mutation=pb.HeaderMutation(set_headers=responses.header_options(headers), remove_headers=remove),
                 clear_route_cache=True,
             )
         ),
@@ -307,6 +300,10 @@ class EppServicer(ExtProcServicer):
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
                         sampled, tenant, observe = self._watch_plan(hdrs)
+                        if (refused := await self._refused_at_headers(tenant)) is not None:
+                            done = True  # refused before its body is buffered, as in BUFFERED mode
+                            yield self._reject(refused, hdrs)
+                            continue
                         buffering = True  # answered once the body is decided
                     elif kind is not None:
                         done = True
@@ -374,8 +371,6 @@ class EppServicer(ExtProcServicer):
                     reply, error_status = self._on_response_headers(
                         msg.response_headers, routed, reservation, observer, record, admission.headers if admission is not None else None
                     )
-                    if reply.HasField("mode_override"):  # FULL_DUPLEX_STREAMED allows none; we hold the error body ourselves
-                        reply = pb.ProcessingResponse(response_headers=reply.response_headers)
                     yield reply
                 elif phase == "response_body":
                     chunk = msg.response_body

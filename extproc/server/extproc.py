@@ -195,13 +195,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     end = msg.request_headers.end_of_stream
                     if kind is not None and not end:
                         sampled, tenant, observe = self._watch_plan(hdrs)
-                        if tenant is not None:
-                            try:  # a tenant that cannot be admitted now: refused before its body crosses
-                                await self._ratelimit.precheck_headers(tenant)  # type: ignore[union-attr]
-                            except ExtProcError as err:
-                                kind = None
-                                yield self._reject(err, hdrs)
-                                continue
+                        if (refused := await self._refused_at_headers(tenant)) is not None:
+                            kind = None
+                            yield self._reject(refused, hdrs)
+                            continue
                         if observe:
                             mode = responses.GENERATION_MODE_STREAMED
                         else:
@@ -276,6 +273,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if reservation is not None and reservation.in_prefill and observer.first_content_ns is not None:
             reservation.mark_first_token(learn=routed is not None and routed.request.stream)
         return replacement
+
+    async def _refused_at_headers(self, tenant: Tenant | None) -> ExtProcError | None:
+        """The refusal of a tenant that cannot be admitted now, decided at the request headers
+        before its body crosses (`RateLimiter.precheck_headers`); None: go on."""
+        if tenant is None or self._ratelimit is None:
+            return None
+        try:
+            await self._ratelimit.precheck_headers(tenant)
+        except ExtProcError as err:
+            return err
+        return None
 
     def _watch_plan(self, hdrs: dict[str, str]) -> tuple[bool, Tenant | None, bool]:
         """For a generation request: (sampled for telemetry?, its rate-limit tenant or None,
@@ -578,5 +586,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             # take the body whole and answer it in the gateway's shape.
             extra["content-type"] = "application/json"
             remove = (*remove, "content-length")
-            return responses.response_headers(extra, remove, mode=responses.ERROR_BODY_MODE), status
+            # FULL_DUPLEX_STREAMED takes no mode override: the body arrives in chunks anyway, held
+            # and rewritten with the last (see the response_body branch of each servicer).
+            mode = None if self.full_duplex else responses.ERROR_BODY_MODE
+            return responses.response_headers(extra, remove, mode=mode), status
         return responses.response_headers(extra, remove), 0

@@ -57,7 +57,9 @@ def _raw(value: str) -> bytes:
         return value.encode()
 
 
-def _set(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOption]:
+def header_options(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOption]:
+    """`headers` as Envoy header mutations that overwrite (values as raw bytes: latin-1 where
+    they fit, else UTF-8)."""
     return [
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=_raw(v)), append_action=_OVERWRITE)
         for k, v in headers.items()
@@ -137,7 +139,7 @@ def response_headers(
     resp = pb.ProcessingResponse(
         response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=_set(set_headers), remove_headers=list(remove))
+                header_mutation=pb.HeaderMutation(set_headers=header_options(set_headers), remove_headers=list(remove))
             )
         )
     )
@@ -154,7 +156,7 @@ def response_headers_with_body(set_headers: Mapping[str, str], body: bytes) -> p
         response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
                 status=pb.CommonResponse.CONTINUE_AND_REPLACE,
-                header_mutation=pb.HeaderMutation(set_headers=_set(set_headers), remove_headers=["content-length"]),
+                header_mutation=pb.HeaderMutation(set_headers=header_options(set_headers), remove_headers=["content-length"]),
                 body_mutation=pb.BodyMutation(body=body),
             )
         )
@@ -183,7 +185,7 @@ def route_in_headers(headers: Mapping[str, str], *, skip_body: bool) -> pb.Proce
     resp = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=_set(headers)),
+                header_mutation=pb.HeaderMutation(set_headers=header_options(headers)),
                 clear_route_cache=True,
             )
         )
@@ -199,7 +201,7 @@ def route_in_body(headers: Mapping[str, str], body: bytes | None = None) -> pb.P
     keeps from the original headers in this mode)."""
     if body is not None:
         headers = {**headers, "content-length": str(len(body))}
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(headers)), clear_route_cache=True)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=header_options(headers)), clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
@@ -213,7 +215,7 @@ def immediate_error(err: ExtProcError, *, request_id: str | None = None) -> pb.P
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=err.status),
-            headers=pb.HeaderMutation(set_headers=_set(headers)),
+            headers=pb.HeaderMutation(set_headers=header_options(headers)),
             body=err.body(),
             details=f"llm_extproc_{err.code or 'error'}",
         )

@@ -358,6 +358,25 @@ async def test_rate_limits_answer_429_and_settle_in_epp_mode(make_app):
     assert orjson.loads(second.immediate_body)["error"]["type"] == "tokens"  # the limit that ran out
 
 
+async def test_a_capped_tenant_is_refused_at_its_headers_before_its_body_is_buffered(make_app):
+    # BUFFERED mode refused such a tenant at the request headers; the EPP servicer buffered the
+    # whole body (up to max_body_bytes) first, the cost the header refusal exists to avoid.
+    app = await make_app(protocol={"mode": "epp"}, ratelimit={"enabled": True, "default": {"max_concurrent_requests": 1}})
+    auth = {"authorization": "Bearer sk-epp-capped-test"}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        first = open_stream(ch)
+        await first.write(request_headers("POST", CHAT, extra=auth))
+        await first.write(request_body(chat_body(max_tokens=20), end=True))
+        held = Exchange()
+        held.take(await first.read())
+        held.take(await first.read())
+        second = await send_request(ch, [request_headers("POST", CHAT, extra=auth)])  # headers only
+        first.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert second.kinds == ["immediate_response"] and second.immediate_status == 429
+    assert orjson.loads(second.immediate_body)["error"]["type"] == "requests"
+
+
 @pytest.mark.parametrize(
     ("mode", "proxy_body_mode", "hint"),
     [
