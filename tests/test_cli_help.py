@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from extproc.cli import app
 
-COMMANDS = ["", "serve", "envoy-config", "sim", "agent", "demo", "up", "bench", "analyze"]
+COMMANDS = ["", "serve", "envoy-config", "sim", "agent", "demo", "up", "bench", "load", "analyze"]
 
 
 def test_version():

@@ -403,7 +403,7 @@ class Source(DiscoverySource):
                 try:
                     cfg = self._params.endpoint(ip, self._port)
                 except ValueError:
-                    log.warning("%s: skipping address %r (not an IP literal)", self.name, ip)
+                    self._warn_malformed.warning("%s: skipping address %r (not an IP literal)", self.name, ip)
                     continue
                 prev = merged.get(cfg.address)
                 # The same address in two slices (a slice being replaced): ready if either says so.

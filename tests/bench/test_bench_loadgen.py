@@ -226,7 +226,7 @@ async def test_falling_behind_is_counted(server: tuple[web.Application, str]) ->
 
     run = await LoadGenerator(LoadGenConfig(url), on_progress=on_progress).run([_req(0.0, 2), _req(0.01, 2)])
     first, second = run.results
-    assert first.lag_s < 0.05
+    assert first.lag_s < 0.1  # on time, give or take a busy CI machine
     assert second.lag_s >= 0.15
 
 

@@ -78,7 +78,7 @@ async def test_drain_moves_all_traffic_and_shows_in_weights_and_metrics(authed_a
     rows = await _weights(authed_app)
     assert rows[A]["override"]["factor"] == 0.0 and rows[A]["override"]["reason"] == "maintenance"
     assert rows[A]["weight"] == 0.0 and rows[B]["weight"] > 0.0
-    assert 59 < rows[A]["override"]["expires_in_s"] <= 60
+    assert 55 < rows[A]["override"]["expires_in_s"] <= 60  # eight routes ran since: slack for a busy machine
     async with httpx.AsyncClient() as c:
         text = (await c.get(f"http://127.0.0.1:{authed_app.admin_port}/metrics")).text
     assert f'llm_extproc_endpoint_weight_override_factor{{endpoint="{A}"}} 0.0' in text
