@@ -71,7 +71,8 @@ class OutlierDetector:
             return None
         # The share is taken within the endpoint's pool (the endpoints sharing a model with it):
         # a two-endpoint model in a fleet of ten must keep one, whatever the other models do.
-        endpoints = [other for other in self._store.all() if other.models & ep.models]
+        # Draining endpoints are leaving the pool: they count neither way.
+        endpoints = list({id(o): o for m in ep.models for o in self._store.for_model(m)}.values())
         out = sum(1 for other in endpoints if other.ejected(now))
         if out >= cfg.max_ejected_share * len(endpoints):
             log.warning(

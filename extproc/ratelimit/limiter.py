@@ -423,10 +423,12 @@ class RateLimiter:
         else:
             self._spawn(self._settle_remote(list(admission.keys), admission.bucket, delta, admission.request_id))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
+        """Run `coro` as a task that `aclose` waits for."""
         task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
 
     async def _settle_remote(self, keys: list[str], bucket: int, delta: int, request_id: str | None = None) -> None:
         try:
@@ -448,9 +450,7 @@ class RateLimiter:
         if self._flushing is None or self._flushing.done():
             if self._clock() - self._flush_failed_at < FLUSH_RETRY_S:
                 return
-            self._flushing = asyncio.get_running_loop().create_task(self._flush_unsettled())
-            self._pending.add(self._flushing)
-            self._flushing.add_done_callback(self._pending.discard)
+            self._flushing = self._spawn(self._flush_unsettled())
         await asyncio.shield(self._flushing)
 
     async def _flush_unsettled(self) -> None:
