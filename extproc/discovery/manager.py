@@ -17,16 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Mapping, Sequence
 
 from extproc.aio import cancel_and_wait
+from extproc.datastore.agent_client import backoff_delay
 from extproc.datastore.endpoints import Datastore
 from extproc.discovery.base import Discovered, DiscoverySource
+from extproc.logthrottle import WarnEvery
 
 __all__ = ["Discovery"]
 
 log = logging.getLogger(__name__)
+
+
+RESTART_INITIAL_S = 1.0
+"""First wait before a failed source runs again (seconds); doubles per failure in a row."""
+RESTART_MAX_S = 30.0
+"""Longest wait between restarts of a failing source (seconds); a source that ran this long
+before failing starts over from `RESTART_INITIAL_S`."""
+RESTART_LOG_INTERVAL_S = 60.0
+"""A failing source's traceback is logged at most once per this many seconds."""
 
 
 class Discovery:
@@ -58,6 +70,7 @@ class Discovery:
         self._initial_wait = initial_wait_s
         self._check_interval = check_interval_s
         self._tasks: list[asyncio.Task[None]] = []
+        self._rng = random.Random()  # restart jitter
         self._settled = False  # every source reported once, or initial_wait_s passed
         self.applied = 0
         """Reports applied so far (count), for tests and diagnostics."""
@@ -118,15 +131,24 @@ class Discovery:
 
     async def _run(self, index: int, src: DiscoverySource) -> None:
         publish = self.publisher(index)
+        failures = WarnEvery(log, RESTART_LOG_INTERVAL_S)
+        attempt = 0
         while True:
+            started = time.monotonic()
             try:
                 await src.run(publish)
                 return
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in one source must not end discovery for good
-                log.exception("discovery source %s failed; restarting it in 1 s", src.name)
-                await asyncio.sleep(1.0)
+                # A source that fails again at once backs off (as the agent watcher does) and
+                # logs its traceback once per interval, not once per restart.
+                if time.monotonic() - started >= RESTART_MAX_S:
+                    attempt = 0  # it ran a good while: a new failure, not the same one again
+                delay = backoff_delay(attempt, initial_s=RESTART_INITIAL_S, max_s=RESTART_MAX_S, rng=self._rng)
+                attempt += 1
+                failures.log(logging.ERROR, "discovery source %s failed; restarting it in %.1f s", src.name, delay, exc_info=True)
+                await asyncio.sleep(delay)
 
     async def _deadlines(self) -> None:
         while True:

@@ -251,3 +251,33 @@ def test_a_dns_only_configuration_needs_no_endpoint_list():
     cfg = config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [{"type": "dns", "name": "vllm.test", "port": 8000, "models": ["m"]}]}})
     assert cfg.endpoints == [] and cfg.discovery.sources[0].type == "dns"
     assert ExtProcApp(cfg).store.all() == []
+
+
+async def test_a_source_that_keeps_failing_backs_off_and_logs_its_traceback_once(monkeypatch, caplog):
+    # A source failing at once was restarted every second for ever, a traceback each time.
+    import logging
+
+    from extproc.discovery import manager
+
+    monkeypatch.setattr(manager, "RESTART_INITIAL_S", 0.01)
+    monkeypatch.setattr(manager, "RESTART_MAX_S", 0.2)
+
+    class Broken(DiscoverySource):
+        name = "broken"
+        runs = 0
+
+        async def run(self, publish: Publish) -> None:
+            Broken.runs += 1
+            raise RuntimeError("bug in a source")
+
+    caplog.set_level(logging.ERROR, logger="extproc.discovery.manager")
+    d = Discovery(Datastore([]), [Broken()], initial_wait_s=0.01)
+    await d.start()
+    try:
+        await asyncio.sleep(1.0)
+    finally:
+        await d.aclose()
+    # Restarted again and again, ever more slowly (capped at 0.2 s here: 5-15 in a second).
+    assert 4 <= Broken.runs <= 20, Broken.runs
+    tracebacks = [r for r in caplog.records if "failed; restarting" in r.getMessage()]
+    assert len(tracebacks) == 1 and tracebacks[0].exc_info is not None
