@@ -341,8 +341,9 @@ class RequestPipeline:
             before_count: awaited with (served model, max_tokens, n, body bytes) once the body is
                 parsed and before its tokens are counted; may raise an `ExtProcError` to refuse
                 cheaply (the rate limiter's precheck).
-            subset: a hard filter on the model's endpoints, applied before every other step
-                (the Endpoint Picker Protocol's subset hint); None admits all.
+            subset: a hard filter on the model's endpoints (the Endpoint Picker Protocol's subset
+                hint), checked before the prompt is counted and applied again when scheduling;
+                None admits all.
 
         Raises:
             PayloadTooLargeError: body over `limits.max_body_bytes`.
@@ -369,6 +370,8 @@ class RequestPipeline:
             kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
         )
         runtime = self.resolve_model(parsed.model)
+        if subset is not None:
+            self._in_subset(runtime.config.name, subset)  # fail fast: before counting its tokens
         priority = self._priority(priority_header, trusted_priority)
         may_truncate = wanted(runtime.config.truncation, truncate_header)
         if record is not None:
@@ -436,11 +439,8 @@ class RequestPipeline:
             timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
             return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
-        pool = self._store.for_model(model.name)
-        if subset is not None:
-            pool = [ep for ep in pool if subset(ep)]
-            if not pool:
-                raise NoEndpointError(f"no endpoint of model `{model.name}` is in the subset the gateway allowed", code="no_endpoint_in_subset")
+        # Taken again after counting: endpoints may have left meanwhile.
+        pool = self._store.for_model(model.name) if subset is None else self._in_subset(model.name, subset)
         healthy = [ep for ep in pool if ep.healthy]
         if healthy:
             check_shedding(priority, fleet_saturation(healthy, cfg.admission.priority.queue_saturation_depth), cfg.admission.priority)
@@ -778,6 +778,17 @@ class RequestPipeline:
             self._metrics.child(self._metrics.tokenizer_cache_hits, name).inc(hits)
         if misses > 0:
             self._metrics.child(self._metrics.tokenizer_cache_misses, name).inc(misses)
+
+    def _in_subset(self, model: str, subset: Callable[[Endpoint], bool]) -> list[Endpoint]:
+        """The model's endpoints that `subset` admits.
+
+        Raises:
+            NoEndpointError: none (503 `no_endpoint_in_subset`).
+        """
+        pool = [ep for ep in self._store.for_model(model) if subset(ep)]
+        if not pool:
+            raise NoEndpointError(f"no endpoint of model `{model}` is in the subset the gateway allowed", code="no_endpoint_in_subset")
+        return pool
 
     @staticmethod
     def _check_context(parsed: ParsedRequest, model: ModelConfig, prompt_tokens: list[int]) -> None:

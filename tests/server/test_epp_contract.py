@@ -151,11 +151,14 @@ async def test_subset_hint_is_a_hard_filter(channel, hint, allowed):
 
 
 @pytest.mark.parametrize("hint", [[], ["10.1.1.1:80"], [f"{ENDPOINTS[0].split(':')[0]}:1"]], ids=["empty", "unknown", "wrong-port"])
-async def test_subset_with_no_known_endpoint_is_a_503(channel, hint):
-    ex = await send_request(channel, [request_headers("POST", CHAT, md={SUBSET_NS: {SUBSET_KEY: hint}}), request_body(chat_body(), end=True)])
+async def test_subset_with_no_known_endpoint_is_a_503(epp, channel, hint):
+    body = chat_body(f"a prompt no other test sends: {hint}")  # a cache miss if it were counted
+    ex = await send_request(channel, [request_headers("POST", CHAT, md={SUBSET_NS: {SUBSET_KEY: hint}}), request_body(body, end=True)])
     assert ex.kinds == ["immediate_response"]
     assert ex.immediate_status == 503
     assert orjson.loads(ex.immediate_body)["error"]["code"] == "no_endpoint_in_subset"
+    # Refused before its prompt was tokenized (it was counted, then refused).
+    assert not epp.metrics.registry.get_sample_value("llm_extproc_tokenizer_cache_misses_total", {"model": MODEL})
 
 
 async def test_subset_applies_to_requests_without_a_body(channel):
