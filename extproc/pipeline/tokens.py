@@ -23,7 +23,7 @@ corpus at load time; otherwise, or for any other tokenizer, `tokenizers` encodes
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import logging
 import os
 import re
@@ -112,14 +112,23 @@ def _template_variables(template: str | None) -> frozenset[str]:
     return frozenset(names) - _SERVER_SET
 
 
-@functools.lru_cache(maxsize=4)
+_FAST_ENCODERS: dict[bytes, FastEncoder | str] = {}
+"""Fast encoders built so far, by a digest of the serialized tokenizer (not the multi-MB text
+itself, which an `lru_cache` key would keep alive)."""
+
+
 def _fast_encoder(tokenizer_json: str) -> FastEncoder | str:
     """The fast encoder for a serialized tokenizer, or why there is none (built once per
     tokenizer and process: ~1 s for Qwen3's 151k-entry vocabulary)."""
-    try:
-        return build_fast_encoder(orjson.loads(tokenizer_json))
-    except UnsupportedTokenizer as exc:
-        return str(exc)
+    key = hashlib.blake2b(tokenizer_json.encode(), digest_size=16).digest()
+    found = _FAST_ENCODERS.get(key)
+    if found is None:
+        try:
+            found = build_fast_encoder(orjson.loads(tokenizer_json))
+        except UnsupportedTokenizer as exc:
+            found = str(exc)
+        _FAST_ENCODERS[key] = found
+    return found
 
 
 class TokenCounter:
