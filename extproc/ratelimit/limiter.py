@@ -217,7 +217,7 @@ class RateLimiter:
         """
         floor = self.config.size_cost_base + 1 if self.config.cost == "size" else 1
         # Its cost is unknown before the body: the refusal counts as a request, not as tokens.
-        await self._precheck(tenant, self.scopes(tenant, "")[:1], floor, count_tokens=False)
+        await self._precheck(tenant, None, floor, count_tokens=False)
 
     async def precheck(self, tenant: Tenant, model: str, max_tokens: int | None, n: int, body_bytes: int) -> None:
         """Refuse before the prompt is tokenized when even the request's least possible cost
@@ -239,13 +239,19 @@ class RateLimiter:
         else:
             prompt = int(body_bytes * self._tokens_per_byte.get(tenant.id, 0.0) * PROMPT_FLOOR_MARGIN)
             floor = max(1, prompt) + (max_tokens or 1) * max(1, n)
-        await self._precheck(tenant, self.scopes(tenant, model), floor)
+        await self._precheck(tenant, model, floor)
 
-    async def _precheck(self, tenant: Tenant, scopes: list[ScopeLimit], floor: int, *, count_tokens: bool = True) -> None:
+    async def _precheck(self, tenant: Tenant, model: str | None, floor: int, *, count_tokens: bool = True) -> None:
+        """Refuse when `floor` tokens do not fit now in the tenant's scopes (`model` None: its
+        own scope only). The scopes are built only past the early returns, which most requests
+        take (an unlimited tenant; a remote backend not under pressure)."""
         if not self.limited(tenant):
             return
         if not self.backend.local and self._clock() - self._refused_at.get(tenant.id, -1e18) > 1.0:
             return
+        scopes = self.scopes(tenant, model or "")
+        if model is None:
+            scopes = scopes[:1]
         if any(0 <= s.tokens < floor for s in scopes):
             return  # too large for the whole limit: admit answers the 400
         try:
