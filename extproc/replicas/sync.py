@@ -209,8 +209,11 @@ class ReplicaSync:
         self._applying = False
         self._tasks: list[asyncio.Task[None]] = []
         self._pub: aioredis.Redis | None = None
-        # One throttle per kind of line: a Redis outage, a failing subscriber, rejected input.
-        self._redis_log, self._subscriber_log, self._reject_log = (WarnEvery(log, LOG_EVERY_S, self._clock) for _ in range(3))
+        # One throttle per kind of line. A Redis outage is logged at the rate limiter's interval
+        # (`ratelimit.redis.log_interval_s`: the same server, the same outage); a failing
+        # subscriber and rejected input at LOG_EVERY_S.
+        self._redis_log = WarnEvery(log, redis.log_interval_s, self._clock)
+        self._subscriber_log, self._reject_log = (WarnEvery(log, LOG_EVERY_S, self._clock) for _ in range(2))
         self.connected = False
         self._closing = False
         m = self.metrics
