@@ -205,7 +205,6 @@ class ReplicaSync:
         self._next_rid = 0
         self._local: dict[Reservation, int] = {}
         self._peers: dict[str, _Peer] = {}
-        self._remote = 0
         self._applying = False
         self._tasks: list[asyncio.Task[None]] = []
         self._pub: aioredis.Redis | None = None
@@ -222,7 +221,7 @@ class ReplicaSync:
         self._dropped = m.events.labels("dropped")
         self._bad_message = m.rejected.labels("message")
         self._bad_event = m.rejected.labels("event")
-        m.remote_inflight.set_function(lambda: self._remote)
+        m.remote_inflight.set_function(lambda: self.remote_inflight)
         m.peers.set_function(lambda: len(self._peers))
         store.listener = self
         if tracker is not None:
@@ -521,7 +520,7 @@ class ReplicaSync:
         if kind == "p":
             _, rid, address, blocks, prompt_tokens, context_tokens, settle_after_s = ev
             ep = self._store.get(address)
-            if ep is None or self._remote >= self.config.max_remote or rid in peer.open:
+            if ep is None or self.remote_inflight >= self.config.max_remote or rid in peer.open:
                 return 0
             self._applying = True
             try:
@@ -531,7 +530,6 @@ class ReplicaSync:
             finally:
                 self._applying = False
             peer.open[rid] = r
-            self._remote += 1
             return 1
         if kind == "f":
             r = peer.open.get(ev[1])
@@ -544,7 +542,6 @@ class ReplicaSync:
             if r is None:
                 return 0
             r.release()
-            self._remote -= 1
             return 1
         if kind == "x":
             _, address, hashes, session = ev
@@ -558,7 +555,6 @@ class ReplicaSync:
                 gone = [rid for rid in peer.open if rid not in alive]
                 for rid in gone:
                     peer.open.pop(rid).release()
-                self._remote -= len(gone)
                 if gone:
                     self.metrics.expired.labels("reconciled").inc(len(gone))
             return 0
@@ -572,7 +568,6 @@ class ReplicaSync:
         for r in peer.open.values():
             r.release()
         peer.open.clear()
-        self._remote -= n
         return n
 
     def expire(self) -> int:
@@ -589,6 +584,11 @@ class ReplicaSync:
             self.metrics.expired.labels("owner_gone").inc(gone)
         return gone
 
+    @property
+    def remote_inflight(self) -> int:
+        """Other replicas' requests counted here (count): the peers' open reservations."""
+        return sum(len(peer.open) for peer in self._peers.values())
+
     def drop_endpoint(self, address: str) -> int:
         """The endpoint left the fleet: forget the other replicas' reservations on it (released,
         so its counts go too). Returns how many went."""
@@ -597,7 +597,6 @@ class ReplicaSync:
             for rid in [rid for rid, r in peer.open.items() if r.endpoint.address == address]:
                 peer.open.pop(rid).release()
                 gone += 1
-        self._remote -= gone
         return gone
 
     # -- observability ----------------------------------------------------------------------
@@ -608,7 +607,7 @@ class ReplicaSync:
             "replica_id": self.id,
             "connected": self.connected,
             "local_inflight": len(self._local),
-            "remote_inflight": self._remote,
+            "remote_inflight": self.remote_inflight,
             "peers": {o: {"inflight": len(p.open), "last_seen_s_ago": round(now - p.last_seen, 3)} for o, p in self._peers.items()},
         }
 
