@@ -41,6 +41,14 @@ class Metrics:
             ["outcome", "reason"],
             registry=registry,
         )
+        self.epp_served = Counter(
+            "llm_extproc_epp_served",
+            "Endpoint Picker Protocol mode: routed generation requests by what the gateway reported at the "
+            "response: served on the primary, on another endpoint (a retry down the fallback list), or not "
+            "reported (the gateway sends no x-gateway-destination-endpoint-served)",
+            ["endpoint"],
+            registry=registry,
+        )
         self.endpoint_inflight = Gauge(
             "llm_extproc_endpoint_inflight_requests",
             "Requests routed to an endpoint whose ext_proc stream has not ended yet.",

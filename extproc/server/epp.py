@@ -44,7 +44,6 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
-from prometheus_client import Counter
 
 from extproc.config.schema import ProtocolConfig
 from extproc.datastore.endpoints import Endpoint, Reservation
@@ -227,14 +226,7 @@ class EppServicer(ExtProcServicer):
         super().__init__(*args, **kwargs)
         self._protocol = protocol
         self._max_body = max_body_bytes
-        self._served = Counter(
-            "llm_extproc_epp_served",
-            "Routed generation requests by what the gateway reported at the response: served on the primary, on "
-            "another endpoint (a retry down the fallback list), or not reported (the gateway sends no "
-            "x-gateway-destination-endpoint-served)",
-            ["endpoint"],
-            registry=self._metrics.registry,
-        )
+        self._served = self._metrics.epp_served
         for label in ("primary", "other", "unreported"):
             self._served.labels(label)
 
