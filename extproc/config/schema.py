@@ -22,9 +22,11 @@ import os
 import ssl
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from extproc.config.diagnose import did_you_mean
+from extproc.config_base import Strict as _Strict
+from extproc.config_base import yaml_off
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
@@ -81,10 +83,6 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError(f"port out of range in {value!r}")
     return host, port
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def is_loopback(host: str) -> bool:
@@ -245,7 +243,7 @@ class TruncationConfig(_Strict):
     @field_validator("mode", mode="before")
     @classmethod
     def _yaml_off(cls, v: Any) -> Any:
-        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+        return yaml_off(v)
 
 
 class ModelConfig(_Strict):

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import pydantic
 
+from extproc.config_base import Strict
+
 if TYPE_CHECKING:
     from extproc.config.schema import Config, EndpointConfig
 
@@ -59,7 +61,7 @@ class DiscoverySource(abc.ABC):
         """Publish endpoint sets until cancelled."""
 
 
-class EndpointTemplate(pydantic.BaseModel):
+class EndpointTemplate(Strict):
     """What a discovered address becomes: the port to reach it on and what it serves.
 
     Attributes:
@@ -68,8 +70,6 @@ class EndpointTemplate(pydantic.BaseModel):
         labels: labels every discovered endpoint gets (engine profile, gpu, zone, ...), read
             by label filters as those of a listed endpoint.
     """
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     port: int = pydantic.Field(ge=1, le=65535)
     models: list[str] = pydantic.Field(min_length=1)

@@ -22,6 +22,7 @@ from typing import Literal
 import pydantic
 
 from extproc.config.loader import ConfigError, load_config
+from extproc.config_base import Strict
 from extproc.config.schema import Config, EndpointConfig
 from extproc.discovery.base import Discovered, DiscoverySource, Publish, SourceContext
 
@@ -30,7 +31,7 @@ __all__ = ["Params", "Source"]
 log = logging.getLogger(__name__)
 
 
-class Params(pydantic.BaseModel):
+class Params(Strict):
     """`{type: static}` parameters.
 
     Attributes:
@@ -38,8 +39,6 @@ class Params(pydantic.BaseModel):
         poll_interval_s: how often the file is checked (seconds).
         sighup: reload on SIGHUP (when running on the main thread's event loop).
     """
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["static"] = "static"
     watch: bool = True

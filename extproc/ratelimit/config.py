@@ -23,7 +23,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from extproc.config_base import Strict as _Strict
 
 __all__ = ["LimitValues", "TenantConfig", "RedisConfig", "RateLimitConfig", "WINDOW_S"]
 
@@ -31,10 +33,6 @@ WINDOW_S = 60
 """The window is one minute: limits are tokens and requests per minute (OpenAI's TPM / RPM)."""
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class LimitValues(_Strict):

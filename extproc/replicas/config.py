@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from extproc.config_base import Strict, yaml_off
 
 __all__ = ["ReplicasConfig"]
 
 
-class ReplicasConfig(BaseModel):
+class ReplicasConfig(Strict):
     """How replicas share their decisions.
 
     Attributes:
@@ -44,8 +46,6 @@ class ReplicasConfig(BaseModel):
             `max_hashes` blocks).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     sync: Literal["off", "redis"] = "off"
     channel: str = Field(default="llm-extproc:replicas", min_length=1)
     heartbeat_s: float = Field(default=0.5, gt=0, le=60)
@@ -58,7 +58,7 @@ class ReplicasConfig(BaseModel):
     @field_validator("sync", mode="before")
     @classmethod
     def _yaml_off(cls, v: object) -> object:
-        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+        return yaml_off(v)
 
     @model_validator(mode="after")
     def _timeout_above_heartbeat(self) -> ReplicasConfig:
