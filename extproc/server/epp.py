@@ -47,17 +47,10 @@ from google.protobuf import struct_pb2
 
 from extproc.config.schema import ProtocolConfig
 from extproc.datastore.endpoints import Endpoint, Reservation
-from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError, NoEndpointError, PayloadTooLargeError
+from extproc.errors import NoEndpointError, PayloadTooLargeError
 from extproc.pipeline.request import Routed
-from extproc.protocol.openai import generation_path, route_kind
-from extproc.ratelimit.limiter import Admission
-from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
-from extproc.server.engine_errors import hold_error_bytes, openai_error_body
-from extproc.server.extproc import ExtProcServicer
-from extproc.telemetry.decision_log import DecisionRecord
-from extproc.telemetry.observer import StreamObserver
-from extproc.types import RequestKind
+from extproc.server.extproc import ExtProcServicer, _Stream
 
 __all__ = [
     "DESTINATION_KEY",
@@ -256,95 +249,61 @@ class EppServicer(ExtProcServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         proto = self._protocol
-        reservation: Reservation | None = None
-        routed: Routed | None = None
-        observer: StreamObserver | None = None
-        record: DecisionRecord | None = None
-        tenant: Tenant | None = None
-        admission: Admission | None = None
-        kind: RequestKind | None = None
-        subset: Subset | None = None
-        hdrs: dict[str, str] = {}
-        body = bytearray()
-        buffering = False  # a generation request's body is being held for the decision
-        done = False  # answered with an ImmediateResponse: nothing more to say
-        error_status = 0
-        error_body = bytearray()
-        start_ns = 0
-        sampled = observe = False
+        s = _Stream()
         self._begin_stream()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
-                if phase is None or (phase == "request_headers" and start_ns):
+                if phase is None or (phase == "request_headers" and s.start_ns):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected ext_proc message: {phase or 'empty'}")
-                if done:
+                if s.done:
                     continue  # Envoy stops after an ImmediateResponse; a stray message changes nothing
                 if phase == "request_headers":
-                    start_ns = time.monotonic_ns()
-                    hdrs = self._headers(msg.request_headers)
+                    s.start_ns = time.monotonic_ns()
+                    s.hdrs = self._headers(msg.request_headers)
                     if (wrong := self._proxy_mode_error(msg)) is not None:
-                        done = True
-                        yield self._reject(wrong, hdrs)
+                        s.done = True
+                        yield self._reject(wrong, s.hdrs)
                         continue
-                    subset = _subset_of(msg, proto.subset_namespace)
-                    kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
-                    end = msg.request_headers.end_of_stream
-                    if kind is not None and not end:
-                        sampled, tenant, observe = self._watch_plan(hdrs)
-                        if (refused := await self._refused_at_headers(tenant)) is not None:
-                            done = True  # refused before its body is buffered, as in BUFFERED mode
-                            yield self._reject(refused, hdrs)
-                            continue
-                        buffering = True  # answered once the body is decided
-                    elif kind is not None:
-                        done = True
-                        yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
-                    elif generation_path(hdrs.get(":path", "")) is not None:
-                        done = True
-                        yield self._reject(MethodNotAllowedError(f"{hdrs.get(':method', '')} is not allowed here; use POST"), hdrs)
+                    s.subset = _subset_of(msg, proto.subset_namespace)
+                    verdict = await self._classify_headers(s, msg.request_headers.end_of_stream, s.subset)
+                    if isinstance(verdict, pb.ProcessingResponse):
+                        yield verdict  # refused before its body is buffered, as in BUFFERED mode
+                    elif verdict is not None:  # passthrough, reserved
+                        headers = self._routing_headers(None, None, None, s.hdrs.get("x-request-id"))
+                        yield _destination_reply(headers, verdict.address, proto.destination_namespace)
                     else:
-                        try:
-                            endpoint = self._pipeline.pick_any(subset)
-                        except ExtProcError as err:
-                            done = True
-                            yield self._reject(err, hdrs)
-                            continue
-                        reservation = self._pipeline.reserve_endpoint(endpoint)
-                        self._metrics.child(self._metrics.requests, "passthrough", "ok").inc()
-                        headers = self._routing_headers(None, None, None, hdrs.get("x-request-id"))
-                        yield _destination_reply(headers, endpoint.address, proto.destination_namespace)
-                elif phase in ("request_body", "request_trailers") and buffering:
+                        s.buffering = True  # answered once the body is decided
+                elif phase in ("request_body", "request_trailers") and s.buffering:
                     trailers = phase == "request_trailers"
                     if not trailers:
-                        body += msg.request_body.body
-                        if len(body) > self._max_body:
-                            done = True
+                        s.body += msg.request_body.body
+                        if len(s.body) > self._max_body:
+                            s.done = True
                             err = PayloadTooLargeError(f"request body is over {self._max_body} bytes, the limit")
-                            yield self._reject(err, hdrs)
+                            yield self._reject(err, s.hdrs)
                             continue
                         if not msg.request_body.end_of_stream:
                             continue  # held: FULL_DUPLEX_STREAMED needs no answer per chunk
-                    buffering = False
-                    if self._log is not None:
-                        record = DecisionRecord(time=time.time(), kind=kind.value, tenant=tenant.id if tenant is not None else None)  # type: ignore[union-attr]
-                    whole = bytes(body)
-                    body = bytearray()
-                    decided = await self._route(whole, kind, hdrs, record, tenant, subset)  # type: ignore[arg-type]
+                    s.buffering = False
+                    s.record = self._new_record(s)
+                    whole = bytes(s.body)
+                    s.body = bytearray()
+                    decided = await self._route(whole, s.kind, s.hdrs, s.record, s.tenant, s.subset)  # type: ignore[arg-type]
                     if isinstance(decided, pb.ProcessingResponse):
-                        done = True
+                        s.done = True
                         yield decided
                         continue
-                    routed, reservation, admission = decided.routed, decided.reservation, decided.admission
-                    if routed.endpoint is None:  # configs forbid tier mode here; never route blind
-                        done = True
-                        yield self._reject(NoEndpointError("no endpoint was chosen"), hdrs)
+                    s.routed, s.reservation, s.admission = decided.routed, decided.reservation, decided.admission
+                    if s.routed.endpoint is None:  # configs forbid tier mode here; never route blind
+                        s.done = True
+                        yield self._reject(NoEndpointError("no endpoint was chosen"), s.hdrs)
                         continue
-                    if observe:
-                        observer = self._observer_for(routed, admission, start_ns, sampled)
+                    if s.observe:
+                        s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
                     sent = decided.body if decided.body is not None else whole
                     headers = {**decided.headers, "content-length": str(len(sent))}
-                    yield _destination_reply(headers, self._destination(routed), proto.destination_namespace)
+                    yield _destination_reply(headers, self._destination(s.routed), proto.destination_namespace)
                     for piece in _pieces("request_body", sent, not trailers, proto.chunk_bytes):
                         yield piece
                     if trailers:
@@ -354,34 +313,27 @@ class EppServicer(ExtProcServicer):
                     yield _streamed("request_body", msg.request_body.body, msg.request_body.end_of_stream)
                 elif phase == "response_headers":
                     served = served_endpoint(msg, proto.destination_namespace)
-                    if served is None and routed is not None:
+                    if served is None and s.routed is not None:
                         self._served.labels("unreported").inc()
-                    elif served is not None and routed is not None:
-                        routed, reservation = self._moved(routed, reservation, served)
-                        if observer is not None and routed.endpoint is not None and observer.endpoint != routed.endpoint.address:
-                            observer = self._observer_for(routed, admission, start_ns, sampled)
-                    reply, error_status = self._on_response_headers(
-                        msg.response_headers, routed, reservation, observer, record, admission.headers if admission is not None else None
-                    )
-                    yield reply
+                    elif served is not None and s.routed is not None:
+                        s.routed, s.reservation = self._moved(s.routed, s.reservation, served)
+                        if s.observer is not None and s.routed.endpoint is not None and s.observer.endpoint != s.routed.endpoint.address:
+                            s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
+                    yield self._response_headers_reply(s, msg.response_headers)
                 elif phase == "response_body":
                     chunk = msg.response_body
-                    if error_status:
-                        if observer is not None:
-                            observer.on_body_chunk(chunk.body, chunk.end_of_stream, time.monotonic_ns())
-                        hold_error_bytes(error_body, chunk.body)
-                        if chunk.end_of_stream:
-                            for piece in _pieces("response_body", openai_error_body(error_status, bytes(error_body)), True, proto.chunk_bytes):
+                    if s.error_status:
+                        rewritten = self._hold_error_chunk(s, chunk)
+                        if rewritten is not None:
+                            for piece in _pieces("response_body", rewritten, True, proto.chunk_bytes):
                                 yield piece
-                            error_status = 0
                         continue
-                    replacement = self._observe_chunk(chunk, observer, reservation, routed) if observer is not None else None
+                    replacement = self._observe_chunk(chunk, s.observer, s.reservation, s.routed) if s.observer is not None else None
                     yield _streamed("response_body", chunk.body if replacement is None else replacement, chunk.end_of_stream)
                 elif phase == "response_trailers":
-                    if error_status:  # the error body ends with the trailers: send it first
-                        for piece in _pieces("response_body", openai_error_body(error_status, bytes(error_body)), False, proto.chunk_bytes):
+                    if s.error_status:  # the error body ends with the trailers: send it first
+                        for piece in _pieces("response_body", self._flush_error_body(s), False, proto.chunk_bytes):
                             yield piece
-                        error_status = 0
                     yield _TRAILERS["response_trailers"]
                 elif phase == "request_trailers":
                     yield _TRAILERS["request_trailers"]
@@ -391,4 +343,4 @@ class EppServicer(ExtProcServicer):
             log.exception("ext_proc (epp) stream failed")
             raise
         finally:
-            self._end_stream(observer, record, routed, admission, reservation)
+            self._end_stream(s)

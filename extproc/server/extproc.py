@@ -33,6 +33,7 @@ never judged from the gRPC status (DESIGN section 3).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import random
@@ -76,6 +77,47 @@ class Decision(NamedTuple):
     admission: Admission | None
     headers: dict[str, str]
     body: bytes | None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Stream:
+    """One ext_proc stream's state, from its request headers to its end (either body mode).
+
+    Attributes:
+        hdrs: the request headers read (`ExtProcServicer._headers`).
+        kind: the generation request's kind; None for any other request, or once refused.
+        start_ns: the request headers' arrival (monotonic ns; 0 before them).
+        sampled, tenant, observe: `ExtProcServicer._watch_plan` of a generation request.
+        record: its decision-log record, or None.
+        routed, reservation, admission: its decision, what it holds, its rate-limit charge.
+        observer: the response observer, or None.
+        error_status, error_body: the engine's error status whose body is held to be
+            rewritten (0: none), and the bytes held so far.
+        first_token: the predicted end of prefill when response headers are skipped.
+        done: answered with an `ImmediateResponse`: nothing more to say.
+        subset: the gateway's subset hint (Endpoint Picker Protocol), or None.
+        body: the request body held for the decision (Endpoint Picker Protocol).
+        buffering: a generation request's body is being held (Endpoint Picker Protocol).
+    """
+
+    hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
+    kind: RequestKind | None = None
+    start_ns: int = 0
+    sampled: bool = False
+    observe: bool = False
+    tenant: Tenant | None = None
+    record: DecisionRecord | None = None
+    routed: Routed | None = None
+    reservation: Reservation | None = None
+    admission: Admission | None = None
+    observer: StreamObserver | None = None
+    error_status: int = 0
+    error_body: bytearray = dataclasses.field(default_factory=bytearray)
+    first_token: asyncio.TimerHandle | None = None
+    done: bool = False
+    subset: Callable[[Endpoint], bool] | None = None
+    body: bytearray = dataclasses.field(default_factory=bytearray)
+    buffering: bool = False
 
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
@@ -163,93 +205,54 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def Process(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        reservation: Reservation | None = None
-        routed: Routed | None = None
-        observer: StreamObserver | None = None
-        record: DecisionRecord | None = None
-        tenant: Tenant | None = None
-        admission: Admission | None = None
-        kind: RequestKind | None = None
-        hdrs: dict[str, str] = {}
-        error_status = 0  # the engine's error status whose body is being rewritten
-        error_body = bytearray()
-        start_ns = 0
-        observe = sampled = False
-        first_token: asyncio.TimerHandle | None = None  # the predicted end of prefill, headers skipped
+        s = _Stream()
         self._begin_stream()
         try:
             async for msg in request_iterator:
                 phase = msg.WhichOneof("request")
-                if phase is None or (phase == "request_headers" and start_ns):
+                if phase is None or (phase == "request_headers" and s.start_ns):
                     # Envoy sends one request_headers per stream and never an empty message:
                     # anything else is a broken or hostile client. End the stream (the finally
                     # below releases what it held) rather than guess.
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected ext_proc message: {phase or 'empty'}")
                 if phase == "request_headers":
-                    start_ns = time.monotonic_ns()
-                    hdrs = self._headers(msg.request_headers)
+                    s.start_ns = time.monotonic_ns()
+                    s.hdrs = self._headers(msg.request_headers)
                     if (wrong := self._proxy_mode_error(msg)) is not None:
-                        yield self._reject(wrong, hdrs)
+                        yield self._reject(wrong, s.hdrs)
                         return
-                    kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
-                    end = msg.request_headers.end_of_stream
-                    if kind is not None and not end:
-                        sampled, tenant, observe = self._watch_plan(hdrs)
-                        if (refused := await self._refused_at_headers(tenant)) is not None:
-                            kind = None
-                            yield self._reject(refused, hdrs)
-                            continue
-                        if observe:
+                    verdict = await self._classify_headers(s, msg.request_headers.end_of_stream)
+                    if isinstance(verdict, pb.ProcessingResponse):
+                        yield verdict
+                    elif verdict is not None:  # passthrough, reserved
+                        headers = self._routing_headers(verdict.address, None, None, s.hdrs.get("x-request-id"))
+                        yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream)
+                    else:
+                        if s.observe:
                             mode = responses.GENERATION_MODE_STREAMED
                         else:
                             mode = responses.GENERATION_MODE_NO_RESPONSE if self._skip_response_headers else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
-                    elif kind is not None:
-                        yield self._reject(BadRequestError("request body is required for this endpoint"), hdrs)
-                    elif generation_path(hdrs.get(":path", "")) is not None:
-                        method = hdrs.get(":method", "")
-                        yield self._reject(MethodNotAllowedError(f"{method} is not allowed here; use POST"), hdrs)
-                    else:
-                        try:
-                            endpoint = self._pipeline.pick_any()
-                        except ExtProcError as err:
-                            yield self._reject(err, hdrs)
-                            continue
-                        reservation = self._pipeline.reserve_endpoint(endpoint)
-                        self._metrics.child(self._metrics.requests, "passthrough", "ok").inc()
-                        headers = self._routing_headers(endpoint.address, None, None, hdrs.get("x-request-id"))
-                        yield responses.route_in_headers(headers, skip_body=not end)
                 elif phase == "request_body":
-                    if kind is None or routed is not None or reservation is not None:
+                    if s.kind is None or s.routed is not None or s.reservation is not None:
                         yield responses.continue_for(phase)
                         continue
-                    if self._log is not None:
-                        # The tenant's id (a configured name or a key's hash; hashed again when written).
-                        record = DecisionRecord(time=time.time(), kind=kind.value, tenant=tenant.id if tenant is not None else None)
-                    response, routed, reservation, admission = await self._decide(msg.request_body.body, kind, hdrs, record, tenant)
-                    if routed is not None and observe:
-                        observer = self._observer_for(routed, admission, start_ns, sampled)
-                    elif reservation is not None and not observe and self._skip_response_headers:
-                        first_token = self._predict_first_token(reservation)
+                    s.record = self._new_record(s)
+                    response = await self._decide(msg.request_body.body, s)
+                    if s.routed is not None and s.observe:
+                        s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
+                    elif s.reservation is not None and not s.observe and self._skip_response_headers:
+                        s.first_token = self._predict_first_token(s.reservation)
                     yield response
                 elif phase == "response_headers":
-                    reply, error_status = self._on_response_headers(
-                        msg.response_headers, routed, reservation, observer, record, admission.headers if admission is not None else None
-                    )
-                    yield reply
-                elif phase == "response_body" and error_status:
+                    yield self._response_headers_reply(s, msg.response_headers)
+                elif phase == "response_body" and s.error_status:
                     # BUFFERED: the whole body in one message. Were it ever to come in pieces,
                     # each is held back and the rewrite goes out with the last.
-                    body = msg.response_body
-                    if observer is not None:
-                        observer.on_body_chunk(body.body, body.end_of_stream, time.monotonic_ns())
-                    hold_error_bytes(error_body, body.body)
-                    if body.end_of_stream:
-                        yield responses.response_body(openai_error_body(error_status, bytes(error_body)))
-                    else:
-                        yield responses.response_body_cleared()
-                elif phase == "response_body" and observer is not None:
-                    yield responses.response_body(self._observe_chunk(msg.response_body, observer, reservation, routed))
+                    rewritten = self._hold_error_chunk(s, msg.response_body)
+                    yield responses.response_body_cleared() if rewritten is None else responses.response_body(rewritten)
+                elif phase == "response_body" and s.observer is not None:
+                    yield responses.response_body(self._observe_chunk(msg.response_body, s.observer, s.reservation, s.routed))
                 else:
                     yield responses.continue_for(phase)
         except asyncio.CancelledError:
@@ -258,9 +261,83 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed")
             raise
         finally:
-            if first_token is not None:
-                first_token.cancel()
-            self._end_stream(observer, record, routed, admission, reservation)
+            self._end_stream(s)
+
+    async def _classify_headers(self, s: _Stream, end_of_stream: bool, subset: Callable[[Endpoint], bool] | None = None) -> pb.ProcessingResponse | Endpoint | None:
+        """Classify a request by its headers (`s.hdrs` already read), the same in both body modes.
+
+        Args:
+            s: the stream; sets `kind`, and for a generation request `sampled`, `tenant`, `observe`.
+            end_of_stream: the headers end the request (no body follows).
+            subset: the endpoints a passthrough request may go to (Endpoint Picker Protocol), or
+                None for any.
+
+        Returns:
+            the refusal to answer (the stream is then `done`, its `kind` None): a generation
+            request without a body (400), a generation path with another method (405), a
+            tenant refused before its body crosses, no endpoint for a passthrough request; or
+            the endpoint a passthrough request goes to, reserved in `s.reservation`; or None: a
+            generation request whose body is awaited.
+        """
+        hdrs = s.hdrs
+        s.kind = route_kind(hdrs.get(":method", ""), hdrs.get(":path", ""))
+        err: ExtProcError
+        if s.kind is not None and not end_of_stream:
+            s.sampled, s.tenant, s.observe = self._watch_plan(hdrs)
+            refused = await self._refused_at_headers(s.tenant)
+            if refused is None:
+                return None
+            err = refused
+        elif s.kind is not None:
+            err = BadRequestError("request body is required for this endpoint")
+        elif generation_path(hdrs.get(":path", "")) is not None:
+            err = MethodNotAllowedError(f"{hdrs.get(':method', '')} is not allowed here; use POST")
+        else:
+            try:
+                endpoint = self._pipeline.pick_any(subset)
+            except ExtProcError as exc:
+                err = exc
+            else:
+                s.reservation = self._pipeline.reserve_endpoint(endpoint)
+                self._metrics.child(self._metrics.requests, "passthrough", "ok").inc()
+                return endpoint
+        s.kind, s.done = None, True
+        return self._reject(err, hdrs)
+
+    def _new_record(self, s: _Stream) -> DecisionRecord | None:
+        """The decision-log record of a generation request about to be decided, or None when
+        there is no log. The tenant's id is a configured name or a key's hash (hashed again
+        when written)."""
+        if self._log is None:
+            return None
+        return DecisionRecord(time=time.time(), kind=s.kind.value, tenant=s.tenant.id if s.tenant is not None else None)  # type: ignore[union-attr]
+
+    def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """`_on_response_headers` for the stream: sets `s.error_status` when the engine's
+        error body is to be held and rewritten."""
+        reply, s.error_status = self._on_response_headers(
+            msg, s.routed, s.reservation, s.observer, s.record, s.admission.headers if s.admission is not None else None
+        )
+        return reply
+
+    @staticmethod
+    def _hold_error_chunk(s: _Stream, chunk: pb.HttpBody) -> bytes | None:
+        """One chunk of an engine's error body (`s.error_status` set): fed to the observer and
+        held. Returns the whole body in the gateway's error shape with the last chunk
+        (`s.error_status` then cleared), None before it."""
+        if s.observer is not None:
+            s.observer.on_body_chunk(chunk.body, chunk.end_of_stream, time.monotonic_ns())
+        hold_error_bytes(s.error_body, chunk.body)
+        if not chunk.end_of_stream:
+            return None
+        return ExtProcServicer._flush_error_body(s)
+
+    @staticmethod
+    def _flush_error_body(s: _Stream) -> bytes:
+        """The held error body in the gateway's error shape; `s.error_status` cleared."""
+        out = openai_error_body(s.error_status, bytes(s.error_body))
+        s.error_status = 0
+        return out
 
     @staticmethod
     def _observe_chunk(
@@ -335,17 +412,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.active_streams += 1
         self._metrics.streams_active.inc()
 
-    def _end_stream(
-        self,
-        observer: StreamObserver | None,
-        record: DecisionRecord | None,
-        routed: Routed | None,
-        admission: Admission | None,
-        reservation: Reservation | None,
-    ) -> None:
+    def _end_stream(self, s: _Stream) -> None:
         """A stream's end, however it came: close the observer (success judged from what it
         saw, never the gRPC status), write the decision-log line, settle the rate-limit charge
         and release the reservation. Never raises past the release."""
+        if s.first_token is not None:
+            s.first_token.cancel()
+        observer, record, routed, admission, reservation = s.observer, s.record, s.routed, s.admission, s.reservation
         if observer is not None:
             try:
                 observer.on_end("complete")
@@ -389,15 +462,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             headers["x-request-id"] = uuid.uuid4().hex
         return headers
 
-    async def _decide(
-        self, body: bytes, kind: RequestKind, hdrs: dict[str, str], record: DecisionRecord | None = None, tenant: Tenant | None = None
-    ) -> tuple[pb.ProcessingResponse, Routed | None, Reservation | None, Admission | None]:
+    async def _decide(self, body: bytes, s: _Stream) -> pb.ProcessingResponse:
         """`_route`, answered in BUFFERED mode: the routing headers (and a rewritten body) on
-        the body reply, or the error's `ImmediateResponse`."""
-        decided = await self._route(body, kind, hdrs, record, tenant)
+        the body reply, or the error's `ImmediateResponse`. Sets the stream's decision."""
+        decided = await self._route(body, s.kind, s.hdrs, s.record, s.tenant)  # type: ignore[arg-type]
         if isinstance(decided, pb.ProcessingResponse):
-            return decided, None, None, None
-        return responses.route_in_body(decided.headers, decided.body), decided.routed, decided.reservation, decided.admission
+            return decided
+        s.routed, s.reservation, s.admission = decided.routed, decided.reservation, decided.admission
+        return responses.route_in_body(decided.headers, decided.body)
 
     async def _route(
         self,
