@@ -23,14 +23,12 @@ import asyncio
 from collections.abc import Sequence
 from importlib import resources
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from extproc.ratelimit.backend import BackendUnavailable
 from extproc.ratelimit.config import WINDOW_S, RedisConfig
+from extproc.ratelimit.redis_client import redis_client
 from extproc.ratelimit.window import LEASE_MS, Decision, ScopeLimit, ScopeUse
 
 __all__ = ["RedisBackend", "LUA_SCRIPT"]
@@ -70,13 +68,7 @@ class RedisBackend:
         self._n = buckets
         self._bucket_ms = WINDOW_S * 1000 // buckets
         # No client-side retries: a decision waits at most one timeout, then the policy decides.
-        self._client = aioredis.Redis.from_url(
-            config.url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-        )
+        self._client = redis_client(config)
         self._script = self._client.register_script(LUA_SCRIPT)
 
     def key(self, scope_key: str) -> str:

@@ -55,14 +55,13 @@ from urllib.parse import urlsplit
 import msgpack
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from extproc.datastore.endpoints import Datastore, Reservation
 from extproc.logthrottle import WarnEvery
 from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
+from extproc.ratelimit.redis_client import redis_client
 from extproc.replicas.config import ReplicasConfig
 
 __all__ = ["ReplicaSync", "SyncMetrics", "redis_location"]
@@ -267,11 +266,8 @@ class ReplicaSync:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         """Start publishing, subscribing and expiring (returns at once; Redis may be down)."""
-        timeout = self._redis.timeout_ms / 1000
         self._closing = False
-        self._pub = aioredis.Redis.from_url(
-            self._redis.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
-        )
+        self._pub = redis_client(self._redis)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._publisher(), name="replica-sync-publish"),
@@ -355,7 +351,7 @@ class ReplicaSync:
     async def _subscriber(self) -> None:
         timeout = self._redis.timeout_ms / 1000
         while not self._closing:
-            client = aioredis.Redis.from_url(self._redis.url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+            client = redis_client(self._redis, subscriber=True)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 async with asyncio.timeout(timeout * 4):
