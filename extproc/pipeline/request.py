@@ -50,6 +50,7 @@ from extproc.types import HEALTH_PANIC, LLMRequest, RequestKind, TokenCount
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Counted",
     "ModelRuntime",
     "RequestPipeline",
     "Routed",
@@ -95,6 +96,42 @@ class ModelRuntime:
 
     config: ModelConfig
     counter: TokenCounter
+
+
+@dataclass(slots=True)
+class Counted:
+    """A request parsed, counted (and truncated when asked), ready to schedule
+    (`RequestPipeline.count`): `RequestPipeline.schedule` may run on it more than once (a
+    request routed again when its endpoint left the pool) without counting its tokens again.
+
+    Attributes:
+        request: the parsed, counted request.
+        parsed: the body as parsed.
+        model: the served model's configuration.
+        prompt_tokens: tokens per prompt (completions may batch several).
+        priority: the request's priority class.
+        session_header: the session header's value, or None.
+        subset: the hard filter on endpoints (Endpoint Picker Protocol), or None.
+        cut: what truncation did, or None.
+        started_s, counting_s, counted_s: `time.perf_counter()` at the start of the decision,
+            of counting, and at its end (seconds).
+        truncate_s: seconds truncation took (0 when it did not run).
+        schedules: how many times `schedule` ran on it (count).
+    """
+
+    request: LLMRequest
+    parsed: ParsedRequest
+    model: ModelConfig
+    prompt_tokens: list[int]
+    priority: str
+    session_header: str | None
+    subset: Callable[[Endpoint], bool] | None
+    cut: Truncated | None
+    started_s: float
+    counting_s: float
+    counted_s: float
+    truncate_s: float
+    schedules: int = 0
 
 
 @dataclass(slots=True)
@@ -312,7 +349,14 @@ class RequestPipeline:
             )
         return self._models[canonical]
 
-    async def route(
+    async def route(self, kind: RequestKind, body: bytes, **kwargs: Any) -> Routed:
+        """Decide for one request body (reserves nothing): `count` then `schedule`.
+
+        Args and Raises: those of `count` and `schedule`.
+        """
+        return self.schedule(await self.count(kind, body, **kwargs))
+
+    async def count(
         self,
         kind: RequestKind,
         body: bytes,
@@ -324,8 +368,9 @@ class RequestPipeline:
         record: DecisionRecord | None = None,
         before_count: Callable[[str, int | None, int, int], Awaitable[None]] | None = None,
         subset: Callable[[Endpoint], bool] | None = None,
-    ) -> Routed:
-        """Decide for one request body (reserves nothing).
+    ) -> Counted:
+        """Parse, check and count one request body, truncating it when asked: everything of
+        a decision before scheduling.
 
         Args:
             kind: chat or completion (from the path).
@@ -353,7 +398,7 @@ class RequestPipeline:
             NotFoundError: unknown model.
             RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
             NoEndpointError: no healthy endpoint (503), no endpoint of the model in `subset`
-                (503), or no KV fit with `reject_status: 503`.
+                (503). `schedule` raises the rest.
         """
         t0 = time.perf_counter()
         cfg = self._config
@@ -433,9 +478,31 @@ class RequestPipeline:
             body_bytes=len(body),  # type: ignore[arg-type]
             token_ids=token_ids,
         )
+        return Counted(req, parsed, model, prompt_tokens, priority, session_header, subset, cut, t0, t1, t2, t_cut)
+
+    def schedule(self, counted: Counted) -> Routed:
+        """Pick an endpoint (or a tier) for a counted request, among the endpoints listed now.
+        Runs without yielding; may run again on the same `counted` (reserves nothing).
+
+        Timings: parse and tokenize from `count`; schedule from this call's start (the first
+        call starts where counting ended, truncation excluded); total from the decision's start.
+
+        Raises:
+            RateLimitedError: shed under saturation, or no endpoint can fit the KV (429).
+            NoEndpointError: no healthy endpoint (503), no endpoint of the model in the subset
+                (503), or no KV fit with `reject_status: 503`.
+            ValidationError: the request can never fit any endpoint's KV cache.
+        """
+        cfg = self._config
+        req, parsed, model, prompt_tokens = counted.request, counted.parsed, counted.model, counted.prompt_tokens
+        priority, session_header, subset, cut = counted.priority, counted.session_header, counted.subset, counted.cut
+        t0, t1, t2, t_cut = counted.started_s, counted.counting_s, counted.counted_s, counted.truncate_s
+        # A second run's schedule phase is its own, not the wait since counting ended.
+        again_from = time.perf_counter() if counted.schedules else None
+        counted.schedules += 1
         if cfg.scheduling.mode == "tier":
             tiers = cfg.scheduling.tiers
-            tier = tier_for(total_prompt, tiers.low_latency_below, tiers.high_throughput_above)
+            tier = tier_for(int(req.prompt_tokens), tiers.low_latency_below, tiers.high_throughput_above)
             timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
             return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
@@ -469,7 +536,8 @@ class RequestPipeline:
         blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
         predicted = ctx.data.get("predicted_ttft_s")
-        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": t3 - t2 - t_cut, "total": t3 - t0}
+        scheduled_s = t3 - t2 - t_cut if again_from is None else t3 - again_from
+        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": scheduled_s, "total": t3 - t0}
         routed = Routed(
             req,
             endpoint,

@@ -489,7 +489,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         memory backend never suspends, and a remote one gives a charge back when the stream is
         cancelled during the call (`RateLimiter._acquire`). Discovery may drain or remove the
         chosen endpoint during that call: the request is then routed once more (the charge is
-        per tenant and model, so it stands), and when that endpoint is gone too the charge is
+        per tenant and model, so it stands; only the scheduling runs again, not the parsing and
+        counting), and when that endpoint is gone too the charge is
         given back (tokens and in-flight slot) and the answer is a 503 `endpoint_gone`. Any
         refusal after the charge gives it back.
 
@@ -499,8 +500,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         start = time.perf_counter()
         admission: Admission | None = None
 
-        async def route(before_count: Callable | None) -> Routed:
-            return await self._pipeline.route(
+        try:
+            counted = await self._pipeline.count(
                 kind,
                 body,
                 priority_header=hdrs.get(self._priority_header),
@@ -508,19 +509,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 truncate_header=hdrs.get(TRUNCATE_HEADER),
                 record=record,
                 trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
-                before_count=before_count,
+                before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
                 subset=subset,
             )
-
-        try:
-            routed = await route(functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None)  # type: ignore[union-attr]
+            routed = self._pipeline.schedule(counted)
             if tenant is not None:
                 admission = await self._ratelimit.admit(tenant, routed.request)  # type: ignore[union-attr]
                 if not self._still_listed(routed):
                     # Discovery drained or removed the endpoint during the charge's round trip:
-                    # route once more (same model, so the charge stands), else give it back.
+                    # schedule once more (same model, so the charge stands; the prompt is not
+                    # counted again), else give it back.
                     log.info("endpoint %s left the pool during the rate-limit charge; routing again", routed.endpoint.address)  # type: ignore[union-attr]
-                    routed = await route(None)
+                    routed = self._pipeline.schedule(counted)
                     if not self._still_listed(routed):
                         raise NoEndpointError(
                             f"the endpoints chosen for model `{routed.request.served_model}` left the pool during the decision; retry",

@@ -303,6 +303,50 @@ async def test_an_endpoint_drained_during_the_charge_is_not_used_the_request_is_
     await wait_until(lambda: app.store.open_reservations == 0)
 
 
+def _lookups(app) -> tuple[float, float]:
+    """The app's tokenizer segment-cache (hits, misses) so far: every counting of a prompt adds
+    its segments to one or the other."""
+    get = app.metrics.registry.get_sample_value
+    return (
+        get("llm_extproc_tokenizer_cache_hits_total", {"model": MODEL}) or 0.0,
+        get("llm_extproc_tokenizer_cache_misses_total", {"model": MODEL}) or 0.0,
+    )
+
+
+async def test_routing_again_after_the_charge_does_not_count_the_prompt_again(make_app):
+    """The retry when the chosen endpoint leaves during the charge schedules again, nothing more:
+    a fresh prompt's segments are looked up in the tokenizer cache as often as when no endpoint
+    leaves (counted twice, the second count would hit the cache), and the request still goes
+    to the endpoint left in the pool."""
+    app = await make_app(ratelimit=CAPPED)
+    first, second = [ep.address for ep in app.store.all()]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+
+        async def route(text: str) -> tuple[str, float, float]:
+            before = _lookups(app)
+            _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(text, max_tokens=20)))
+            after = _lookups(app)
+            assert reply.WhichOneof("response") == "request_body"
+            return set_headers(reply.request_body.response)["x-gateway-destination-endpoint"], after[0] - before[0], after[1] - before[1]
+
+        # Baseline, no endpoint leaves: what counting one fresh prompt of this shape costs.
+        _, hits, misses = await route(f"a fresh prompt {uuid.uuid4().hex} about the weather")
+        assert misses > 0
+        await wait_until(lambda: app.store.open_reservations == 0)
+        app.store.drain_endpoint(second)  # only `first` can be picked
+
+        def discovery() -> None:
+            app.store.drain_endpoint(first)
+            app.store.add_endpoint(EndpointConfig(address=second, models=[MODEL]))
+
+        app.ratelimit.backend = _DiscoveryDuringCharge(discovery)
+        dest, retry_hits, retry_misses = await route(f"a fresh prompt {uuid.uuid4().hex} about the weather")
+    assert dest == second and app.store.get(first) is None
+    assert (retry_hits, retry_misses) == (hits, misses), "the prompt was counted once"
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
 async def test_an_endpoint_removed_during_the_charge_with_no_other_left_is_a_503_and_the_charge_comes_back(make_app):
     """The chosen endpoint is removed during the charge and no other is left: a 503 in the
     OpenAI error shape, the tokens and the concurrency slot given back (the tenant's next
