@@ -1,7 +1,7 @@
 """The ext_proc server's side of the node agents: subscribe to each endpoint's agent and keep
 its latest report on `endpoint.node`.
 
-For every configured endpoint with an `agent` address (`EndpointConfig.agent`, host:port of
+For every endpoint with an `agent` address (`Endpoint.agent`, from `EndpointConfig.agent`; host:port of
 `llm-extproc agent`'s gRPC port), one task holds a `llm_extproc.v1.NodeLoad.Watch` stream and
 turns each `LoadReport` into a `NodeReport` on `endpoint.node`. When the stream fails, ends
 (the agent stopped) or stays silent for `idle_timeout_s`, the task reconnects with capped
@@ -26,7 +26,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -34,7 +33,6 @@ import grpc
 from extproc._proto.llm_extproc.v1 import node_load_pb2 as pb
 from extproc._proto.llm_extproc.v1 import node_load_pb2_grpc as pb_grpc
 from extproc.aio import cancel_and_wait
-from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore, Endpoint
 
 __all__ = ["AgentWatcher", "NodeReport", "backoff_delay"]
@@ -125,8 +123,8 @@ class AgentWatcher:
     """Keeps `endpoint.node` of every endpoint with an agent up to date.
 
     Args:
-        store: the datastore whose endpoints receive reports.
-        endpoints: endpoint configurations; those with `agent` set are watched.
+        store: the datastore whose endpoints receive reports; those with `agent` set now are
+            watched, and those `add` names later.
         min_interval_s: ask agents for at most one report per this many seconds (0: every
             sampling period).
         stale_after_s: reports older than this are stale (seconds).
@@ -140,7 +138,6 @@ class AgentWatcher:
     def __init__(
         self,
         store: Datastore,
-        endpoints: Iterable[EndpointConfig],
         *,
         min_interval_s: float = 0.0,
         stale_after_s: float = 3.0,
@@ -152,11 +149,7 @@ class AgentWatcher:
         if backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         self._store = store
-        self._targets: list[tuple[Endpoint, str]] = []
-        for cfg in endpoints:
-            ep = store.get(cfg.address)
-            if cfg.agent and ep is not None:
-                self._targets.append((ep, cfg.agent))
+        self._targets: list[tuple[Endpoint, str]] = [(ep, ep.agent) for ep in store.all() if ep.agent]
         self._min_interval = min_interval_s
         self._stale_after = stale_after_s
         self._idle_timeout = idle_timeout_s
@@ -183,9 +176,11 @@ class AgentWatcher:
             self._tasks[ep.address] = asyncio.create_task(self._watch(ep, addr), name=f"agent-watch-{addr}")
 
     def add(self, ep: Endpoint, agent: str) -> None:
-        """Watch the agent (`host:port`) of an endpoint that joined after construction."""
-        if any(e.address == ep.address for e, _ in self._targets):
+        """Watch the agent (`host:port`) of an endpoint that joined after construction; an
+        endpoint watched on another agent (a reload changed it) moves to this one."""
+        if (ep, agent) in self._targets:
             return
+        self.remove(ep)
         self._targets.append((ep, agent))
         if self._started:
             self._spawn(ep, agent)

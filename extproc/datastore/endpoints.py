@@ -85,6 +85,9 @@ class Endpoint:
         draining: discovery dropped it (gone from its source, not ready, or terminating): no new
             picks; it is removed once `inflight` reaches 0 (`Datastore.drain_endpoint`).
         draining_since: `time.monotonic()` when draining began (seconds), or None.
+        agent: `host:port` of its node agent (`EndpointConfig.agent`), or None.
+        kv_events / kv_events_replay: its engine's KV-event publisher and replay socket
+            (`EndpointConfig.kv_events`, `tcp://host:port`), or None.
     """
 
     address: EndpointAddress
@@ -115,6 +118,9 @@ class Endpoint:
     override: Any = None
     draining: bool = False
     draining_since: float | None = None
+    agent: str | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
 
     @property
@@ -263,6 +269,9 @@ class Datastore:
     Attributes:
         on_added: called with each endpoint `add_endpoint` creates (start its probes, scrapes,
             metric series).
+        on_changed: called with an existing endpoint whose `agent`, `kv_events` or
+            `kv_events_replay` `add_endpoint` changed (a configuration reload): watch the new
+            agent, subscribe to the new publisher.
         on_removed: called with each endpoint `remove_endpoint` takes out, after it left every
             table here: drop what other components keep under its address (prefix index,
             sessions, metric label children, background loops). The hook point for anything
@@ -277,6 +286,7 @@ class Datastore:
         self.listener: ReservationListener | None = None
         """Told of every reservation, first token and release (replica sync); None: nobody."""
         self.on_added: list[Callable[[Endpoint], None]] = []
+        self.on_changed: list[Callable[[Endpoint], None]] = []
         self.on_removed: list[Callable[[Endpoint], None]] = []
         for cfg in endpoints:
             self.add_endpoint(cfg)
@@ -298,26 +308,34 @@ class Datastore:
 
     # -- membership ------------------------------------------------------------------------
     def add_endpoint(self, cfg: EndpointConfig) -> Endpoint:
-        """Add the endpoint `cfg` describes, or bring an existing one up to date: its models and
-        labels follow `cfg`, and a draining one takes new requests again (its learned state
-        kept). Runs the `on_added` hooks for a new endpoint only.
+        """Add the endpoint `cfg` describes, or bring an existing one up to date: its models,
+        labels, agent and KV-event sockets follow `cfg`, and a draining one takes new requests
+        again (its learned state kept). Runs the `on_added` hooks for a new endpoint, the
+        `on_changed` hooks for an existing one whose agent or KV-event sockets changed.
 
         Returns:
             The endpoint (new or existing).
         """
         ep = self._by_addr.get(cfg.address)
         models = frozenset(cfg.models)
+        links = (cfg.agent, cfg.kv_events, cfg.kv_events_replay)
         if ep is not None:
+            relinked = links != (ep.agent, ep.kv_events, ep.kv_events_replay)
             if ep.draining:
                 log.info("endpoint %s back before its drain ended: it takes new requests again", ep.address)
                 ep.draining, ep.draining_since = False, None
-            elif ep.models == models and ep.labels == cfg.labels:
+            elif ep.models == models and ep.labels == cfg.labels and not relinked:
                 return ep
             self._unindex(ep)
             ep.models, ep.labels = models, dict(cfg.labels)
             self._index(ep)
+            if relinked:
+                ep.agent, ep.kv_events, ep.kv_events_replay = links
+                for hook in self.on_changed:
+                    hook(ep)
             return ep
         ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior))
+        ep.agent, ep.kv_events, ep.kv_events_replay = links
         self._by_addr[ep.address] = ep
         self._index(ep)
         for hook in self.on_added:

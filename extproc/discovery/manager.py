@@ -75,13 +75,6 @@ class Discovery:
         self.applied = 0
         """Reports applied so far (count), for tests and diagnostics."""
 
-    def current(self, address: str) -> Discovered | None:
-        """What the sources say of `address` now (the first source reporting it), or None."""
-        for report in self._reports:
-            if report is not None and address in report:
-                return report[address]
-        return None
-
     def publisher(self, index: int):
         """The `publish` callback of source number `index`."""
 

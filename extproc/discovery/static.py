@@ -133,11 +133,6 @@ class Source(DiscoverySource):
             return None
         if new.model_copy(update={"endpoints": self._config.endpoints}) != self._config:
             log.warning("configuration reload (%s): only `endpoints` is applied; the other changes need a restart", reason)
-        old = {e.address: e for e in self._config.endpoints}
-        for e in new.endpoints:
-            was = old.get(e.address)
-            if (e.kv_events or was and was.kv_events) and (was is None or (was.kv_events, was.kv_events_replay) != (e.kv_events, e.kv_events_replay)):
-                log.warning("configuration reload (%s): kv_events of %s changed; KV-event subscriptions change only on restart", reason, e.address)
         self._config = self._config.model_copy(update={"endpoints": new.endpoints})
         log.info("configuration reload (%s): %d endpoints", reason, len(new.endpoints))
         return new.endpoints

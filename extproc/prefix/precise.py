@@ -390,8 +390,12 @@ class KVEventSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
 
     async def start(self) -> None:
+        """`open` (kept awaitable for callers that start subscribers in a loop)."""
+        self.open()
+
+    def open(self) -> None:
         """Connect (ZMQ connects in the background; a publisher not up yet is fine) and start
-        reading."""
+        reading (on the running event loop)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -497,11 +501,13 @@ class KVEventSubscriber:
 
 class PreciseSource:
     """The subscribers of every endpoint with `kv_events` configured, and their indexer; one
-    speculative-expiry sweep. `start()` / `aclose()` from the server's lifecycle.
+    speculative-expiry sweep. `start()` / `aclose()` from the server's lifecycle; `add` and
+    `remove` as endpoints come, go or change publisher.
 
     Args:
         tracker: the prefix tracker.
-        endpoints: (address, kv_events endpoint, replay endpoint or None) per precise endpoint.
+        endpoints: (address, kv_events endpoint, replay endpoint or None) per precise endpoint
+            known at construction (more come with `add`).
         speculative_ttl_s: see `PreciseIndexer`.
         registry: Prometheus registry.
     """
@@ -520,24 +526,45 @@ class PreciseSource:
         self.subscribers: list[KVEventSubscriber] = []
         self._sweep: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._started = False
         for address, _, _ in self._endpoints:
             self.indexer.register(address)
 
     async def start(self) -> None:
-        """Open one subscriber per endpoint and start the expiry sweep."""
-        if not self._endpoints:
-            return
-        self._ctx = zmq.asyncio.Context()
+        """Open one subscriber per endpoint and start the expiry sweep (once there is one)."""
+        self._started = True
         for address, endpoint, replay in self._endpoints:
-            s = KVEventSubscriber(address, endpoint, replay, self.indexer, self._ctx)
-            await s.start()
-            self.subscribers.append(s)
-        self._sweep = asyncio.create_task(self._sweep_loop(), name="kv-events-expiry")
+            self._open(address, endpoint, replay)
+
+    def _open(self, address: str, endpoint: str, replay: str | None) -> None:
+        """Subscribe to one publisher now (on the running event loop)."""
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        s = KVEventSubscriber(address, endpoint, replay, self.indexer, self._ctx)
+        s.open()
+        self.subscribers.append(s)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().create_task(self._sweep_loop(), name="kv-events-expiry")
+
+    def add(self, address: str, endpoint: str, replay: str | None) -> None:
+        """Make `address` precise, its events read from `endpoint` (`tcp://host:port`; replay
+        socket `replay` or None): subscribed now when started, else at `start`. The same
+        publisher again changes nothing; another one replaces the old subscription (the
+        mirror starts over: a new publisher's sequence restarts)."""
+        if (address, endpoint, replay) in self._endpoints:
+            return
+        if any(e[0] == address for e in self._endpoints):
+            self.remove(address)
+        self._endpoints.append((address, endpoint, replay))
+        self.indexer.register(address)
+        if self._started:
+            self._open(address, endpoint, replay)
 
     def remove(self, address: str) -> asyncio.Task[None] | None:
-        """The endpoint `address` left the fleet: forget its mirror and stop its subscriber (in
-        the background; returns that task, None when it had none). Call before the tracker's
-        `drop_endpoint`, so no late batch re-adds what that drops."""
+        """The endpoint `address` left the fleet (or no longer publishes events): forget its
+        mirror and stop its subscriber (in the background; returns that task, None when it
+        had none). Call before the tracker's `drop_endpoint`, so no late batch re-adds what
+        that drops."""
         self.indexer.unregister(address)
         self._endpoints = [e for e in self._endpoints if e[0] != address]
         gone = [s for s in self.subscribers if s.address == address]
@@ -562,6 +589,7 @@ class PreciseSource:
 
     async def aclose(self) -> None:
         """Stop every subscriber and the sweep; close the ZMQ context. Idempotent."""
+        self._started = False
         await cancel_and_wait([self._sweep])
         self._sweep = None
         if self._closing:

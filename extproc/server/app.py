@@ -134,9 +134,10 @@ class ExtProcApp:
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
         # A warm-up is prefill work on its endpoint like any request: counted in flight there.
         self.prefix.warmer.reserve = lambda ep, tokens: self.store.reserve(ep, prompt_tokens=tokens, context_tokens=tokens)
+        # Subscribed per endpoint by _endpoint_added / _endpoint_changed, configured or discovered.
         self.kv_events = PreciseSource(
             self.prefix,
-            [(e.address, e.kv_events, e.kv_events_replay) for e in config.endpoints if e.kv_events and config.scheduling.prefix.enabled],
+            (),
             speculative_ttl_s=config.scheduling.prefix.speculative_ttl_s,
             registry=self.metrics.registry,
         )
@@ -150,7 +151,7 @@ class ExtProcApp:
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.store, config.scheduling.health_check)
-        self._agents = AgentWatcher(self.store, config.endpoints, stale_after_s=config.scheduling.metrics.stale_after_s)
+        self._agents = AgentWatcher(self.store, stale_after_s=config.scheduling.metrics.stale_after_s)
         m = config.scheduling.metrics
         self._scraper = (
             MetricsScraper(self.store, path=m.path, interval_s=m.interval_s, timeout_s=m.timeout_s, on_scrape=self._on_scrape)
@@ -166,6 +167,7 @@ class ExtProcApp:
             initial_wait_s=d.initial_wait_s,
         )
         self.store.on_added.append(self._endpoint_added)
+        self.store.on_changed.append(self._endpoint_changed)
         self.store.on_removed.append(self._endpoint_removed)
         for ep in self.store.all():
             self._endpoint_added(ep)
@@ -189,9 +191,19 @@ class ExtProcApp:
         self._checker.add(ep)  # after start: no request before its first probe passes
         if self._scraper is not None:
             self._scraper.add(ep)  # no-op before start(), which scrapes every endpoint
-        found = self.discovery.current(ep.address)
-        if found is not None and found.config.agent:
-            self._agents.add(ep, found.config.agent)
+        self._endpoint_changed(ep)
+
+    def _endpoint_changed(self, ep: Endpoint) -> None:
+        """An endpoint's agent or KV-event sockets are new (added, or changed by a reload): watch
+        that agent, subscribe to that publisher (both replace the previous ones; none: stop)."""
+        if ep.agent:
+            self._agents.add(ep, ep.agent)
+        else:
+            self._agents.remove(ep)
+        if ep.kv_events and self.config.scheduling.prefix.enabled:
+            self.kv_events.add(ep.address, ep.kv_events, ep.kv_events_replay)
+        else:
+            self.kv_events.remove(ep.address)
 
     def _endpoint_removed(self, ep: Endpoint) -> None:
         """An endpoint left (`Datastore.remove_endpoint`): stop its loops, drop its prefix

@@ -15,22 +15,22 @@ from tests.agent.agent_helpers import FakeEngine, eventually
 ENDPOINT = "127.0.0.1:8001"
 
 
-def store_for(agent_port: int | None) -> tuple[Datastore, list[EndpointConfig]]:
+def store_for(agent_port: int | None) -> Datastore:
     cfgs = [
         EndpointConfig(address=ENDPOINT, models=["m"], agent=None if agent_port is None else f"127.0.0.1:{agent_port}"),
         EndpointConfig(address="127.0.0.1:8002", models=["m"]),  # no agent: never watched
     ]
-    return Datastore(cfgs), cfgs
+    return Datastore(cfgs)
 
 
 @pytest.fixture
 async def watchers():
     made: list[AgentWatcher] = []
 
-    async def start(store: Datastore, cfgs: list[EndpointConfig], **kw) -> AgentWatcher:
+    async def start(store: Datastore, **kw) -> AgentWatcher:
         kw.setdefault("backoff_initial_s", 0.05)
         kw.setdefault("backoff_max_s", 0.2)
-        w = AgentWatcher(store, cfgs, rng=random.Random(7), **kw)
+        w = AgentWatcher(store, rng=random.Random(7), **kw)
         await w.start()
         made.append(w)
         return w
@@ -49,8 +49,8 @@ def node(store: Datastore, address: str = ENDPOINT) -> NodeReport | None:
 async def test_node_report_follows_a_loading_gpu(engine: FakeEngine, start_agent, watchers) -> None:
     engine.gpu["utilization"] = 0.1
     agent = await start_agent(engine.url, gpu=f"sim:{engine.url}")
-    store, cfgs = store_for(agent.grpc_port)
-    w = await watchers(store, cfgs)
+    store = store_for(agent.grpc_port)
+    w = await watchers(store)
     assert w.agents == [f"127.0.0.1:{agent.grpc_port}"]
     await eventually(lambda: node(store) is not None, what="first report")
     idle = node(store)
@@ -69,8 +69,8 @@ async def test_node_report_follows_a_loading_gpu(engine: FakeEngine, start_agent
 
 async def test_device_fault_makes_the_endpoint_unusable(engine: FakeEngine, start_agent, watchers) -> None:
     agent = await start_agent(engine.url, gpu=f"sim:{engine.url}")
-    store, cfgs = store_for(agent.grpc_port)
-    await watchers(store, cfgs)
+    store = store_for(agent.grpc_port)
+    await watchers(store)
     await eventually(lambda: node(store) is not None and node(store).usable, what="usable report")
     engine.gpu = {}  # the GPU can no longer be read: a device fault
     await eventually(lambda: not node(store).usable, what="fault reported")
@@ -82,8 +82,8 @@ async def test_device_fault_makes_the_endpoint_unusable(engine: FakeEngine, star
 async def test_reconnects_after_the_agent_restarts_on_the_same_port(engine: FakeEngine, start_agent, watchers) -> None:
     first = await start_agent(engine.url, node="before")
     port = first.grpc_port
-    store, cfgs = store_for(port)
-    w = await watchers(store, cfgs, stale_after_s=0.3)
+    store = store_for(port)
+    w = await watchers(store, stale_after_s=0.3)
     await eventually(lambda: node(store) is not None and node(store).node == "before", what="first agent's report")
     await first.aclose()
     await eventually(lambda: node(store).stale(), what="report goes stale while the agent is down")
@@ -94,9 +94,9 @@ async def test_reconnects_after_the_agent_restarts_on_the_same_port(engine: Fake
 
 async def test_a_silent_stream_is_abandoned_and_reopened(engine: FakeEngine, start_agent, watchers) -> None:
     agent = await start_agent(engine.url, period_s=0.05)
-    store, cfgs = store_for(agent.grpc_port)
+    store = store_for(agent.grpc_port)
     # Ask for one report per 2 s but give up on a stream silent for 0.3 s: every stream is cut.
-    w = await watchers(store, cfgs, min_interval_s=2.0, idle_timeout_s=0.3)
+    w = await watchers(store, min_interval_s=2.0, idle_timeout_s=0.3)
     addr = f"127.0.0.1:{agent.grpc_port}"
     await eventually(lambda: w.connects.get(addr, 0) >= 3, what="reconnects after idle timeouts")
     assert node(store) is not None
