@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["did_you_mean", "known_keys_at", "late_problems"]
+__all__ = ["did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
 
 
 def did_you_mean(word: object, choices: Iterable[str]) -> str:
@@ -76,6 +76,25 @@ def _get(data: Any, *keys: str) -> Any:
     return data
 
 
+def unknown_model(name: object, configured: Iterable[str]) -> str:
+    """The message for a model name that is not a configured model's canonical name (the same
+    wherever one is named: an endpoint, a discovery source, a tenant's limits)."""
+    names = sorted(configured)
+    return f"{name!r} is not a configured model name{did_you_mean(name, names)} (configured: {', '.join(names)})"
+
+
+def undefined_profile(name: object, defined: Iterable[str]) -> str:
+    """The message for a `scheduling.profile` that names no built-in or configured profile."""
+    names = sorted(defined)
+    return f"profile {name!r} is not defined{did_you_mean(name, names)} (defined: {', '.join(names)})"
+
+
+def unknown_plugin_type(name: object, known: Iterable[str]) -> str:
+    """The message for a plugin `type` no registered plugin has."""
+    names = sorted(known)
+    return f"unknown plugin type {name!r}{did_you_mean(name, names)} (known: {', '.join(names)})"
+
+
 def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
     """The cross-checks pydantic skips while a section has other errors, run on the raw
     mapping: `(location, offending value, message)` for an unknown `scheduling.profile`, an
@@ -89,8 +108,7 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
     defined = set(BUILTIN_PROFILES) | (set(k for k in profiles if isinstance(k, str)) if isinstance(profiles, Mapping) else set())
     profile = _get(data, "scheduling", "profile")
     if isinstance(profile, str) and profile not in defined:
-        out.append(("scheduling.profile", profile,
-                    f"profile {profile!r} is not defined{did_you_mean(profile, defined)} (defined: {', '.join(sorted(defined))})"))  # fmt: skip
+        out.append(("scheduling.profile", profile, undefined_profile(profile, defined)))
     if isinstance(profiles, Mapping):
         types_known = registered()
         for name, prof in profiles.items():
@@ -101,7 +119,7 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
                     t = _get(spec, "type")
                     if isinstance(t, str) and t not in types_known:
                         where = f"scheduling.profiles.{name}.{kind}" + ("" if kind == "picker" else f"[{i}]") + ".type"
-                        out.append((where, t, f"unknown plugin type {t!r}{did_you_mean(t, types_known)}"))
+                        out.append((where, t, unknown_plugin_type(t, types_known)))
     models = data.get("models")
     names = {m["name"] for m in models if isinstance(m, Mapping) and isinstance(m.get("name"), str)} if isinstance(models, list) else set()
     endpoints = data.get("endpoints")
@@ -110,6 +128,5 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
             served = _get(ep, "models")
             for m in served if isinstance(served, list) else []:
                 if isinstance(m, str) and m not in names:
-                    out.append((f"endpoints[{i}].models", m,
-                                f"{m!r} is not a configured model name{did_you_mean(m, names)} (configured: {', '.join(sorted(names))})"))  # fmt: skip
+                    out.append((f"endpoints[{i}].models", m, unknown_model(m, names)))
     return out

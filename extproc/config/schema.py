@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from extproc.config.diagnose import did_you_mean
+from extproc.config.diagnose import undefined_profile, unknown_model
 from extproc.config_base import Strict as _Strict
 from extproc.config_base import yaml_off
 from extproc.ratelimit.config import RateLimitConfig
@@ -668,8 +668,7 @@ class SchedulingConfig(_Strict):
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
         if self.profile not in self.all_profiles():
-            defined = self.all_profiles()
-            raise ValueError(f"profile {self.profile!r} is not defined{did_you_mean(self.profile, defined)} (defined: {', '.join(sorted(defined))})")
+            raise ValueError(undefined_profile(self.profile, self.all_profiles()))
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:
@@ -910,10 +909,7 @@ class Config(_Strict):
         for i, src in enumerate(self.discovery.sources):
             for m in getattr(src, "models", ()):
                 if m not in canonical:
-                    raise ValueError(
-                        f"discovery.sources[{i}].models: {m!r} is not a configured model name{did_you_mean(m, canonical)} "
-                        f"(configured: {', '.join(sorted(canonical))})"
-                    )
+                    raise ValueError(f"discovery.sources[{i}].models: {unknown_model(m, canonical)}")
         seen: set[str] = set()
         for i, e in enumerate(self.endpoints):
             if e.address in seen:
@@ -921,12 +917,9 @@ class Config(_Strict):
             seen.add(e.address)
             for m in e.models:
                 if m not in canonical:
-                    raise ValueError(
-                        f"endpoints[{i}].models: {m!r} is not a configured model name{did_you_mean(m, canonical)} "
-                        f"(configured: {', '.join(sorted(canonical))})"
-                    )
+                    raise ValueError(f"endpoints[{i}].models: {unknown_model(m, canonical)}")
         for name, tenant in self.ratelimit.tenants.items():
             for m in tenant.models:
                 if m not in canonical:
-                    raise ValueError(f"ratelimit.tenants.{name}.models: {m!r} is not a configured model name; configured: {sorted(canonical)}")
+                    raise ValueError(f"ratelimit.tenants.{name}.models: {unknown_model(m, canonical)}")
         return self

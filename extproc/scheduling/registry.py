@@ -57,9 +57,9 @@ def build(type_name: str, params: dict[str, Any] | None = None, *, name: str | N
     types = registered()
     cls = types.get(type_name)
     if cls is None:
-        from extproc.config.diagnose import did_you_mean
+        from extproc.config.diagnose import unknown_plugin_type
 
-        raise PluginConfigError(f"unknown plugin type {type_name!r}{did_you_mean(type_name, types)} (known: {', '.join(sorted(types))})")
+        raise PluginConfigError(unknown_plugin_type(type_name, types))
     try:
         p = cls.Params.model_validate(params or {})
     except pydantic.ValidationError as exc:

@@ -147,6 +147,21 @@ def test_every_problem_is_reported_at_once_with_the_nearest_name():
     assert "'mm' is not a configured model name; did you mean 'm'?" in text
 
 
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        pytest.param(minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}]), "endpoints[0].models", id="endpoint"),
+        pytest.param(minimal(ratelimit={"enabled": True, "tenants": {"a": {"api_key_sha256": ["0" * 64], "models": {"mm": {"tokens_per_minute": 5}}}}}), "ratelimit.tenants.a.models", id="tenant"),
+    ],
+)
+def test_an_unknown_model_reads_the_same_wherever_it_is_named(raw, where):
+    """One message for a model name that is not configured, with its suggestion and the
+    configured names, whether the schema or the late cross-checks find it."""
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert f"{where}: 'mm' is not a configured model name; did you mean 'm'? (configured: m)" in str(info.value)
+
+
 def test_a_lone_late_problem_is_reported_once_with_its_suggestion():
     with pytest.raises(ConfigError) as info:
         config_from_mapping(minimal(scheduling={"profile": "least-inflite"}), env={})
