@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -87,6 +88,11 @@ def _split_host_port(address: str) -> tuple[str, str | None]:
     return address, None  # a bare IPv4 or IPv6 address, or a name
 
 
+_endpoint_host_port = functools.lru_cache(maxsize=4096)(_split_host_port)
+"""`_split_host_port` of an endpoint's address, split once per address, not once per request
+and candidate (the addresses a process sees are few; 4096 bounds what discovery churn keeps)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Subset:
     """The endpoints a gateway allows for one request (the protocol's subset hint).
@@ -100,7 +106,7 @@ class Subset:
     hosts: frozenset[str]
 
     def __call__(self, endpoint: Endpoint) -> bool:
-        host, port = _split_host_port(endpoint.address)
+        host, port = _endpoint_host_port(endpoint.address)
         return host in self.hosts or (host, port or "") in self.exact
 
 

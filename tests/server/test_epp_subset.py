@@ -39,3 +39,16 @@ def endpoint(address: str) -> Endpoint:
 )
 def test_subset_hint_shapes(hint, address, allowed):
     assert parse_subset(value(hint))(endpoint(address)) is allowed
+
+
+def test_an_endpoints_address_is_split_once_not_per_request():
+    """Every request's subset is checked against every candidate: the endpoint's own address is
+    split on its first check and read back after, whatever the request's hint."""
+    from extproc.server.epp import _endpoint_host_port
+
+    ep = endpoint("10.9.8.7:8123")  # an address no other test uses
+    assert parse_subset(value(["10.9.8.7:8123"]))(ep)
+    misses = _endpoint_host_port.cache_info().misses
+    for hint in (["10.9.8.7"], ["10.0.0.1:80"], "10.9.8.7:8123"):
+        parse_subset(value(hint))(ep)
+    assert _endpoint_host_port.cache_info().misses == misses
