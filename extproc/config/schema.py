@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from extproc.config.diagnose import undefined_profile, unknown_model
-from extproc.config_base import Strict as _Strict
+from extproc.config_base import Strict
 from extproc.config_base import yaml_off
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
@@ -96,7 +96,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class TLSConfig(_Strict):
+class TLSConfig(Strict):
     """TLS on the gRPC port (Envoy's `llm_extproc` cluster then needs its transport_socket:
     see the commented block in envoy/*.yaml).
 
@@ -133,7 +133,7 @@ class TLSConfig(_Strict):
         return self
 
 
-class ListenConfig(_Strict):
+class ListenConfig(Strict):
     """Listen addresses. Env overrides: LLM_EXTPROC_GRPC_ADDRESS, LLM_EXTPROC_ADMIN_ADDRESS.
 
     Both default to loopback (a sidecar beside Envoy): any client that reaches the gRPC port can
@@ -160,13 +160,13 @@ class ListenConfig(_Strict):
         return v
 
 
-class AdminConfig(_Strict):
+class AdminConfig(Strict):
     """Admin HTTP server options."""
 
     enabled: bool = True
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(Strict):
     """Request limits.
 
     Attributes:
@@ -220,7 +220,7 @@ class LimitsConfig(_Strict):
         return self
 
 
-class TruncationConfig(_Strict):
+class TruncationConfig(Strict):
     """Head + tail truncation of over-long prompts (`extproc.pipeline.truncate`).
 
     A prompt is cut when its tokens plus the output budget (the request's `max_tokens`, else
@@ -246,7 +246,7 @@ class TruncationConfig(_Strict):
         return yaml_off(v)
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     """One served model.
 
     Attributes:
@@ -292,7 +292,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class EndpointConfig(_Strict):
+class EndpointConfig(Strict):
     """One inference endpoint (a vLLM server).
 
     Attributes:
@@ -356,7 +356,7 @@ class EndpointConfig(_Strict):
         return v
 
 
-class HealthCheckConfig(_Strict):
+class HealthCheckConfig(Strict):
     """Active health checks of endpoints (`GET path`).
 
     Attributes:
@@ -383,7 +383,7 @@ class HealthCheckConfig(_Strict):
     panic_threshold: float = Field(default=0.5, ge=0, le=1)
 
 
-class OutlierDetectionConfig(_Strict):
+class OutlierDetectionConfig(Strict):
     """Passive ejection of endpoints that answer with server errors (Envoy's outlier detection,
     which its `ORIGINAL_DST` cluster does not offer, in the picker instead).
 
@@ -417,7 +417,7 @@ class OutlierDetectionConfig(_Strict):
         return self
 
 
-class MetricsScrapeConfig(_Strict):
+class MetricsScrapeConfig(Strict):
     """Scraping each endpoint's engine `/metrics`.
 
     Attributes:
@@ -434,7 +434,7 @@ class MetricsScrapeConfig(_Strict):
     stale_after_s: float = Field(default=2.0, gt=0)
 
 
-class PluginSpec(_Strict):
+class PluginSpec(Strict):
     """One plugin instance in a profile: its registered `type`, an optional instance `name`,
     a `weight` (scorers only) and `params` validated by the plugin's own schema."""
 
@@ -444,7 +444,7 @@ class PluginSpec(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class ProfileConfig(_Strict):
+class ProfileConfig(Strict):
     """A scheduling profile: filters (in order), weighted scorers, one picker.
 
     `filters` left out means the safe set (`SAFE_FILTERS`: healthy, fresh metrics, KV fit) —
@@ -530,7 +530,7 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
 }
 
 
-class PrefillModelConfig(_Strict):
+class PrefillModelConfig(Strict):
     """The prior of each endpoint's learned TTFT fit, TTFT ≈ t0 + s · prefill tokens ahead
     (`extproc.datastore.prefill_fit`, whose module doc gives the formula and the defaults'
     sources).
@@ -548,7 +548,7 @@ class PrefillModelConfig(_Strict):
     forget: float = Field(default=0.95, gt=0, le=1)
 
 
-class HotPrefixConfig(_Strict):
+class HotPrefixConfig(Strict):
     """Hot shared prefixes (design notes 3.3): counted over `window_s` seconds in `buckets`
     buckets; `min_count` requests in the window make one hot (metrics, `/api/v1/endpoints`)."""
 
@@ -558,7 +558,7 @@ class HotPrefixConfig(_Strict):
     max_tracked: int = Field(default=4096, ge=1)
 
 
-class WarmupConfig(_Strict):
+class WarmupConfig(Strict):
     """Warm-up of hot prefixes onto cold endpoints (`extproc.prefix.warmup`), off by default.
 
     Attributes:
@@ -576,7 +576,7 @@ class WarmupConfig(_Strict):
     timeout_s: float = Field(default=30.0, gt=0)
 
 
-class PrefixConfig(_Strict):
+class PrefixConfig(Strict):
     """Prefix-cache affinity and session affinity (`extproc.prefix`).
 
     Attributes:
@@ -619,7 +619,7 @@ class PrefixConfig(_Strict):
         return v.lower()
 
 
-class TierConfig(_Strict):
+class TierConfig(Strict):
     """Token-range tiers (design notes): < low_latency_below → `low-latency`,
     ≤ high_throughput_above → `balanced`, above → `high-throughput` (prompt tokens)."""
 
@@ -633,7 +633,7 @@ class TierConfig(_Strict):
         return self
 
 
-class SchedulingConfig(_Strict):
+class SchedulingConfig(Strict):
     """Scheduling settings.
 
     Attributes:
@@ -684,7 +684,7 @@ class SchedulingConfig(_Strict):
         return out
 
 
-class KVAdmissionConfig(_Strict):
+class KVAdmissionConfig(Strict):
     """KV-cache admission control.
 
     Attributes:
@@ -701,7 +701,7 @@ class KVAdmissionConfig(_Strict):
     settle_after_s: float = Field(default=2.0, gt=0, le=3600)
 
 
-class PriorityConfig(_Strict):
+class PriorityConfig(Strict):
     """Priority classes and shedding under saturation.
 
     The header value (`critical`, `standard`, `sheddable`; default `standard`) is read from
@@ -749,14 +749,14 @@ class PriorityConfig(_Strict):
         return self
 
 
-class AdmissionConfig(_Strict):
+class AdmissionConfig(Strict):
     """Admission control: KV fit and priority shedding."""
 
     kv: KVAdmissionConfig = Field(default_factory=KVAdmissionConfig)
     priority: PriorityConfig = Field(default_factory=PriorityConfig)
 
 
-class TelemetryConfig(_Strict):
+class TelemetryConfig(Strict):
     """Response-path telemetry (TTFT, inter-token latency, usage, backpressure).
 
     Attributes:
@@ -789,7 +789,7 @@ class TelemetryConfig(_Strict):
     stats: StreamStatsParams = Field(default_factory=StreamStatsParams)
 
 
-class DecisionLogConfig(_Strict):
+class DecisionLogConfig(Strict):
     """The decision log (`extproc.telemetry.decision_log`): one JSON line per decided
     generation request — counts, model, endpoint, TTFT, outcome, truncation; never prompt text
     or credentials — for `llm-extproc analyze`.
@@ -808,7 +808,7 @@ class DecisionLogConfig(_Strict):
     queue_size: int = Field(default=10_000, ge=1)
 
 
-class DiscoveryConfig(_Strict):
+class DiscoveryConfig(Strict):
     """Where endpoints come from (`extproc.discovery`; docs/discovery.md).
 
     Attributes:
@@ -848,7 +848,7 @@ class DiscoveryConfig(_Strict):
         return any(p.type == "static" for p in self.sources)
 
 
-class ProtocolConfig(_Strict):
+class ProtocolConfig(Strict):
     """How the server speaks to its proxy.
 
     Attributes:
@@ -874,7 +874,7 @@ class ProtocolConfig(_Strict):
     chunk_bytes: int = Field(default=62_000, ge=1024, le=4 * 1024 * 1024)
 
 
-class Config(_Strict):
+class Config(Strict):
     """The whole configuration."""
 
     listen: ListenConfig = Field(default_factory=ListenConfig)

@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from extproc.config_base import Strict as _Strict
+from extproc.config_base import Strict
 
 __all__ = ["LimitValues", "TenantConfig", "RedisConfig", "RateLimitConfig", "WINDOW_S"]
 
@@ -35,7 +35,7 @@ WINDOW_S = 60
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class LimitValues(_Strict):
+class LimitValues(Strict):
     """Limits of one scope (a tenant, or a tenant on one model); None means unlimited.
 
     Attributes:
@@ -85,7 +85,7 @@ class TenantConfig(LimitValues):
         return v
 
 
-class RedisConfig(_Strict):
+class RedisConfig(Strict):
     """The shared Redis backend.
 
     Attributes:
@@ -105,7 +105,7 @@ class RedisConfig(_Strict):
     log_interval_s: float = Field(default=10.0, gt=0)
 
 
-class RateLimitConfig(_Strict):
+class RateLimitConfig(Strict):
     """Tenants and their token / request rate limits over a sliding one-minute window.
 
     Attributes:
