@@ -19,13 +19,19 @@ variables, with the per-request work cut to what a chat parsed from JSON needs:
 Anything else — a template chosen from several (a dict of templates), an empty conversation,
 a message that is not a `dict`, a tool that is not a dict, a template variable that
 `apply_chat_template` or `render_jinja_template` would take as its own argument — is handed to
-`apply_chat_template` itself, so its output and its errors are transformers' own. A built-in
+`apply_chat_template` itself, so its output and its errors are transformers' own.
+
+One template goes further: Qwen3's (recognized by its sha256), for conversations of system and
+user messages with string content and no tools, is rendered by a few lines of Python that
+write what its branches write for that input (`_qwen3_plain`: ~1 µs against Jinja's ~27 µs);
+any other conversation takes the Jinja render above. A built-in
 corpus of conversations is rendered both ways at load (`self_check`): one difference and the
 tokenizer keeps `apply_chat_template` (docs/decisions/0245).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +42,11 @@ __all__ = ["DirectChatRenderer", "RENDER_CHECK_CORPUS"]
 log = logging.getLogger(__name__)
 
 _SCALARS = (str, int, float, bool)
+
+QWEN3_TEMPLATE_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"
+"""sha256 of Qwen3's chat template (the hybrid-thinking one shipped with Qwen3-0.6B...-32B and
+the built-in `qwen3` tokenizer), the one template with a plain-Python render of its simplest
+conversations (`_qwen3_plain`)."""
 
 RENDER_CHECK_CORPUS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Hello there!"}]},
@@ -129,6 +140,9 @@ class DirectChatRenderer:
         self._alias: Callable[[list[dict]], list[dict]] = _alias_reasoning_fields
         self._special: dict[str, Any] = _plain_template_data(dict(tokenizer.special_tokens_map))
         self._own = _own_arguments()
+        self.plain_qwen3 = hashlib.sha256(template.encode()).hexdigest() == QWEN3_TEMPLATE_SHA256
+        """True when the template is Qwen3's, whose system/user-only conversations are rendered
+        by `_qwen3_plain` without Jinja."""
 
     def render(
         self,
@@ -145,6 +159,10 @@ class DirectChatRenderer:
             whatever the template or `apply_chat_template` raises (jinja2 `TemplateError`,
             `TypeError`, `ValueError`) for the conversation.
         """
+        if self.plain_qwen3 and not tools:
+            text = _qwen3_plain(messages, template_kwargs, add_generation_prompt)
+            if text is not None:
+                return text
         chat = self._chat(messages)
         tool_schemas = None
         if tools is not None:
@@ -219,3 +237,37 @@ class DirectChatRenderer:
             if got != want:
                 return f"corpus entry {i}: direct render differs from apply_chat_template"
         return None
+
+
+def _qwen3_plain(messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None, add_generation_prompt: bool) -> str | None:
+    """Qwen3's chat template for a conversation of system and user messages only, without Jinja
+    (~1 µs against ~27 µs), or None for anything else: tools, any assistant or tool message, a
+    message with a key besides `role` and `content` or a value that is not exactly a `str`, a
+    template variable besides a `bool` `enable_thinking`.
+
+    What the template does on that input, branch by branch: a first system message is written
+    as `<|im_start|>system\n{content}<|im_end|>\n`; every user message, and every system
+    message after the first, as `<|im_start|>{role}\n{content}<|im_end|>\n`; the loop that
+    finds the last user query only matters to assistant messages; the generation prompt is
+    `<|im_start|>assistant\n`, followed by an empty think block when `enable_thinking is false`.
+    Checked against the template at load (`self_check`) and in the tests.
+    """
+    thinking_off = False
+    if template_kwargs:
+        if template_kwargs.keys() != {"enable_thinking"} or type(template_kwargs["enable_thinking"]) is not bool:
+            return None
+        thinking_off = template_kwargs["enable_thinking"] is False
+    if not messages or type(messages) not in (list, tuple):
+        return None
+    parts = []
+    for message in messages:
+        if type(message) is not dict or len(message) != 2:
+            return None
+        role = message.get("role")
+        content = message.get("content")
+        if type(role) is not str or type(content) is not str or role not in ("user", "system"):
+            return None
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n<think>\n\n</think>\n\n" if thinking_off else "<|im_start|>assistant\n")
+    return "".join(parts)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from extproc.models import builtin_tokenizer_dir
-from extproc.pipeline.chat_render import RENDER_CHECK_CORPUS, DirectChatRenderer
+from extproc.pipeline.chat_render import RENDER_CHECK_CORPUS, DirectChatRenderer, _qwen3_plain
 from extproc.pipeline.tokens import TokenCounter
 
 TOOLS = [
@@ -135,6 +135,39 @@ def test_any_conversation_renders_the_same(tok, direct, messages, kwargs, with_t
     assert got == want
 
 
+_plain_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": _text})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_plain_message, min_size=1, max_size=5), st.sampled_from(KWARGS), st.booleans())
+def test_qwen3_system_and_user_conversations_render_without_jinja_and_the_same(tok, direct, messages, kwargs, agp):
+    assert direct.plain_qwen3
+    assert _qwen3_plain(messages, kwargs, agp) is not None  # the plain-Python path is the one taken
+    want, got = both(tok, direct, messages, kwargs=kwargs, agp=agp)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs",
+    [
+        ([{"role": "assistant", "content": "a"}], {}),
+        ([{"role": "user", "content": "a"}, {"role": "tool", "content": "r"}], {}),
+        ([{"role": "user", "content": "a", "name": "bob"}], {}),
+        ([{"role": "user", "content": None}], {}),
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}]}], {}),
+        ([{"role": "user", "content": "a"}], {"enable_thinking": 0}),
+        ([{"role": "user", "content": "a"}], {"enable_thinking": None}),
+        ([UserDict({"role": "user", "content": "a"})], {}),
+        ([], {}),
+    ],
+    ids=["assistant", "tool", "extra-key", "none-content", "parts", "thinking-int", "thinking-none", "mapping", "empty"],
+)
+def test_anything_else_goes_to_jinja(tok, direct, messages, kwargs):
+    assert _qwen3_plain(messages, kwargs, True) is None
+    want, got = both(tok, direct, messages, kwargs=kwargs)
+    assert got == want
+
+
 def test_inputs_only_transformers_can_convert_go_through_it(tok, direct):
     """A message that is not a plain dict, a tool given as a function, an empty conversation:
     the direct render hands these to `apply_chat_template` and gives its answer."""
@@ -171,6 +204,7 @@ def test_a_variable_apply_chat_template_keeps_for_itself_never_reaches_the_templ
     variables they are consumed there, so the direct render must not hand them to the template."""
     tok_with_template.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}[{{ max_length }}|{{ bos_token }}|{{ v }}]"
     direct = DirectChatRenderer(tok_with_template)
+    assert not direct.plain_qwen3
     msgs = [{"role": "user", "content": "x"}]
     for kwargs in ({"max_length": 5, "v": 1}, {"v": "<|im_end|>"}, {"padding": True}):
         want, got = both(tok_with_template, direct, msgs, kwargs=kwargs)
