@@ -37,9 +37,9 @@ from typing import Any
 import orjson
 
 from extproc.errors import BadRequestError
+from extproc.models import builtin_tokenizer_dir
 from extproc.pipeline.chat_render import DirectChatRenderer
 from extproc.pipeline.fastbpe import FastEncoder, UnsupportedTokenizer, build_fast_encoder, cross_check, cross_check_corpus
-from extproc.models import builtin_tokenizer_dir
 
 __all__ = ["EncodePlan", "TokenCounter", "TokenizedPrompt", "TokenizerLoadError"]
 
