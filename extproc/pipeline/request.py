@@ -332,8 +332,17 @@ class RequestPipeline:
 
     def encoders(self) -> dict[str, dict[str, str]]:
         """Per served model (canonical name): the token encoder in use ("tiktoken" or
-        "tokenizers") and, for `tokenizers`, why (`TokenCounter.encoder_note`)."""
-        return {name: {"encoder": rt.counter.encoder, "note": rt.counter.encoder_note} for name, rt in sorted(self._models.items())}
+        "tokenizers") and, for `tokenizers`, why (`TokenCounter.encoder_note`); how its chat
+        template is rendered ("direct" or "apply_chat_template") and, for the latter, why."""
+        return {
+            name: {
+                "encoder": rt.counter.encoder,
+                "note": rt.counter.encoder_note,
+                "renderer": rt.counter.renderer,
+                "renderer_note": rt.counter.renderer_note,
+            }
+            for name, rt in sorted(self._models.items())
+        }
 
     def resolve_model(self, name: str) -> ModelRuntime:
         """The runtime for a requested model name or alias.

@@ -183,3 +183,26 @@ def test_build_refuses_ids_out_of_merge_order():
 def test_unknown_encoder_is_refused(qwen_counter):
     with pytest.raises(ValueError, match="encoder"):
         TokenCounter(qwen_counter.tokenizer, encoder="fast")
+
+
+def test_the_split_pattern_is_grouped_and_still_exact(qwen_counter):
+    """tiktoken runs Qwen3's pattern with its plain alternatives in one group (fancy-regex then
+    calls the `regex` crate once per match, not once per alternative): the same pre-tokens, so
+    the same ids as with the pattern as written, on the cross-check corpus and on prose."""
+    import tiktoken
+
+    from extproc.pipeline.fastbpe import GPT2_PATTERN, grouped_pattern
+
+    tail = r"|\s+(?!\S)|\s+"
+    encoding = qwen_counter._fast.encoding
+    assert encoding._pat_str.startswith("(?:") and encoding._pat_str.endswith(")" + tail)
+    written = json.loads((builtin_tokenizer_dir("qwen3") / "tokenizer.json").read_text(encoding="utf-8"))
+    pattern = written["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+    assert encoding._pat_str == grouped_pattern(pattern) != pattern
+    as_written = tiktoken.Encoding("as-written", pat_str=pattern, mergeable_ranks=encoding._mergeable_ranks, special_tokens={})
+    texts = cross_check_corpus(list(qwen_counter._added_ids)) + ["a  b   c\n  d\t\t e " * 20, "  x", "x  ", " ", ""]
+    for text in texts:
+        assert encoding.encode_ordinary(text) == as_written.encode_ordinary(text), text
+    assert grouped_pattern(GPT2_PATTERN).startswith("(?:'s|")
+    for untouched in [r"a|\s+", r"\|\s+(?!\S)|\s+", r"(?x)a b|\s+(?!\S)|\s+", tail]:
+        assert grouped_pattern(untouched) == untouched

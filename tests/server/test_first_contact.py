@@ -216,6 +216,8 @@ async def test_endpoints_page_says_what_learned_values_rest_on(app, stub):
     assert body["telemetry_sample_rate"] == 1.0
     # The default Qwen3 tokenizer passed the load-time cross-check: counted by tiktoken.
     assert {m["encoder"] for m in body["token_encoders"].values()} == {"tiktoken"}
+    # ... and its chat template passed the direct render's self-check.
+    assert {m["renderer"] for m in body["token_encoders"].values()} == {"direct"}
     learned = [e for e in body["endpoints"] if e["prefill_s_per_token"] is not None]
     assert [e["prefill_samples"] for e in learned] == [1]
     assert {"ttft_samples", "itl_samples"} <= set(learned[0]["stream"])  # counts (snapshots are cached briefly)
