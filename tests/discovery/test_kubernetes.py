@@ -316,3 +316,52 @@ def test_port_comes_from_the_pool_but_is_required_with_a_selector():
     raw["discovery"]["sources"] = [{"type": "kubernetes", "models": ["m"], "selector": "app=vllm"}]
     with pytest.raises(ConfigError, match="port is required with selector"):
         config_from_mapping(raw)
+
+
+SOCKETS = {"kv_events": "tcp://{host}:5557", "kv_events_replay": "tcp://{host}:5558", "agent": "{host}:9100"}
+
+
+async def test_a_pools_pods_get_their_own_kv_event_sockets_and_agent(tmp_path: Path):
+    done = asyncio.Event()
+    server = FakeApiServer(TOKEN, PODS, lists=[data("pods-list.json")], watches=[hold(done)], objects={POOL: data("inferencepool.json")})
+    await server.start()
+    src = Source(params(server, tmp_path, inference_pool="qwen3-8b", **SOCKETS))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 1, done)
+    pod = reports[0]["10.44.1.17:8000"].config
+    assert (pod.kv_events, pod.kv_events_replay, pod.agent) == ("tcp://10.44.1.17:5557", "tcp://10.44.1.17:5558", "10.44.1.17:9100")
+    other = reports[0]["10.44.2.9:8000"].config
+    assert other.kv_events == "tcp://10.44.2.9:5557" and other.agent == "10.44.2.9:9100"
+
+
+async def test_ipv6_slice_endpoints_get_bracketed_sockets(tmp_path: Path):
+    done = asyncio.Event()
+    six = endpoint_slice("vllm-v6", "fd00:44::17", addressType="IPv6")
+    server = FakeApiServer(TOKEN, SLICES, lists=[slice_list(six)], watches=[hold(done)])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm", kv_events="tcp://{host}:5557"))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 1, done)
+    assert reports[0]["[fd00:44::17]:8000"].config.kv_events == "tcp://[fd00:44::17]:5557"
+
+
+@pytest.mark.parametrize(
+    ("field", "template", "message"),
+    [
+        ("kv_events", "tcp://{pod_ip}:5557", r"kv_events: kv_events template 'tcp://\{pod_ip\}:5557' has the unknown placeholder \{pod_ip\}"),
+        ("kv_events", "zmq://{host}:5557", "kv_events: .*must start with tcp://"),
+        ("kv_events", "tcp://10.0.0.1:5557", r"kv_events: .*has no \{host\}"),
+        ("kv_events_replay", "tcp://{host}:99999", "kv_events_replay: .*renders to 'tcp://192.0.2.1:99999', which is not valid"),
+        ("agent", "http://{host}:9100", "agent: agent template .* without a scheme"),
+        ("agent", "{host}:{host}", r"agent: .*which is not valid"),
+    ],
+)
+def test_a_bad_socket_template_is_a_configuration_error_naming_the_field(field: str, template: str, message: str):
+    extra = {"kv_events": "tcp://{host}:5557"} if field == "kv_events_replay" else {}
+    src = {"type": "kubernetes", "models": ["m"], "selector": "app=vllm", "port": 8000, **extra, field: template}
+    with pytest.raises(ConfigError, match=rf"sources\[0\]: kubernetes source: {message}"):
+        config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [src]}})
+
+
+def test_replay_template_needs_kv_events():
+    src = {"type": "dns", "name": "vllm.test", "models": ["m"], "port": 8000, "kv_events_replay": "tcp://{host}:5558"}
+    with pytest.raises(ConfigError, match="kv_events_replay needs kv_events"):
+        config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [src]}})
