@@ -16,7 +16,7 @@ from extproc.config_base import Strict
 if TYPE_CHECKING:
     from extproc.config.schema import Config, EndpointConfig
 
-__all__ = ["Discovered", "DiscoverySource", "EndpointTemplate", "Publish", "SourceContext", "render_socket"]
+__all__ = ["Discovered", "DiscoverySource", "EndpointTemplate", "Publish", "SourceContext", "SOCKET_FIELDS", "render_socket"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,10 @@ def _check_socket_template(field: str, template: str) -> None:
             raise ValueError(f"{field} template {template!r} renders to {rendered!r}, which is not valid: {why}") from None
 
 
+SOCKET_FIELDS = ("kv_events", "kv_events_replay", "agent")
+"""The per-endpoint sockets a template (or a Pod annotation) gives a discovered endpoint."""
+
+
 def render_socket(template: str, host: str) -> str:
     """`template` with `{host}` replaced by `host` (already bracketed if IPv6)."""
     return template.format(host=host)
@@ -148,9 +152,17 @@ class EndpointTemplate(Strict):
             raise ValueError("kv_events_replay needs kv_events")
         return self
 
-    def endpoint(self, ip: str, port: int | None = None, labels: Mapping[str, str] | None = None) -> EndpointConfig:
+    def endpoint(
+        self, ip: str, port: int | None = None, labels: Mapping[str, str] | None = None, socket_ports: Mapping[str, int] | None = None
+    ) -> EndpointConfig:
         """The endpoint at `ip` (IPv4 or IPv6 literal) on `port` (default `self.port`), with
         `labels` over the template's and the template's sockets rendered for `ip`.
+
+        Args:
+            socket_ports: per-endpoint port overrides, field (`kv_events`, `kv_events_replay`,
+                `agent`) → port 1..65535 (a Pod's annotations): that socket becomes
+                `tcp://ip:port` (`ip:port` for `agent`), on `ip` always. A replay socket left
+                without `kv_events` is dropped.
 
         Raises:
             ValueError: `ip` is not an IP literal.
@@ -160,9 +172,13 @@ class EndpointTemplate(Strict):
         host = f"[{ip}]" if ":" in ip else ip
         sockets = {
             name: render_socket(template, host)
-            for name in ("kv_events", "kv_events_replay", "agent")
+            for name in SOCKET_FIELDS
             if (template := getattr(self, name)) is not None
         }
+        for name, p in (socket_ports or {}).items():
+            sockets[name] = f"{host}:{p}" if name == "agent" else f"tcp://{host}:{p}"
+        if "kv_events" not in sockets:
+            sockets.pop("kv_events_replay", None)
         return EndpointConfig(
             address=f"{host}:{port or self.port}", models=list(self.models), labels={**self.labels, **(labels or {})}, **sockets
         )
