@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class Params(EndpointTemplate):
-    """`{type: dns}` parameters (with `port`, `models`, `labels` of `EndpointTemplate`).
+    """`{type: dns}` parameters (with `port`, `models`, `labels`, `kv_events`,
+    `kv_events_replay`, `agent` of `EndpointTemplate`).
 
     Attributes:
         name: the name to resolve (e.g. `vllm.inference.svc.cluster.local`, a headless service).

@@ -22,6 +22,10 @@ is True and it has no `deletionTimestamp`. An endpoint listed but not ready or t
 published as not ready: it takes no new requests and its in-flight ones finish
 (`extproc.discovery.manager`). IPv4 and IPv6 addresses are used; FQDN slices are skipped.
 
+Sockets: the template's `kv_events` / `kv_events_replay` / `agent` (`EndpointTemplate`) are
+rendered for each address; an InferencePool's Pod may override their ports, never their host,
+with `PORT_ANNOTATIONS` (an annotation that is not a port is ignored with a warning).
+
 Malformed objects (a field of the wrong JSON type: an event that is not an object, a name that
 is a list, an address that is a number, ...) are skipped with a rate-limited warning; the other
 objects of the list or watch are used. An InferencePool without selector labels, or whose target
@@ -51,11 +55,12 @@ import orjson
 import pydantic
 
 from extproc.datastore.agent_client import backoff_delay
-from extproc.discovery.base import Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext
+from extproc.discovery.base import SOCKET_FIELDS, Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext
 from extproc.logthrottle import WarnEvery
 
 __all__ = [
-    "Params", "Source", "Gone", "ApiError", "Malformed", "SERVICE_ACCOUNT_DIR", "slice_endpoints", "pod_endpoint", "pool_selector", "object_name",
+    "Params", "Source", "Gone", "ApiError", "Malformed", "SERVICE_ACCOUNT_DIR", "slice_endpoints", "pod_endpoint", "pod_socket_ports",
+    "pool_selector", "object_name", "PORT_ANNOTATIONS",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,13 +72,25 @@ MIN_CYCLE_S = 1.0
 watch that runs its course lasts its `timeoutSeconds`, at least 1 s (the smallest this source
 asks for), so only a cut or refused one is shorter."""
 
+PORT_ANNOTATIONS = {
+    "kv_events": "llm-extproc.io/kv-events-port",
+    "kv_events_replay": "llm-extproc.io/kv-events-replay-port",
+    "agent": "llm-extproc.io/agent-port",
+}
+"""Pod annotations (InferencePool Pods only) that set one socket's port for that pod; the host is
+always the pod's own IP, so a pod can move its own sockets but never point them elsewhere."""
+
+assert tuple(PORT_ANNOTATIONS) == SOCKET_FIELDS
+
 BACKOFF_INITIAL_S, BACKOFF_MAX_S = 0.1, 10.0
 """Backoff bounds after a short or failed cycle (seconds): `backoff_delay`'s equal jitter over
 `min(max, initial · 2^attempt)`."""
 
 
 class Params(EndpointTemplate):
-    """`{type: kubernetes}` parameters (with `port`, `models`, `labels` of `EndpointTemplate`).
+    """`{type: kubernetes}` parameters (with `port`, `models`, `labels`, `kv_events`,
+    `kv_events_replay`, `agent` of `EndpointTemplate`; a Pod's `PORT_ANNOTATIONS` override
+    its sockets' ports).
 
     Exactly one of `selector` and `inference_pool`.
 
@@ -225,6 +242,27 @@ def pod_endpoint(obj: Mapping[str, Any]) -> list[tuple[str, bool]]:
     return [(ip, ready) for ip in ips]
 
 
+def pod_socket_ports(obj: Mapping[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """A Pod's socket port overrides (`PORT_ANNOTATIONS`): field → port, and the annotations
+    present whose value is not a decimal port 1..65535 (ignored; the caller warns).
+
+    Raises:
+        Malformed: metadata or its annotations are not an object.
+    """
+    annotations = _field(_field(obj, "metadata", Mapping, {}), "annotations", Mapping, {})
+    ports: dict[str, int] = {}
+    bad: list[str] = []
+    for name, key in PORT_ANNOTATIONS.items():
+        value = annotations.get(key)
+        if value is None:
+            continue
+        if isinstance(value, str) and value.isascii() and value.isdigit() and 1 <= int(value) <= 65535:
+            ports[name] = int(value)
+        else:
+            bad.append(key)
+    return ports, bad
+
+
 def pool_selector(pool: Any) -> tuple[str, int | None]:
     """An InferencePool's Pod label selector (`k=v,...`) and target port (None if unset).
 
@@ -262,7 +300,7 @@ class Source(DiscoverySource):
         self.name = f"kubernetes:{self.namespace}/{target}"
         self._server = (params.api_server or _in_cluster_server()).rstrip("/")
         self._rng = rng or random.Random()
-        self._objects: dict[str, list[tuple[str, bool]]] = {}
+        self._objects: dict[str, tuple[list[tuple[str, bool]], dict[str, int]]] = {}  # name → ((ip, ready), ports)
         self._port = params.port
         self._selector = params.selector or ""
         self.resource_version: str | None = None
@@ -330,11 +368,10 @@ class Source(DiscoverySource):
             items, meta = _field(body, "items", list, []), _field(body, "metadata", Mapping, {})
         except Malformed as exc:
             raise ApiError(f"list {self._path()}: {exc}") from None
-        extract = pod_endpoint if self._params.inference_pool else slice_endpoints
-        objects: dict[str, list[tuple[str, bool]]] = {}
+        objects: dict[str, tuple[list[tuple[str, bool]], dict[str, int]]] = {}
         for obj in items:
             try:
-                objects[object_name(obj)] = extract(obj)
+                objects[object_name(obj)] = self._extract(obj)
             except Malformed as exc:
                 self._skip_malformed("list", exc)
         self._objects = objects
@@ -342,6 +379,23 @@ class Source(DiscoverySource):
         self.resource_version = version if isinstance(version, str) and version else None
         self.lists += 1
         self._publish(publish)
+
+    def _extract(self, obj: Mapping[str, Any]) -> tuple[list[tuple[str, bool]], dict[str, int]]:
+        """An object's (ip, ready) entries and, for a Pod, its socket port annotations (an
+        invalid one is ignored with a rate-limited warning).
+
+        Raises:
+            Malformed: as `pod_endpoint` / `slice_endpoints`.
+        """
+        if not self._params.inference_pool:
+            return slice_endpoints(obj), {}
+        entries = pod_endpoint(obj)
+        ports, bad = pod_socket_ports(obj)
+        if bad:
+            self._warn_malformed.warning(
+                "%s: pod %s: ignoring %s (not a port 1..65535); the template's value is used", self.name, object_name(obj), ", ".join(bad)
+            )
+        return entries, ports
 
     def _skip_malformed(self, where: str, exc: Malformed) -> None:
         self.malformed += 1
@@ -388,20 +442,19 @@ class Source(DiscoverySource):
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             return False  # BOOKMARK (only the version moves), or a type this code does not know
         name = object_name(obj)
-        extract = pod_endpoint if self._params.inference_pool else slice_endpoints
         if kind == "DELETED":
             return self._objects.pop(name, None) is not None
-        found = extract(obj)
+        found = self._extract(obj)
         changed = self._objects.get(name) != found
         self._objects[name] = found
         return changed
 
     def _publish(self, publish: Publish) -> None:
         merged: dict[str, Discovered] = {}
-        for entries in self._objects.values():
+        for entries, ports in self._objects.values():
             for ip, ready in entries:
                 try:
-                    cfg = self._params.endpoint(ip, self._port)
+                    cfg = self._params.endpoint(ip, self._port, socket_ports=ports)
                 except ValueError:
                     self._warn_malformed.warning("%s: skipping address %r (not an IP literal)", self.name, ip)
                     continue

@@ -6,7 +6,8 @@ own timeout, then its policy decides: admit or refuse, drop the batch, subscribe
 replies as bytes (`decode_responses=False`: the Lua script answers integers, replica messages
 are msgpack). A command client also times out each read at `timeout_ms`; a subscriber does
 not, since its connection sits idle between messages by design (`PubSub.get_message` bounds
-each wait itself).
+each wait itself; replica sync's subscriber detects a silently dead connection on its own, by
+PINGs and what it hears: `extproc.replicas.sync`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,16 @@ sends what accumulated in one PUBLISH (msgpack). A subscriber task applies the o
 on the event loop between decisions. Redis down: the replica decides on its own state, the
 others' reservations expire, and both tasks reconnect by themselves.
 
+Keepalive: the subscriber's connection has no read timeout (it is idle between messages by
+design), so a TCP path dropped without a FIN or RST (a NAT or conntrack entry lost, a peer
+host gone) would leave it "connected" and hearing nothing, forever. It therefore counts what it
+hears: any message (this replica's own heartbeats, every `heartbeat_s`, included) or the reply
+to a PING it sends on its own connection after `heartbeat_s` of silence. Nothing heard for
+`owner_timeout_s` means the connection is dead: it is dropped and the channel subscribed again,
+so a half-open connection is replaced within `owner_timeout_s` + `min(1, heartbeat_s)` (the
+poll) + `RECONNECT_S` + the new subscription (docs/replicas.md). redis-py's own
+`health_check_interval` does not do this: it sends a PING but never notices the missing PONG.
+
 Wire format (msgpack): `[origin, sent_at, events]`, `origin` a random id per process,
 `sent_at` the wall time (`time.time()`, seconds) the oldest event of the batch was queued, and
 each event one of:
@@ -74,6 +84,9 @@ lists none and the others skip that round of reconciliation (owner expiry still 
 
 RECONNECT_S = 0.5
 """Seconds between two attempts to reach Redis again."""
+
+KEEPALIVE_PING = b"llm-extproc-replica-keepalive"
+"""The argument of the subscriber's own PING (echoed in the PONG, which counts as hearing)."""
 
 CLOSE_WAIT_S = 5.0
 """Most seconds `aclose` waits for its tasks to stop. redis-py (8.1) can return normally from a
@@ -151,6 +164,12 @@ class SyncMetrics:
             **kw,
         )
         self.connected = Gauge("llm_extproc_replica_sync_connected", "1 while subscribed to the replica channel.", **kw)
+        self.silent_reconnects = Counter(
+            "llm_extproc_replica_sync_silent_reconnects_total",
+            "Subscriptions dropped and made again because nothing was heard on them for owner_timeout_s, "
+            "not even the reply to their own PING (a connection dropped without FIN or RST).",
+            **kw,
+        )
         self.peers = Gauge("llm_extproc_replica_sync_peers", "Other replicas heard from within owner_timeout_s.", **kw)
         self.remote_inflight = Gauge(
             "llm_extproc_replica_sync_remote_inflight", "Requests in flight that other replicas routed, counted here.", **kw
@@ -213,6 +232,8 @@ class ReplicaSync:
         self._redis_log = WarnEvery(log, redis.log_interval_s, self._clock)
         self._subscriber_log, self._reject_log = (WarnEvery(log, LOG_EVERY_S, self._clock) for _ in range(2))
         self.connected = False
+        self.silent_reconnects = 0
+        """Subscriptions dropped for hearing nothing for `owner_timeout_s` (count; module doc)."""
         self._closing = False
         m = self.metrics
         self._published = m.events.labels("published")
@@ -350,6 +371,7 @@ class ReplicaSync:
 
     async def _subscriber(self) -> None:
         timeout = self._redis.timeout_ms / 1000
+        poll = min(1.0, self.config.heartbeat_s)
         while not self._closing:
             client = redis_client(self._redis, subscriber=True)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
@@ -357,8 +379,20 @@ class ReplicaSync:
                 async with asyncio.timeout(timeout * 4):
                     await pubsub.subscribe(self.config.channel)
                 self._set_connected(True)
+                heard = pinged = time.monotonic()
                 while not self._closing:
-                    msg = await pubsub.get_message(timeout=1.0)
+                    msg = await pubsub.get_message(timeout=poll)
+                    now = time.monotonic()
+                    if msg is not None:
+                        heard = now  # a message, ours included, or our PING's reply
+                    elif now - heard >= self.config.owner_timeout_s:
+                        self.silent_reconnects += 1
+                        self.metrics.silent_reconnects.inc()
+                        raise TimeoutError(f"nothing heard for {now - heard:.1f} s, not even a PING's reply: the connection is dead")
+                    elif now - max(heard, pinged) >= self.config.heartbeat_s:
+                        async with asyncio.timeout(timeout):
+                            await pubsub.ping(KEEPALIVE_PING)
+                        pinged = now
                     if msg is not None and msg.get("type") == "message" and not msg["data"].startswith(self._own_head):
                         try:
                             self.apply(msg["data"])
@@ -376,9 +410,10 @@ class ReplicaSync:
             finally:
                 self._set_connected(False)
                 try:
-                    await pubsub.aclose()
-                    await client.aclose()
-                except (RedisError, OSError):
+                    async with asyncio.timeout(timeout):  # a dead connection must not hold the retry
+                        await pubsub.aclose()
+                        await client.aclose()
+                except (RedisError, OSError, TimeoutError):
                     pass
             if not self._closing:
                 await asyncio.sleep(RECONNECT_S)

@@ -182,3 +182,20 @@ def test_a_name_that_is_not_a_dns_name_is_a_configuration_error():
         Params(name="a" * 64 + ".svc", port=8000, models=["m"])
     with pytest.raises(ValueError, match="not a DNS name"):
         Params(name="vllm..svc", port=8000, models=["m"])
+
+
+async def test_discovered_addresses_get_their_own_kv_event_sockets_and_agent(dnsmasq: Dnsmasq):
+    dnsmasq.write({NAME: ["10.0.0.1", "fd00::3"]})
+    store = Datastore([])
+    sockets = {"kv_events": "tcp://{host}:5557", "kv_events_replay": "tcp://{host}:5558", "agent": "{host}:9100"}
+    d = Discovery(store, [source(dnsmasq.port, **sockets)], initial_wait_s=5)
+    await d.start()
+    try:
+        four, six = store.get("10.0.0.1:8000"), store.get("[fd00::3]:8000")
+        assert (four.kv_events, four.kv_events_replay, four.agent) == ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "10.0.0.1:9100")
+        assert (six.kv_events, six.kv_events_replay, six.agent) == ("tcp://[fd00::3]:5557", "tcp://[fd00::3]:5558", "[fd00::3]:9100")
+        dnsmasq.write({NAME: ["10.0.0.1", "10.0.0.7"]})  # a new pod: its own sockets
+        await eventually(lambda: store.get("10.0.0.7:8000") is not None)
+        assert store.get("10.0.0.7:8000").kv_events == "tcp://10.0.0.7:5557"
+    finally:
+        await d.aclose()

@@ -316,3 +316,88 @@ def test_port_comes_from_the_pool_but_is_required_with_a_selector():
     raw["discovery"]["sources"] = [{"type": "kubernetes", "models": ["m"], "selector": "app=vllm"}]
     with pytest.raises(ConfigError, match="port is required with selector"):
         config_from_mapping(raw)
+
+
+SOCKETS = {"kv_events": "tcp://{host}:5557", "kv_events_replay": "tcp://{host}:5558", "agent": "{host}:9100"}
+
+
+async def test_a_pools_pods_get_their_own_kv_event_sockets_and_agent(tmp_path: Path):
+    done = asyncio.Event()
+    server = FakeApiServer(TOKEN, PODS, lists=[data("pods-list.json")], watches=[hold(done)], objects={POOL: data("inferencepool.json")})
+    await server.start()
+    src = Source(params(server, tmp_path, inference_pool="qwen3-8b", **SOCKETS))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 1, done)
+    pod = reports[0]["10.44.1.17:8000"].config
+    assert (pod.kv_events, pod.kv_events_replay, pod.agent) == ("tcp://10.44.1.17:5557", "tcp://10.44.1.17:5558", "10.44.1.17:9100")
+    other = reports[0]["10.44.2.9:8000"].config
+    assert other.kv_events == "tcp://10.44.2.9:5557" and other.agent == "10.44.2.9:9100"
+
+
+async def test_ipv6_slice_endpoints_get_bracketed_sockets(tmp_path: Path):
+    done = asyncio.Event()
+    six = endpoint_slice("vllm-v6", "fd00:44::17", addressType="IPv6")
+    server = FakeApiServer(TOKEN, SLICES, lists=[slice_list(six)], watches=[hold(done)])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm", kv_events="tcp://{host}:5557"))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 1, done)
+    assert reports[0]["[fd00:44::17]:8000"].config.kv_events == "tcp://[fd00:44::17]:5557"
+
+
+@pytest.mark.parametrize(
+    ("field", "template", "message"),
+    [
+        ("kv_events", "tcp://{pod_ip}:5557", r"kv_events: kv_events template 'tcp://\{pod_ip\}:5557' has the unknown placeholder \{pod_ip\}"),
+        ("kv_events", "zmq://{host}:5557", "kv_events: .*must start with tcp://"),
+        ("kv_events", "tcp://10.0.0.1:5557", r"kv_events: .*has no \{host\}"),
+        ("kv_events_replay", "tcp://{host}:99999", "kv_events_replay: .*renders to 'tcp://192.0.2.1:99999', which is not valid"),
+        ("agent", "http://{host}:9100", "agent: agent template .* without a scheme"),
+        ("agent", "{host}:{host}", r"agent: .*which is not valid"),
+    ],
+)
+def test_a_bad_socket_template_is_a_configuration_error_naming_the_field(field: str, template: str, message: str):
+    extra = {"kv_events": "tcp://{host}:5557"} if field == "kv_events_replay" else {}
+    src = {"type": "kubernetes", "models": ["m"], "selector": "app=vllm", "port": 8000, **extra, field: template}
+    with pytest.raises(ConfigError, match=rf"sources\[0\]: kubernetes source: {message}"):
+        config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [src]}})
+
+
+def test_replay_template_needs_kv_events():
+    src = {"type": "dns", "name": "vllm.test", "models": ["m"], "port": 8000, "kv_events_replay": "tcp://{host}:5558"}
+    with pytest.raises(ConfigError, match="kv_events_replay needs kv_events"):
+        config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [src]}})
+
+
+def ready_pod(name: str, ip: str, annotations: dict[str, str] | None = None, version: str = "1") -> dict:
+    """A ready Pod of the qwen3-8b pool, with `annotations`."""
+    meta = {"name": name, "resourceVersion": version, "labels": {"app": "vllm-qwen3-8b"}, "annotations": annotations or {}}
+    return {"metadata": meta, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+async def test_a_pods_port_annotations_move_its_own_sockets_never_their_host(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    done = asyncio.Event()
+    pods = [
+        ready_pod("moved", "10.44.1.17", {"llm-extproc.io/kv-events-port": "6000", "llm-extproc.io/agent-port": "9200"}),
+        ready_pod("bad", "10.44.2.9", {"llm-extproc.io/kv-events-port": "10.0.0.66:5557"}),  # a host is not a port
+        ready_pod("plain", "10.44.3.4"),
+    ]
+    pod_list = orjson.dumps({"kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": pods})
+    # A watch event changes the plain pod's replay port (the template has kv_events): re-published.
+    change = events({"type": "MODIFIED", "object": ready_pod("plain", "10.44.3.4", {"llm-extproc.io/kv-events-replay-port": "7000"}, "11")})
+    server = FakeApiServer(TOKEN, PODS, lists=[pod_list], watches=[stream(change), hold(done)], objects={POOL: data("inferencepool.json")})
+    await server.start()
+    src = Source(params(server, tmp_path, inference_pool="qwen3-8b", kv_events="tcp://{host}:5557", agent="{host}:9100"))
+    with caplog.at_level(logging.WARNING):
+        reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 2, done)
+    moved, bad, plain = (reports[0][a].config for a in ("10.44.1.17:8000", "10.44.2.9:8000", "10.44.3.4:8000"))
+    assert (moved.kv_events, moved.agent) == ("tcp://10.44.1.17:6000", "10.44.1.17:9200")
+    assert (bad.kv_events, bad.agent) == ("tcp://10.44.2.9:5557", "10.44.2.9:9100")  # ignored, never 10.0.0.66
+    assert "pod bad: ignoring llm-extproc.io/kv-events-port" in caplog.text and "10.0.0.66" not in caplog.text
+    assert (plain.kv_events, plain.kv_events_replay) == ("tcp://10.44.3.4:5557", None)
+    assert reports[1]["10.44.3.4:8000"].config.kv_events_replay == "tcp://10.44.3.4:7000"
+
+
+def test_a_replay_port_annotation_without_kv_events_is_dropped():
+    p = Params(namespace="x", inference_pool="pool", models=["m"], api_server="http://127.0.0.1:1")
+    assert p.endpoint("10.0.0.1", 8000, socket_ports={"kv_events_replay": 7000}).kv_events_replay is None
+    cfg = p.endpoint("fd00::1", 8000, socket_ports={"kv_events": 6000, "kv_events_replay": 7000})
+    assert (cfg.kv_events, cfg.kv_events_replay) == ("tcp://[fd00::1]:6000", "tcp://[fd00::1]:7000")

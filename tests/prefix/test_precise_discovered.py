@@ -1,7 +1,8 @@
 """KV-event subscriptions follow the endpoints the server has, however they came: an endpoint a
 static-file reload adds with `kv_events` gets a subscriber (its engine's events reach the prefix
 index), one whose publisher a reload changes is subscribed to the new one, and one that loses
-`kv_events` is no longer precise. The simulator's publisher stands in for the engines."""
+`kv_events` is no longer precise; an endpoint a DNS source discovers gets the subscriber its
+source's `kv_events` template names. The simulator's publisher stands in for the engines."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from extproc.config.loader import load_config
+from extproc.config.loader import config_from_mapping, load_config
 from extproc.pipeline.request import ModelRuntime
 from extproc.server.app import ExtProcApp
 from extproc.sim.kv_publisher import KVEventPublisher
+from tests.discovery.dnsmasq import DNSMASQ, Dnsmasq
 from tests.prefix.test_precise import OURS, PROMPT, stored
 
 MODEL = "Qwen/Qwen3-8B"
@@ -82,3 +85,38 @@ async def test_a_discovered_endpoint_with_kv_events_gets_a_subscriber(qwen_count
         await app.aclose(grace_s=0)
         await first.aclose()
         await second.aclose()
+
+
+async def test_an_endpoint_discovered_by_dns_subscribes_to_the_publisher_its_template_names(qwen_counter, tmp_path: Path) -> None:
+    if not Path(DNSMASQ).exists():
+        pytest.skip("dnsmasq is not installed (apt-get install dnsmasq)")
+    publisher = KVEventPublisher("tcp://127.0.0.1:*")
+    publisher.start()
+    pub_port = publisher.endpoint.rsplit(":", 1)[1]
+    dns = Dnsmasq(tmp_path)
+    dns.write({"vllm.svc.test": ["127.0.0.1"]})
+    dns.start()
+    source = {
+        "type": "dns", "name": "vllm.svc.test", "nameservers": [f"127.0.0.1:{dns.port}"], "interval_s": 0.1,
+        "port": 18043, "models": [MODEL], "kv_events": f"tcp://{{host}}:{pub_port}",
+    }  # fmt: skip
+    cfg = config_from_mapping({
+        "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+        "limits": {"shutdown_grace_s": 1},
+        "models": [{"name": MODEL}],
+        "scheduling": {"health_check": {"enabled": False}, "metrics": {"enabled": False}, "block_size": 16},
+        "discovery": {"sources": [source]},
+    })  # fmt: skip
+    app = ExtProcApp(cfg, registry=CollectorRegistry(), models={m.name: ModelRuntime(m, qwen_counter) for m in cfg.models})
+    await app.start()
+    address = "127.0.0.1:18043"
+    try:
+        await until(lambda: [s.endpoint for s in app.kv_events.subscribers] == [publisher.endpoint], "the discovered endpoint's subscription")
+        assert app.store.get(address).kv_events == publisher.endpoint and address in app.prefix.precise
+        await publish_until(publisher, lambda: app.prefix.index.match(OURS).get(address, 0) == 4, "the discovered endpoint's blocks")
+        dns.write({"other.svc.test": ["127.0.0.2"]})  # the name gone: the endpoint drains away, unsubscribed
+        await until(lambda: not app.kv_events.subscribers and address not in app.prefix.precise, "the unsubscription")
+    finally:
+        await app.aclose(grace_s=0)
+        await publisher.aclose()
+        dns.stop()
