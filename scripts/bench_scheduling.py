@@ -16,6 +16,8 @@ simulators) behind a real Envoy:
 
     .venv/bin/python scripts/bench_scheduling.py --trace ../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv
 
+(where to get the trace: the top of docs/benchmarks.md)
+
 Latencies are in simulated time (the simulators may run slower than real time to keep the
 2-core load generator on schedule). Writes a markdown table to stdout and every report (JSON)
 to `--out`.

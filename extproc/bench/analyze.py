@@ -1,7 +1,7 @@
 """Token-length and arrival analysis of a trace (`llm-extproc analyze`).
 
 What it computes from a list of `TraceRequest` (definitions as in
-../shared/data/traces/PROVENANCE.md, so its quick-stats table can be reproduced):
+the traces' published quick stats, so those tables can be reproduced; sources in docs/benchmarks.md):
   - input and output lengths: count, mean, p50/p90/p99/p99.9 (numpy linear interpolation), max,
     share ≤ 512 tokens, and a histogram on power-of-two bins `[2^k, 2^(k+1))`;
   - the design notes' tier split: < 512 / 512–2048 / > 2048 input tokens (DESIGN section 9

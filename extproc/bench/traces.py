@@ -1,6 +1,6 @@
 """Trace readers: one record type (`TraceRequest`) from every trace format we replay.
 
-Formats (see ../shared/data/traces/PROVENANCE.md for the sources):
+Formats (public sources listed at the top of docs/benchmarks.md):
 
 | format     | file                          | arrivals                         | prefix info            |
 |------------|-------------------------------|----------------------------------|------------------------|

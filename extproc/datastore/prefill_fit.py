@@ -43,7 +43,7 @@ class PrefillPrior:
             hops of a short prompt on an idle engine (the simulator's H100/A100 profiles give
             12–25 ms; docs/simulator.md).
         s_per_token: prefill seconds per token. Default 5e-5 s (an A100 prefilling an 8B
-            model at ~20k tokens/s; ../shared/data/calibration.md, b ≈ 23–50 µs/token).
+            model at ~20k tokens/s; the simulator's profiles give b ≈ 23–67 µs/token, docs/simulator.md).
         weight: how many samples the prior counts as (samples).
         x_ref: the prompt size at which the slope prior weighs `weight` samples (tokens).
         forget: per-sample decay of older samples, 0 < forget ≤ 1 (0.95 ≈ the last 20 samples).

@@ -1,6 +1,8 @@
 """Named GPU × model profiles: step-time coefficients, KV pool size, scheduler defaults.
 
-Every number comes from `../shared/data/calibration.md` (section numbers below as "§"). The
+Every number comes from published vLLM measurements, collected in the calibration notes whose
+sections are cited below as "§" (sources listed in docs/simulator.md, "Profiles and their
+sources"). The
 Llama-3(.1) rows are the calibration's own suggested coefficients (§10); the Qwen3 rows are scaled
 from them as DESIGN 5b says: the weight-bound terms (a, a_c, b, c) by parameters per GPU, the
 attention terms by what they read or compute per GPU (d by KV bytes per token, q by attention
