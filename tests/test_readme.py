@@ -28,8 +28,10 @@ def test_simulators_the_readme_starts_match_the_example_configs_labels():
 
 
 def test_the_readme_envoy_config_command_writes_a_valid_bootstrap(tmp_path: Path):
-    assert "llm-extproc envoy-config --config deploy/config.example.yaml -o envoy.yaml" in README
-    out = tmp_path / "envoy.yaml"
+    # out/ is git-ignored, so following the README leaves nothing untracked; it may not exist yet
+    assert "llm-extproc envoy-config --config deploy/config.example.yaml -o out/envoy.yaml" in README
+    assert ".venv/bin/envoy -c out/envoy.yaml" in README
+    out = tmp_path / "out" / "envoy.yaml"
     argv = [sys.executable, "-m", "extproc", "envoy-config", "--config", str(EXAMPLE), "-o", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr

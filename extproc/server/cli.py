@@ -110,6 +110,7 @@ def envoy_config(
     if output == "-":
         typer.echo(text, nl=False)
     else:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)  # the README writes to out/ (git-ignored)
         Path(output).write_text(text, encoding="utf-8")
         typer.echo(f"wrote {output}; check it with: {_envoy_command()} --mode validate -c {output}", err=True)
 
