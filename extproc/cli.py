@@ -11,6 +11,7 @@ import typer
 from extproc.agent.cli import agent
 from extproc.bench.cli import analyze, bench, demo, up
 from extproc.bench.load_cli import load
+from extproc.clitools import FileMetavarCommand
 from extproc.server.cli import envoy_config, serve
 from extproc.sim.cli import sim
 
@@ -43,15 +44,18 @@ def _root(
     """LLM-inference-aware load balancing for vLLM fleets behind Envoy (ext_proc)."""
 
 
-app.command("serve")(serve)
-app.command("envoy-config")(envoy_config)
-app.command("sim")(sim)
-app.command("agent")(agent)
-app.command("demo")(demo)
-app.command("up")(up)
-app.command("bench")(bench)
-app.command("load")(load)
-app.command("analyze")(analyze)
+for _name, _command in [
+    ("serve", serve),
+    ("envoy-config", envoy_config),
+    ("sim", sim),
+    ("agent", agent),
+    ("demo", demo),
+    ("up", up),
+    ("bench", bench),
+    ("load", load),
+    ("analyze", analyze),
+]:
+    app.command(_name, cls=FileMetavarCommand)(_command)
 
 
 def main() -> None:

@@ -6,12 +6,29 @@ import asyncio
 import logging
 import os
 import signal
+from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
-__all__ = ["LOG_LEVELS", "fail", "setup_logging", "stop_on_signals"]
+__all__ = ["LOG_LEVELS", "FILE", "FileMetavarCommand", "fail", "setup_logging", "stop_on_signals"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+FILE = "FILE"  # --help's placeholder for a file argument; pass as `metavar=` to a `str` option
+
+
+class FileMetavarCommand(TyperCommand):
+    """Every command's class (`extproc/cli.py`): `--help` shows a file argument as `FILE`, not
+    typer's type label (`<path>`, `<str>`). `pathlib.Path` parameters get it here; a `str`
+    option that names a file says `metavar=FILE` itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            described = getattr(param, "type_descriptor", None)  # typer's own parameter classes
+            is_path = described is not None and described.is_path
+            if param.param_type_name == "option" and param.metavar is None and is_path:
+                param.metavar = FILE
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

@@ -34,3 +34,16 @@ def test_bench_help_lists_each_policy_unbroken_at_80_columns():
     result = CliRunner().invoke(app, ["bench", "--help"], terminal_width=80, env={"COLUMNS": "80"})
     for name in POLICIES:
         assert f"  {name}: " in result.output  # one per line, never cut at a hyphen
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [("serve", "--config"), ("envoy-config", "--config"), ("envoy-config", "--output"), ("bench", "--trace"),
+     ("bench", "--extproc-config"), ("analyze", "--json")],
+)
+def test_file_options_show_file_not_a_type_label(command: str, option: str):
+    result = CliRunner().invoke(app, [command, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert f"{option} FILE" in result.output
+    options = [line for line in result.output.splitlines() if line.lstrip().startswith("-")]
+    assert not [line for line in options if "<path>" in line]

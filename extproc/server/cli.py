@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import typer
 
+from extproc.clitools import FILE
+
 __all__ = ["envoy_config", "serve"]
 
 
 def serve(
     config: str = typer.Option(
-        "", "--config", "-c", help="YAML configuration (see deploy/config.example.yaml); default: embedded defaults"
+        "", "--config", "-c", metavar=FILE, help="YAML configuration (see deploy/config.example.yaml); default: embedded defaults"
     ),
     endpoint: list[str] = typer.Option(
         [], "--endpoint", "-e", help="ip:port of an endpoint serving the default model (repeatable; only without --config)"
@@ -81,13 +83,13 @@ def serve(
 
 
 def envoy_config(
-    config: str = typer.Option(..., "--config", "-c", help="llm-extproc's YAML configuration (its endpoints and limits)"),
+    config: str = typer.Option(..., "--config", "-c", metavar=FILE, help="llm-extproc's YAML configuration (its endpoints and limits)"),
     template: str = typer.Option("fail-open", "--template", help="shipped Envoy config to fill in: fail-open or fail-closed"),
     listen: str = typer.Option("0.0.0.0:8080", "--listen", help="Envoy's client-facing listener, host:port"),
     admin: str = typer.Option("127.0.0.1:9901", "--admin", help="Envoy's admin API, host:port"),
     extproc: str = typer.Option("", "--extproc", help="where Envoy reaches llm-extproc (host:port); default: listen.grpc"),
     workers: int = typer.Option(1, "--workers", "-w", min=1, help="list the ports of `serve --workers N`: port .. port+N-1"),
-    output: str = typer.Option("-", "--output", "-o", help="write the bootstrap here ('-': stdout)"),
+    output: str = typer.Option("-", "--output", "-o", metavar=FILE, help="write the bootstrap here ('-': stdout)"),
 ) -> None:
     """Write the Envoy bootstrap for your fleet from llm-extproc's own config (endpoints typed
     once): the shipped template with your listener, ext_proc address, fallback endpoints and limits."""
