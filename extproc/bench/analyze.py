@@ -103,19 +103,32 @@ def suggest_tiers(input_tokens: np.ndarray) -> dict[str, Any]:
     """Tier boundaries for this traffic: its P68 and P90 input lengths (`SUGGEST_QUANTILES`),
     each rounded to the nearest power of two — on the design notes' distribution this gives
     their 512 and 2,048. Keys: `low_latency_below`, `high_throughput_above` (tokens, as in
-    `scheduling.tiers`), `edges`, and the `split` those edges give."""
+    `scheduling.tiers`), `edges`, the `split` those edges give, and `enough_spread`: False when
+    both percentiles round to the same power of two (or there is no traffic), so no balanced
+    tier exists and the edges are no advice."""
     if input_tokens.size == 0:
         low, high = TIER_EDGES
+        spread = False
     else:
         p_low, p_high = np.percentile(input_tokens, SUGGEST_QUANTILES)
         low, high = _pow2(p_low), _pow2(p_high)
         high = max(high, low)
+        spread = high > low
     split = tier_split(input_tokens, (low, high))
-    return {"low_latency_below": low, "high_throughput_above": high, "edges": (low, high), "split": split}
+    return {
+        "low_latency_below": low,
+        "high_throughput_above": high,
+        "edges": (low, high),
+        "split": split,
+        "enough_spread": spread,
+    }
 
 
 def arrival_stats(arrivals: np.ndarray) -> dict[str, float | None]:
-    """Span (s), mean and peak-1-minute rates (requests/s), index of dispersion per 1 s."""
+    """Span (s), mean and peak-1-minute rates (requests/s), index of dispersion per 1 s.
+
+    The peak is the busiest 60 s bin's count over the bin's length, min(60 s, span): a log
+    shorter than a minute has one bin, whose rate is the mean, not its count over 60 s."""
     if arrivals.size < 2 or arrivals[-1] <= arrivals[0]:
         return {"span_s": 0.0, "mean_rps": None, "peak_1min_rps": None, "iod_1s": None}
     rel = np.sort(arrivals) - arrivals.min()
@@ -125,7 +138,7 @@ def arrival_stats(arrivals: np.ndarray) -> dict[str, float | None]:
     return {
         "span_s": span,
         "mean_rps": arrivals.size / span,
-        "peak_1min_rps": float(per_minute.max()) / 60,
+        "peak_1min_rps": float(per_minute.max()) / min(60.0, span),
         "iod_1s": float(per_second.var() / per_second.mean()),
     }
 
@@ -220,7 +233,7 @@ def render_analysis(analysis: dict[str, Any], console: Console) -> None:
     skipped = ", ".join(f"{k}: {v}" for k, v in analysis["skipped"].items()) or "none"
     console.print(
         f"[bold]{analysis['path']}[/bold] format={analysis['format']} requests={analysis['requests']:,} "
-        f"sessions={analysis['sessions']:,} skipped rows: {skipped}"
+        f"sessions={analysis['sessions']:,} skipped_rows={skipped}"
     )
     lengths = Table(title="Token lengths (tokens)", box=box.SIMPLE)
     lengths.add_column("")
@@ -250,11 +263,17 @@ def render_analysis(analysis: dict[str, Any], console: Console) -> None:
     console.print(tiers)
     sug = analysis["suggested_tiers"]
     shares = " / ".join(f"{t['share']:.1%}" for t in sug["split"].values())
-    console.print(
-        f"Suggested tiers for this traffic (its P68 and P90, to the nearest power of two): "
-        f"scheduling.tiers.low_latency_below: {sug['low_latency_below']}, high_throughput_above: "
-        f"{sug['high_throughput_above']} (shares {shares})"
-    )
+    if not sug["enough_spread"]:
+        console.print(
+            "Suggested tiers: not enough spread in input lengths to suggest tiers (P68 and P90 both "
+            f"round to {sug['low_latency_below']:,} tokens); keep scheduling.tiers as they are"
+        )
+    else:
+        console.print(
+            f"Suggested tiers for this traffic (its P68 and P90, to the nearest power of two): "
+            f"scheduling.tiers.low_latency_below: {sug['low_latency_below']}, high_throughput_above: "
+            f"{sug['high_throughput_above']} (shares {shares})"
+        )
     a = analysis["arrivals"]
     note = " (synthesized, Poisson)" if analysis["synthesized_arrivals"] else ""
     console.print(

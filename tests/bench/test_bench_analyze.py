@@ -9,7 +9,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from extproc.bench.analyze import analyze_trace, arrival_stats, log2_histogram
+from extproc.bench.analyze import analyze_trace, arrival_stats, log2_histogram, suggest_tiers
 from extproc.bench.traces import load_trace
 from extproc.cli import app
 
@@ -40,7 +40,34 @@ def test_arrivals(analysis: dict) -> None:
     assert a["span_s"] == 2.0 and a["mean_rps"] == 2.0
     # Per-second counts [2, 1, 1]: mean 4/3, population variance 2/9 → IoD 1/6.
     assert a["iod_1s"] == pytest.approx(1 / 6)
-    assert a["peak_1min_rps"] == pytest.approx(4 / 60)
+    # A 2 s trace has one bin, 2 s long: its peak is its mean, not 4 requests over 60 s.
+    assert a["peak_1min_rps"] == pytest.approx(2.0)
+
+
+def test_peak_of_a_trace_longer_than_a_minute_uses_full_bins() -> None:
+    # 30 arrivals in the first minute, 6 in the second (span 90 s).
+    arrivals = np.concatenate([np.linspace(0, 59, 30), np.linspace(60, 90, 6)])
+    assert arrival_stats(arrivals)["peak_1min_rps"] == pytest.approx(30 / 60)
+
+
+def test_suggested_tiers_need_spread() -> None:
+    same = suggest_tiers(np.full(50, 2000))  # P68 and P90 both round to 2048
+    assert same["enough_spread"] is False
+    spread = suggest_tiers(np.concatenate([np.full(70, 100), np.full(20, 1000), np.full(10, 8000)]))
+    assert spread["enough_spread"] is True and spread["edges"][0] < spread["edges"][1]
+
+
+def test_cli_says_when_tiers_cannot_be_suggested(tmp_path: Path) -> None:
+    trace = tmp_path / "flat.jsonl"
+    rows = [{"timestamp": i * 500, "input_length": 2000, "output_length": 10, "hash_ids": [i]} for i in range(20)]
+    trace.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    result = CliRunner().invoke(app, ["analyze", str(trace)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "not enough spread in input lengths to suggest tiers" in result.output
+    assert "high_throughput_above" not in result.output
+    assert "skipped_rows=none" in result.output
+    # 20 arrivals over 9.5 s: the peak minute is the whole log, so peak == mean (2.105 req/s).
+    assert "mean 2.105 req/s, peak 1-min 2.11 req/s" in result.output
 
 
 def test_prefix_reuse(analysis: dict) -> None:
@@ -74,7 +101,8 @@ def test_cli_prints_and_writes(traces_dir: Path, tmp_path: Path, analysis: dict)
         app, ["analyze", str(traces_dir / "mooncake.jsonl"), "--json", str(out), "--plot", str(png), "--truncate", "1024"]
     )
     assert result.exit_code == 0, result.output
-    assert "format=mooncake" in result.output and "Prefix reuse" in result.output and "skipped" in result.output
+    assert "format=mooncake" in result.output and "Prefix reuse" in result.output
+    assert "skipped_rows=zero_output_tokens: 1" in result.output
     assert orjson.loads(out.read_bytes()) == orjson.loads(orjson.dumps(analysis))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
