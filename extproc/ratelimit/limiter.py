@@ -379,6 +379,10 @@ class RateLimiter:
         else:
             what = f"tokens per min (TPM): Limit {scope.tokens}, Used {use.tokens}, Requested {cost}"
         msg = f"Rate limit reached for {self._scope_name(tenant, scope)} on {what}. Please try again in {duration(d.retry_after_ms)}."
+        # One wait per 429: the refused kind's reset is when it admits again (the body's wait,
+        # retry-after its ceiling), not when its whole window has emptied, which is up to one
+        # bucket later when the window holds charges from several buckets (replies.py).
+        headers = {**headers, f"x-ratelimit-reset-{kind}": duration(d.retry_after_ms)}
         return TenantRateLimitedError(msg, limit=kind, retry_after_s=d.retry_after_ms / 1000, headers=headers)
 
     # -- settlement ----------------------------------------------------------------------------

@@ -6,6 +6,17 @@ OpenAI's six headers (https://platform.openai.com/docs/guides/rate-limits):
 resets are Go duration strings (`1s`, `6m0s`, `20ms`, `1m30.5s`). With several limited scopes
 (tenant, tenant × model) each pair comes from the scope with the fewest remaining. A paced scope's
 remaining tokens are the fewer of its window's and its bucket's (what could be sent now).
+
+Reset semantics (OpenAI: "the time until the rate limit resets to its initial state"). The
+window slides in 1 s buckets (`window.py`): a charge made in bucket i leaves it when bucket
+i + 60 starts. On an admitted request `x-ratelimit-reset-*` is until the *newest* charge has
+left, i.e. until the window is empty again. It shrinks while no request is sent and jumps back
+to ~60 s with each request made in a new bucket: that is correct, the new request has restarted
+the time until the window is fully reset. On a 429 the client needs something else, the time
+until the refused limit admits one more: that is when the *oldest* charges leave, up to one
+bucket sooner than the window's emptying. So a refusal's reset of the refused kind is the
+retry wait itself: the body's "try again in 58.828s", `x-ratelimit-reset-requests: 58.828s`
+and `retry-after: 59` (whole seconds, rounded up) describe the same instant.
 """
 
 from __future__ import annotations

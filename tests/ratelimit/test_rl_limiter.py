@@ -430,3 +430,26 @@ async def test_a_settlement_redis_cannot_take_waits_and_is_delivered_before_the_
         await admin.execute_command("CLIENT", "UNPAUSE")
         await admin.aclose()
         await lim.aclose()
+
+
+async def test_a_429_gives_one_wait_in_body_reset_header_and_retry_after():
+    """Charges in two buckets: the window empties one bucket after the oldest charge leaves; the
+    429 names the latter everywhere (body, x-ratelimit-reset-requests, retry-after rounded up)."""
+    now = [1_000_172]
+    config = RateLimitConfig(enabled=True, default={"requests_per_minute": 2})
+    backend = MemoryBackend(config.buckets, clock_ms=lambda: now[0])
+    lim = RateLimiter(config, backend, RateLimitMetrics(Metrics(CollectorRegistry())), {MODEL: (100, 1000)})
+    t = lim.tenant({"authorization": "Bearer sk-secret"})
+    first = await lim.admit(t, _req())
+    assert first is not None and first.headers["x-ratelimit-reset-requests"] == "59.828s"  # until bucket 1000+60
+    now[0] += 1_000
+    second = await lim.admit(t, _req())
+    # Admitted in a new bucket: the time until the window is empty restarts (~60 s again).
+    assert second is not None and second.headers["x-ratelimit-reset-requests"] == "59.828s"
+    with pytest.raises(TenantRateLimitedError) as exc:
+        await lim.admit(t, _req())
+    h = exc.value.headers()
+    message = orjson.loads(exc.value.body())["error"]["message"]
+    assert "Please try again in 58.828s." in message  # the first charge leaves first
+    assert h["x-ratelimit-reset-requests"] == "58.828s"
+    assert h["retry-after"] == "59"
