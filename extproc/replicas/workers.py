@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 MIN_UPTIME_S = 10.0
 """A worker that exits sooner than this after its start stops the whole group (seconds)."""
 
-POLL_S = 0.2
+POLL_S = 0.05
+"""How often the supervisor looks at its workers (seconds); it also bounds how late it notices a
+SIGTERM (a signal does not cut `time.sleep` short), so keep it well below a second."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,8 @@ def run_workers(config: Config, workers: int, child_argv: Sequence[str], *, sync
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal stopping
+        if not stopping:  # said once for the group: the workers stay quiet
+            print("shutting down: waiting for in-flight streams", file=sys.stderr, flush=True)
         stopping = True
         for w in group:
             if w.proc is not None and w.proc.poll() is None:

@@ -24,9 +24,10 @@ def serve(
 ) -> None:
     """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
     import asyncio
+    import os
     import sys
 
-    from extproc.clitools import fail, setup_logging, stop_on_signals
+    from extproc.clitools import fail, setup_logging, skip_final_collection, stop_on_signals
     from extproc.config import ConfigError, default_config, load_config
     from extproc.pipeline.tokens import TokenizerLoadError
     from extproc.server.app import ExtProcApp
@@ -76,10 +77,12 @@ def serve(
             flush=True,
         )
         await stop.wait()
-        print("shutting down: waiting for in-flight streams", file=sys.stderr, flush=True)
+        if "LLM_EXTPROC_WORKER" not in os.environ:  # under --workers the supervisor says it once
+            print("shutting down: waiting for in-flight streams", file=sys.stderr, flush=True)
         await app.aclose()
 
     asyncio.run(run())
+    skip_final_collection()
 
 
 def envoy_config(

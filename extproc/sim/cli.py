@@ -51,7 +51,7 @@ def sim(
 
     from pydantic import ValidationError
 
-    from extproc.clitools import fail, stop_on_signals
+    from extproc.clitools import fail, skip_final_collection, stop_on_signals
     from extproc.sim.faults import Faults
     from extproc.sim.server import SimServer
 
@@ -100,3 +100,4 @@ def sim(
             await server.aclose()
 
     asyncio.run(main())
+    skip_final_collection()
