@@ -63,6 +63,7 @@ def serve(
             code = run_workers(cfg, workers, argv, sync_note=note)
         except ValueError as exc:
             raise fail(str(exc)) from None
+        skip_final_collection()
         raise typer.Exit(code)
 
     async def run() -> None:
