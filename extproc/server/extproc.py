@@ -288,6 +288,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if refused is None:
                 return None
             err = refused
+            self._log_refusal_at_headers(s, err)
         elif s.kind is not None:
             err = BadRequestError("request body is required for this endpoint")
         elif generation_path(hdrs.get(":path", "")) is not None:
@@ -311,6 +312,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if self._log is None:
             return None
         return DecisionRecord(time=time.time(), kind=s.kind.value, tenant=s.tenant.id if s.tenant is not None else None)  # type: ignore[union-attr]
+
+    def _log_refusal_at_headers(self, s: _Stream, err: ExtProcError) -> None:
+        """The decision-log line of a generation request refused at its headers (a tenant over
+        its limit, before the body crosses): kind, tenant (hashed when written), our status and
+        reason; no body was read, so model and counts stay null."""
+        record = self._new_record(s)
+        if record is None:
+            return
+        record.outcome, record.reason, record.status = "rejected", err.code, err.status
+        record.decision_s = (time.monotonic_ns() - s.start_ns) / 1e9
+        self._log.write(record)  # type: ignore[union-attr]
 
     def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """`_on_response_headers` for the stream: sets `s.error_status` when the engine's

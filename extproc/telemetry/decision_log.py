@@ -5,7 +5,7 @@ refusal: at once), so it can carry what the response showed. Fields:
 
 | field | meaning |
 |---|---|
-| `time` | when the request's body arrived (Unix seconds, wall clock) |
+| `time` | when the request's body arrived, or its headers for a refusal at the headers (Unix seconds, wall clock) |
 | `kind` | `chat` or `completion` |
 | `model` | the configured model name it resolved to, or null (unknown model, unparsable body) |
 | `tenant` | a SHA-256 prefix (16 hex digits) of the request's tenant, or null (no tenants yet) |

@@ -361,10 +361,15 @@ async def test_rate_limits_answer_429_and_settle_in_epp_mode(make_app):
     assert orjson.loads(second.immediate_body)["error"]["type"] == "tokens"  # the limit that ran out
 
 
-async def test_a_capped_tenant_is_refused_at_its_headers_before_its_body_is_buffered(make_app):
+async def test_a_capped_tenant_is_refused_at_its_headers_before_its_body_is_buffered(make_app, tmp_path):
     # BUFFERED mode refused such a tenant at the request headers; the EPP servicer buffered the
     # whole body (up to max_body_bytes) first, the cost the header refusal exists to avoid.
-    app = await make_app(protocol={"mode": "epp"}, ratelimit={"enabled": True, "default": {"max_concurrent_requests": 1}})
+    log_path = tmp_path / "decisions.jsonl"
+    app = await make_app(
+        protocol={"mode": "epp"},
+        ratelimit={"enabled": True, "default": {"max_concurrent_requests": 1}},
+        decision_log={"path": str(log_path)},
+    )
     auth = {"authorization": "Bearer sk-epp-capped-test"}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
         first = open_stream(ch)
@@ -378,6 +383,11 @@ async def test_a_capped_tenant_is_refused_at_its_headers_before_its_body_is_buff
     await wait_until(lambda: app.store.open_reservations == 0)
     assert second.kinds == ["immediate_response"] and second.immediate_status == 429
     assert orjson.loads(second.immediate_body)["error"]["type"] == "requests"
+    await app.aclose(grace_s=0)  # flushes the decision log: the refusal at the headers has its line
+    raw = log_path.read_bytes()
+    assert b"sk-epp-capped-test" not in raw
+    refused = [line for line in map(orjson.loads, raw.splitlines()) if line["outcome"] == "rejected"]
+    assert [(r["status"], r["reason"], r["tenant"] is not None) for r in refused] == [(429, "rate_limit_exceeded", True)]
 
 
 @pytest.mark.parametrize(

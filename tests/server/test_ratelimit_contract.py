@@ -368,3 +368,34 @@ async def test_an_endpoint_removed_during_the_charge_with_no_other_left_is_a_503
         app.store.add_endpoint(EndpointConfig(address=second, models=[MODEL]))
         _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(max_tokens=50)))
         assert reply.WhichOneof("response") == "request_body"
+
+
+async def test_a_refusal_at_the_headers_has_its_decision_log_line(make_app, tmp_path):
+    """A tenant refused at its request headers (before the body, where the log's record is made
+    for other requests) still gets its one line: rejected, 429, the reason, the tenant's hash;
+    never its key."""
+    path = tmp_path / "decisions.jsonl"
+    app = await make_app(
+        ratelimit={"enabled": True, "default": {"tokens_per_minute": 100_000, "max_concurrent_requests": 1}},
+        decision_log={"path": str(path)},
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        call, reply = await _open_stream(stub)
+        assert reply.WhichOneof("response") == "request_body"
+        refused = stub.Process()
+        await refused.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        status, _, _ = error_of(await refused.read())
+        refused.cancel()
+        call.cancel()
+        await wait_until(lambda: app.servicer.active_streams == 0)
+    await app.aclose(grace_s=0)  # flushes the log
+    raw = path.read_bytes()
+    assert status == 429 and SECRET.encode() not in raw and b"Bearer" not in raw
+    lines = [orjson.loads(line) for line in raw.splitlines()]
+    at_headers = [line for line in lines if line["outcome"] == "rejected"]
+    assert len(at_headers) == 1, lines
+    line = at_headers[0]
+    assert (line["status"], line["reason"], line["kind"]) == (429, "rate_limit_exceeded", "chat")
+    assert line["tenant"] is not None and line["model"] is None and line["prompt_tokens"] is None
+    assert line["tenant"] == next(x["tenant"] for x in lines if x["outcome"] == "routed")  # the same tenant
