@@ -285,7 +285,10 @@ async def test_the_in_flight_slot_is_released_on_abort_error_unknown_and_never_h
 
 
 async def test_a_paced_refusal_says_when_the_bucket_will_admit():
-    lim = _limiter(default={"tokens_per_minute": 60_000, "burst_tokens": 1_000})
+    # A frozen clock: at 1,000 tokens per second a millisecond between the two admits (a loaded
+    # machine) refills a token and the message says "Available 1".
+    config = RateLimitConfig(enabled=True, default={"tokens_per_minute": 60_000, "burst_tokens": 1_000})
+    lim = _limiter(MemoryBackend(config.buckets, clock_ms=lambda: 1_000_000), default={"tokens_per_minute": 60_000, "burst_tokens": 1_000})
     t = lim.tenant({})
     adm = await lim.admit(t, _req(100, max_tokens=900))
     assert adm.headers["x-ratelimit-remaining-tokens"] == "0"  # the bucket's, not the window's 59,000
