@@ -73,3 +73,69 @@ def test_fuzz_count_matches_reference_where_nfc_agrees(counter: TokenCounter, me
         except Exception:
             assume(False)
     test_fuzz_count_matches_reference.hypothesis.inner_test(counter, messages, thinking)
+
+
+_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False, width=16), _TEXT,
+    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=2),
+    st.dictionaries(st.sampled_from(["a", "name", "arguments"]), _TEXT, max_size=2),
+)  # fmt: skip
+_ANY_MESSAGE = st.dictionaries(
+    st.sampled_from(["role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id", "extra"]), _VALUE, max_size=4
+).map(lambda d: {"role": "user", **d} if "role" not in d else d) | st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", ""]), "content": _VALUE}
+)
+_KWARGS = st.dictionaries(st.sampled_from(["enable_thinking", "content", "reasoning_content"]), _VALUE, max_size=2)
+_TOOLS = st.none() | st.lists(
+    st.one_of(_TEXT, st.just({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})), max_size=2
+)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_ANY_MESSAGE, min_size=1, max_size=4), _KWARGS, _TOOLS, st.booleans())
+def test_fuzz_direct_render_equals_apply_chat_template(counter: TokenCounter, messages, kwargs, tools, agp) -> None:
+    """Any shape a JSON body can carry: output equal, or the same exception type."""
+    import copy
+
+    renderer = counter._renderer
+    assert renderer is not None
+    try:
+        want = counter.tokenizer.apply_chat_template(
+            copy.deepcopy(messages), tools=copy.deepcopy(tools), tokenize=False, add_generation_prompt=agp, **copy.deepcopy(kwargs)
+        )
+    except Exception as exc:
+        want_exc = type(exc)
+        want = None
+    try:
+        got = renderer.render(messages, tools=tools, template_kwargs=kwargs, add_generation_prompt=agp)
+    except Exception as exc:
+        assert want is None and type(exc) is want_exc, f"direct raised {type(exc).__name__}: {exc}; reference gave {want!r:.80}"
+        return
+    assert want is not None, f"direct rendered where apply_chat_template raised {want_exc.__name__}"
+    assert got == want
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(["<", "|", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "im_start", "x", "<<|", "|>", "\n"]), max_size=20).map("".join))
+def test_fuzz_str_find_cuts_equal_finditer_cuts(counter: TokenCounter, text: str) -> None:
+    cut = counter._cut_re
+    out, last = [], 0
+    for m in cut.finditer(text):
+        if m.start() > last:
+            out.append(text[last : m.start()])
+            last = m.start()
+    if last < len(text) or not out:
+        out.append(text[last:])
+    assert counter._segments(text) == out
+    assert counter.encode(text) == counter.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+_WS = st.sampled_from([" ", "\t", "\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f", "\x85", "\xa0", "\u1680",
+                       "\u2000", "\u2007", "\u200a", "\u200b", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\ufeff", "\x00"])  # fmt: skip
+_RUN = st.lists(_WS, min_size=1, max_size=60).map("".join)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(st.one_of(_RUN, st.sampled_from(["a", "A1", "'s", "'S", "12345", "!?", "東", "é", "\U0001f600", "x-y", "<think>"])), max_size=10).map("".join))
+def test_fuzz_whitespace_runs_match_tokenizers(counter: TokenCounter, text: str) -> None:
+    assert counter.encode(text) == counter.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
