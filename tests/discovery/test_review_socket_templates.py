@@ -19,6 +19,8 @@ from extproc.discovery.base import EndpointTemplate
         ("kv_events", "tcp://{host}{host}:5557"),
         ("agent", "{host}@evil:9100"),
         ("agent", "{host}:9100,evil:1"),
+        ("agent", "ipv4:{host}:9100,169.254.169.254:80"),  # gRPC's multi-address target syntax
+        ("agent", "unix:/run/{host}.sock:1"),  # gRPC dials a Unix socket
     ],
 )
 def test_socket_template_that_does_not_render_to_the_address_is_refused(field: str, template: str) -> None:
