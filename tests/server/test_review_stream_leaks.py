@@ -31,3 +31,79 @@ async def test_buffered_stray_body_after_a_refused_decision_reserves_nothing(mak
     assert reply.WhichOneof("response") == "request_body"
     assert not reply.request_body.response.header_mutation.set_headers, "a refused stream was routed on a stray body"
     assert held == 0
+
+
+import asyncio  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.server import epp_gateway as gw  # noqa: E402
+from tests.server.test_epp_contract import CHAT, ENDPOINTS  # noqa: E402
+from tests.server.test_epp_contract import chat_body as epp_chat_body  # noqa: E402
+
+EPP_AUTH = {"authorization": AUTH["authorization"].decode()}
+
+
+async def _read_n(call, n: int) -> None:
+    for _ in range(n):
+        await call.read()
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["cancel mid-body", "cancel after decision", "served elsewhere then cancel", "error body held then cancel",
+     "error body whole", "trailers then cancel", "over the body limit then stray chunks"],
+)  # fmt: skip
+async def test_epp_every_end_releases_kv_and_the_concurrency_slot(make_app, how):
+    app = await make_app(protocol={"mode": "epp", "fallbacks": 1}, ratelimit=CAPPED, limits={
+        "max_body_bytes": 2048, "grpc_max_message_bytes": 262144, "shutdown_grace_s": 1})
+    lim = app.ratelimit
+    t = lim.tenant({"authorization": EPP_AUTH["authorization"]})
+
+    async def inflight_now() -> int:
+        return (await lim.backend.peek(lim.scopes(t, "Qwen/Qwen3-8B"))).uses[0].inflight
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = gw.open_stream(ch)
+        await call.write(gw.request_headers("POST", CHAT, extra=EPP_AUTH))
+        body = epp_chat_body(max_tokens=20)
+        if how == "cancel mid-body":
+            await call.write(gw.request_body(body[:10], end=False))
+            await asyncio.sleep(0.1)
+        elif how == "over the body limit then stray chunks":
+            await call.write(gw.request_body(b"x" * 3000, end=False))
+            await call.read()
+            await call.write(gw.request_body(body, end=True))
+            await call.write(gw.response_headers(200))
+            await asyncio.sleep(0.1)
+        elif how == "trailers then cancel":
+            await call.write(gw.request_body(body, end=False))
+            await call.write(gw.request_trailers())
+            await _read_n(call, 3)
+        else:
+            await call.write(gw.request_body(body, end=True))
+            await _read_n(call, 2)  # destination, body
+            if how == "served elsewhere then cancel":
+                dest = app.store.all()
+                other = [e.address for e in dest if e.inflight == 0][0]
+                await call.write(gw.response_headers(200, served=other))
+                await call.read()
+            elif how.startswith("error body"):
+                await call.write(gw.response_headers(500))
+                await call.read()
+                await call.write(gw.response_body(b'{"object": "error"', end=False))
+                if how == "error body whole":
+                    await call.write(gw.response_body(b"}", end=True))
+                    await call.read()
+                    await call.done_writing()
+                    assert await call.read() == grpc.aio.EOF
+        assert app.servicer.active_streams == 1 or how == "error body whole"
+        call.cancel()
+        deadline = asyncio.get_running_loop().time() + 5
+        while app.servicer.active_streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+    assert app.servicer.active_streams == 0, how
+    assert app.store.open_reservations == 0, how
+    assert all(ep.inflight == 0 for ep in app.store.all()), how
+    assert await inflight_now() == 0, how
+    assert ENDPOINTS
