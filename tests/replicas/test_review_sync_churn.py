@@ -96,3 +96,24 @@ async def test_no_silent_reconnect_while_redis_answers_slowly(redis_server):  # 
     finally:
         await a.aclose()
         server.close()
+
+
+async def test_connected_is_not_reported_for_a_subscription_redis_never_confirmed(redis_server):  # noqa: F811
+    """A path that accepts TCP connections but forwards nothing (an L4 balancer in front of a
+    dead Redis, a black-holed NAT): the replica must never report itself subscribed. (Held up:
+    redis-py's connection handshake waits for a reply, bounded by `timeout_ms` × 4.)"""
+    host, port = redis_server.url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
+    proxy = BlackholeProxy(host, int(port))
+    await proxy.start()
+    proxy.blackhole(new_too=True)
+    a, _, _ = make_sync(url=f"redis://127.0.0.1:{proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=1.0)
+    await a.start()
+    try:
+        samples = []
+        for _ in range(60):  # 3 s
+            await asyncio.sleep(0.05)
+            samples.append(a.connected)
+        assert not any(samples), f"reported connected in {sum(samples)} of {len(samples)} samples; silent reconnects {a.silent_reconnects}"
+    finally:
+        await a.aclose()
+        await proxy.aclose()
