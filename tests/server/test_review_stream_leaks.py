@@ -107,3 +107,36 @@ async def test_epp_every_end_releases_kv_and_the_concurrency_slot(make_app, how)
     assert all(ep.inflight == 0 for ep in app.store.all()), how
     assert await inflight_now() == 0, how
     assert ENDPOINTS
+
+
+async def test_a_failure_after_the_reservation_in_route_still_releases_everything(make_app, monkeypatch):
+    """`ExtProcServicer._route` reserves (KV, in-flight) in the `else:` of its try, then keeps
+    working (`with_model` for an alias, metrics, headers) outside any handler: a raise there
+    leaves the reservation and the rate-limit charge in no `_Stream`, so no end of stream ever
+    releases them. Fault injected in `with_model` (the alias rewrite)."""
+    import extproc.server.extproc as servicer_module
+
+    def broken(body: bytes, model: str) -> bytes:
+        raise ValueError("injected")
+
+    monkeypatch.setattr(servicer_module, "with_model", broken)
+    app = await make_app(ratelimit=CAPPED)
+    lim = app.ratelimit
+    t = lim.tenant({"authorization": AUTH["authorization"].decode()})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+        await call.read()
+        await call.write(body_msg(chat_body(max_tokens=20, model="qwen3-8b")))
+        try:
+            await call.read()
+        except grpc.aio.AioRpcError:
+            pass
+        call.cancel()
+        deadline = asyncio.get_running_loop().time() + 5
+        while app.servicer.active_streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+    assert app.servicer.active_streams == 0
+    assert app.store.open_reservations == 0, "KV reservation leaked"
+    assert (await lim.backend.peek(lim.scopes(t, "Qwen/Qwen3-8B"))).uses[0].inflight == 0, "concurrency slot leaked"
