@@ -3,10 +3,16 @@ that was already answered with an `ImmediateResponse`."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from tests.server import epp_gateway as gw
 from tests.server.test_contract import body_msg, chat_body, error_of, headers_msg
+from tests.server.test_epp_contract import CHAT
+from tests.server.test_epp_contract import chat_body as epp_chat_body
 from tests.server.test_ratelimit_contract import AUTH, CAPPED
 
 
@@ -32,14 +38,6 @@ async def test_buffered_stray_body_after_a_refused_decision_reserves_nothing(mak
     assert not reply.request_body.response.header_mutation.set_headers, "a refused stream was routed on a stray body"
     assert held == 0
 
-
-import asyncio  # noqa: E402
-
-import pytest  # noqa: E402
-
-from tests.server import epp_gateway as gw  # noqa: E402
-from tests.server.test_epp_contract import CHAT, ENDPOINTS  # noqa: E402
-from tests.server.test_epp_contract import chat_body as epp_chat_body  # noqa: E402
 
 EPP_AUTH = {"authorization": AUTH["authorization"].decode()}
 
@@ -106,7 +104,6 @@ async def test_epp_every_end_releases_kv_and_the_concurrency_slot(make_app, how)
     assert app.store.open_reservations == 0, how
     assert all(ep.inflight == 0 for ep in app.store.all()), how
     assert await inflight_now() == 0, how
-    assert ENDPOINTS
 
 
 async def test_a_failure_after_the_reservation_in_route_still_releases_everything(make_app, monkeypatch):
