@@ -1,4 +1,4 @@
-"""Adversarial review: our chat count path against transformers' own
+"""Our chat count path against transformers' own
 `apply_chat_template(..., tokenize=True)` (what the engine prefills) on the built-in tokenizer."""
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def test_fuzz_count_matches_reference(counter: TokenCounter, messages, thinking)
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.lists(_MESSAGE, min_size=1, max_size=4), st.sampled_from([None, True, False]))
 def test_fuzz_count_matches_reference_where_nfc_agrees(counter: TokenCounter, messages, thinking) -> None:
-    """The same fuzz, skipping text whose NFC Python and the tokenizer disagree on (the defect
-    above), to look for any other class of difference."""
+    """The same fuzz, skipping text whose NFC Python and the tokenizer disagree on (handled by
+    `extproc.pipeline.normalize`), to look for any other class of difference."""
     import unicodedata
 
     from hypothesis import assume
@@ -139,3 +139,17 @@ _RUN = st.lists(_WS, min_size=1, max_size=60).map("".join)
 @given(st.lists(st.one_of(_RUN, st.sampled_from(["a", "A1", "'s", "'S", "12345", "!?", "東", "é", "\U0001f600", "x-y", "<think>"])), max_size=10).map("".join))
 def test_fuzz_whitespace_runs_match_tokenizers(counter: TokenCounter, text: str) -> None:
     assert counter.encode(text) == counter.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_the_disagreeing_set_holds_the_marks_python_and_the_tokenizer_normalize_differently(counter: TokenCounter) -> None:
+    """Every character found at load really normalizes differently in some probe, and each
+    mark the review found is among them."""
+    import unicodedata
+
+    norm = counter._fast.normalize
+    found = {c for c in norm.astral} | {c for c in map(chr, range(0x80, 0x10000)) if norm.bmp.search(c)}
+    assert {"\u07fd", "\u08cf", "\u0c3c", "\u1abf", "\u1df6", "\U00016ff0"} <= found
+    for text in ("a\u07fd\u0301", "x\u1df6\u0301", "o\u0c3c\u0308"):
+        assert norm.needs_rust(text) and norm(text) != unicodedata.normalize("NFC", text)
+        assert norm(text) == counter.tokenizer.backend_tokenizer.normalizer.normalize_str(text)
+    assert not norm.needs_rust("café 東京 😀")
