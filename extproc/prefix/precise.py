@@ -397,6 +397,7 @@ class KVEventSubscriber:
         """Connect (ZMQ connects in the background; a publisher not up yet is fine) and start
         reading (on the running event loop)."""
         sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.IPV6, 1)  # off by default: a tcp://[addr]:port connect would hear nothing
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -464,6 +465,7 @@ class KVEventSubscriber:
         whether all of them came (with `reset_if_short`, none is applied unless all did)."""
         assert self.replay_endpoint is not None
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         got: list[tuple[int, KVEventBatch]] = []

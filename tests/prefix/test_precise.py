@@ -368,3 +368,32 @@ async def test_a_large_batch_is_decoded_off_the_loop_and_applied_in_slices() -> 
     for i in (0, chains - 1):
         assert tracker.index.match(chain_block_hashes([i] * BS, BS)).get(EP) == 1
     assert idx.metrics.batches.labels(EP)._value.get() == 1  # one batch, however many slices
+
+
+async def test_an_ipv6_publisher_is_heard() -> None:
+    """A discovered IPv6 endpoint's KV-event socket is rendered as `tcp://[addr]:port`
+    (docs/discovery.md): ZMQ leaves IPv6 off unless `zmq.IPV6` is set, and the connect is then
+    accepted while nothing ever arrives."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    try:
+        pub.bind("tcp://[::1]:*")
+    except zmq.ZMQError:
+        pytest.skip("no IPv6 loopback here")
+    endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    tracker = PrefixTracker(PrefixConfig())
+    source = PreciseSource(tracker, [(EP, endpoint, None)], registry=CollectorRegistry())
+    await source.start()
+    try:
+        frames = [b"kv", encode_seq(0), encode_batch(batch(stored([901, 902], None, PROMPT[: 2 * BS])))]
+        for _ in range(30):  # PUB/SUB joins late: publish until heard (3 s)
+            await pub.send_multipart(frames)
+            await asyncio.sleep(0.1)
+            if source.indexer.last_seq(EP) is not None:
+                break
+        assert source.indexer.last_seq(EP) == 0, f"nothing heard from {endpoint}"
+    finally:
+        await source.aclose()
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
