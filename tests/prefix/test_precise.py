@@ -397,3 +397,25 @@ async def test_an_ipv6_publisher_is_heard() -> None:
         await source.aclose()
         pub.close(linger=0)
         ctx.destroy(linger=0)
+
+
+async def test_a_batch_of_the_replaced_publisher_does_not_reach_the_new_mirror() -> None:
+    """An endpoint's KV-event publisher replaced by a reload (`PreciseSource.add` with another
+    socket): a batch the old subscriber already received must not be applied to the NEW
+    publisher's mirror (the old one's sockets close in the background)."""
+    tracker = PrefixTracker(PrefixConfig())
+    source = PreciseSource(tracker, [(EP, "tcp://127.0.0.1:1", None)], registry=CollectorRegistry())
+    await source.start()
+    try:
+        old = source.subscribers[0]
+        # A message of the old publisher received just before the reload (its task's wake-up
+        # already queued on the loop when the reload callback runs).
+        frames = [b"kv", encode_seq(41), encode_batch(batch(stored([901, 902], None, PROMPT[: 2 * BS])))]
+        late = asyncio.create_task(old.handle(frames))
+        source.add(EP, "tcp://127.0.0.1:2", None)  # the reload: another publisher for EP
+        await late
+        await asyncio.sleep(0.05)
+        assert source.indexer.last_seq(EP) is None, "the new publisher's mirror took the old publisher's sequence number"
+        assert tracker.index.match(OURS).get(EP, 0) == 0, "the old publisher's blocks were indexed for the new one"
+    finally:
+        await source.aclose()
