@@ -234,7 +234,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             mode = responses.GENERATION_MODE_NO_RESPONSE if self._skip_response_headers else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
                 elif phase == "request_body":
-                    if s.kind is None or s.routed is not None or s.reservation is not None:
+                    if s.done or s.kind is None or s.routed is not None or s.reservation is not None:
                         yield responses.continue_for(phase)
                         continue
                     s.record = self._new_record(s)
@@ -464,9 +464,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     async def _decide(self, body: bytes, s: _Stream) -> pb.ProcessingResponse:
         """`_route`, answered in BUFFERED mode: the routing headers (and a rewritten body) on
-        the body reply, or the error's `ImmediateResponse`. Sets the stream's decision."""
+        the body reply, or the error's `ImmediateResponse`. Sets the stream's decision, or on
+        a refusal marks it `done` (its `kind` None), as `_classify_headers` does."""
         decided = await self._route(body, s.kind, s.hdrs, s.record, s.tenant)  # type: ignore[arg-type]
         if isinstance(decided, pb.ProcessingResponse):
+            s.kind, s.done = None, True  # answered: a stray body after this decides nothing
             return decided
         s.routed, s.reservation, s.admission = decided.routed, decided.reservation, decided.admission
         return responses.route_in_body(decided.headers, decided.body)

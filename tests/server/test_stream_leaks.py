@@ -1,5 +1,5 @@
-"""Adversarial review of the servicers' shared `_Stream`: nothing may be reserved for a stream
-that was already answered with an `ImmediateResponse`."""
+"""The servicers' shared `_Stream`: nothing may be reserved for a stream that was already
+answered with an `ImmediateResponse`, and every way a stream ends releases what it holds."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from tests.server.test_ratelimit_contract import AUTH, CAPPED
 
 async def test_buffered_stray_body_after_a_refused_decision_reserves_nothing(make_app):
     """BUFFERED: the body is refused (400, not JSON); a stray second body on the same stream
-    must not be decided again. It is: the stream, already answered with an ImmediateResponse,
-    then holds a KV reservation and the tenant's only concurrency slot until it ends (the EPP
-    servicer sets `done` on a refusal; `ExtProcServicer.Process` does not)."""
+    must not be decided again: the stream, already answered with an ImmediateResponse, would
+    then hold a KV reservation and the tenant's only concurrency slot until it ends."""
     app = await make_app(ratelimit=CAPPED)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
         stub = pb_grpc.ExternalProcessorStub(ch)
@@ -107,10 +106,10 @@ async def test_epp_every_end_releases_kv_and_the_concurrency_slot(make_app, how)
 
 
 async def test_a_failure_after_the_reservation_in_route_still_releases_everything(make_app, monkeypatch):
-    """`ExtProcServicer._route` reserves (KV, in-flight) in the `else:` of its try, then keeps
-    working (`with_model` for an alias, metrics, headers) outside any handler: a raise there
-    leaves the reservation and the rate-limit charge in no `_Stream`, so no end of stream ever
-    releases them. Fault injected in `with_model` (the alias rewrite)."""
+    """`ExtProcServicer._route` reserves (KV, in-flight), then keeps working (`with_model` for
+    an alias, metrics, headers) before its Decision reaches a `_Stream`: a raise there must
+    release the reservation and give the rate-limit charge back. Fault injected in
+    `with_model` (the alias rewrite)."""
     import extproc.server.extproc as servicer_module
 
     def broken(body: bytes, model: str) -> bytes:
