@@ -1,4 +1,4 @@
-"""Adversarial review: reloads that keep changing an endpoint's agent and KV-event sockets
+"""Reloads that keep changing an endpoint's agent and KV-event sockets
 (`Datastore.add_endpoint` → `on_changed`) must not pile up subscribers, watch tasks or sockets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adversarial review: replica sync's silent-connection detection, repeated. Every reconnect
+"""Replica sync's silent-connection detection, repeated. Every reconnect
 must leave nothing behind (client sockets, tasks)."""
 
 from __future__ import annotations
