@@ -18,6 +18,7 @@ from extproc.prefix.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    REPLAY_END_SEQ,
     KVEventBatch,
     encode_batch,
     encode_seq,
@@ -419,3 +420,40 @@ async def test_a_batch_of_the_replaced_publisher_does_not_reach_the_new_mirror()
         assert tracker.index.match(OURS).get(EP, 0) == 0, "the old publisher's blocks were indexed for the new one"
     finally:
         await source.aclose()
+
+
+async def test_a_gap_is_replayed_from_an_ipv6_replay_socket() -> None:
+    """The replay DEALER needs `zmq.IPV6` as the SUB does: a replay socket rendered as
+    `tcp://[addr]:port` would otherwise time out and every gap reset the mirror."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.IPV6, 1)
+    try:
+        router.bind("tcp://[::1]:*")
+    except zmq.ZMQError:
+        ctx.destroy(linger=0)
+        pytest.skip("no IPv6 loopback here")
+    events = [[stored([901], None, PROMPT[:BS])], [stored([902], 901, PROMPT[BS : 2 * BS])], [stored([903], 902, PROMPT[2 * BS : 3 * BS])]]
+
+    async def serve_one_replay() -> None:
+        ident, _, start = await router.recv_multipart()
+        assert start == encode_seq(1)
+        await router.send_multipart([ident, b"", encode_seq(1), encode_batch(batch(*events[1]))])
+        await router.send_multipart([ident, b"", encode_seq(REPLAY_END_SEQ), b""])
+
+    tracker = PrefixTracker(PrefixConfig())
+    idx = PreciseIndexer(tracker)
+    idx.register(EP)
+    replay = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sub = KVEventSubscriber(EP, "tcp://127.0.0.1:1", replay, idx, ctx)
+    server = asyncio.create_task(serve_one_replay())
+    try:
+        await sub.handle(frames(0, *events[0]))
+        await sub.handle(frames(2, *events[2]))  # batch 1 missed: asked of the replay socket
+        await asyncio.wait_for(server, 1.0)
+        assert idx.metrics.gaps.labels(EP, "replayed")._value.get() == 1
+        assert matched(tracker) == 3
+    finally:
+        server.cancel()
+        router.close(linger=0)
+        ctx.destroy(linger=0)
