@@ -150,6 +150,8 @@ class AgentWatcher:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         self._store = store
         self._targets: list[tuple[Endpoint, str]] = [(ep, ep.agent) for ep in store.all() if ep.agent]
+        self._current: dict[str, Endpoint] = {ep.address: ep for ep, _ in self._targets}
+        """The endpoint object each watch reports to, by address (`add` may replace it)."""
         self._min_interval = min_interval_s
         self._stale_after = stale_after_s
         self._idle_timeout = idle_timeout_s
@@ -177,17 +179,24 @@ class AgentWatcher:
 
     def add(self, ep: Endpoint, agent: str) -> None:
         """Watch the agent (`host:port`) of an endpoint that joined after construction; an
-        endpoint watched on another agent (a reload changed it) moves to this one."""
-        if (ep, agent) in self._targets:
-            return
+        endpoint watched on another agent (a reload changed it) moves to this one. Keyed on
+        the endpoint's address: the same address and agent again keeps its stream (no
+        reconnect), its reports going to `ep` from now on if `ep` is another object."""
+        for i, (e, a) in enumerate(self._targets):
+            if e.address == ep.address and a == agent:
+                self._targets[i] = (ep, agent)
+                self._current[ep.address] = ep
+                return
         self.remove(ep)
         self._targets.append((ep, agent))
+        self._current[ep.address] = ep
         if self._started:
             self._spawn(ep, agent)
 
     def remove(self, ep: Endpoint) -> None:
         """Stop watching the agent of an endpoint that left."""
         self._targets = [(e, a) for e, a in self._targets if e.address != ep.address]
+        self._current.pop(ep.address, None)
         task = self._tasks.pop(ep.address, None)
         if task is not None:
             task.cancel()
@@ -223,7 +232,7 @@ class AgentWatcher:
                         if report is grpc.aio.EOF:
                             log.info("agent %s ended its stream", addr)
                             break
-                        ep.node = NodeReport.from_proto(
+                        self._current.get(ep.address, ep).node = NodeReport.from_proto(
                             report, received_at=time.monotonic(), stale_after_s=self._stale_after
                         )
                         attempt = 0

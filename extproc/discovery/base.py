@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import re
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ _PROBE_HOSTS = ("192.0.2.1", "[2001:db8::1]")
 what it renders to is checked as a listed endpoint's value is."""
 
 
+_ZMQ_TEMPLATE = re.compile(r"tcp://\{host\}:[0-9]{1,5}")
+_AGENT_TEMPLATE = re.compile(r"\{host\}:[0-9]{1,5}")
+
+
 def _check_socket_template(field: str, template: str) -> None:
     """Check a per-endpoint socket template (`kv_events`, `kv_events_replay`, `agent`).
 
@@ -74,9 +79,10 @@ def _check_socket_template(field: str, template: str) -> None:
     the same socket); `{{` / `}}` are literal braces.
 
     Raises:
-        ValueError: a malformed or unknown placeholder, a missing `{host}`, a `kv_events*`
-            template without `tcp://`, an `agent` with a scheme, or a rendering that is not a
-            valid value of that field (the message names the field).
+        ValueError: a malformed or unknown placeholder, a missing `{host}`, a template that is
+            not exactly `tcp://{host}:PORT` (`kv_events*`) or `{host}:PORT` (`agent`), or a
+            rendering that is not a valid value of that field or not on the address itself
+            (the message names the field).
     """
     try:
         names = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
@@ -103,6 +109,17 @@ def _check_socket_template(field: str, template: str) -> None:
         except pydantic.ValidationError as exc:
             why = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors(include_url=False))
             raise ValueError(f"{field} template {template!r} renders to {rendered!r}, which is not valid: {why}") from None
+    # Exactly the discovered address and a port: anything around {host} could make it a DNS
+    # name ({host}.evil.example), a second host ({host}@evil, ...,evil:1), a ZMQ source
+    # interface (eth0;{host}) or a gRPC target scheme (ipv4:..., unix:...).
+    shape = _AGENT_TEMPLATE if field == "agent" else _ZMQ_TEMPLATE
+    if shape.fullmatch(template) is None:
+        example = "{host}:9100" if field == "agent" else "tcp://{host}:5557"
+        raise ValueError(f"{field} template {template!r} must be exactly like {example!r}: {{host}} becomes the discovered address, nothing may surround it")
+    for host in _PROBE_HOSTS:
+        rendered = render_socket(template, host)
+        if rendered.removeprefix("tcp://").rsplit(":", 1)[0] != host:  # the shape admits nothing else; kept as the rule
+            raise ValueError(f"{field} template {template!r} renders to {rendered!r}, not to the address {host}")
 
 
 SOCKET_FIELDS = ("kv_events", "kv_events_replay", "agent")

@@ -388,6 +388,7 @@ class KVEventSubscriber:
         self._ctx = context
         self._task: asyncio.Task[None] | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self.stopped = False
 
     async def start(self) -> None:
         """`open` (kept awaitable for callers that start subscribers in a loop)."""
@@ -397,6 +398,7 @@ class KVEventSubscriber:
         """Connect (ZMQ connects in the background; a publisher not up yet is fine) and start
         reading (on the running event loop)."""
         sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.IPV6, 1)  # off by default: a tcp://[addr]:port connect would hear nothing
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -405,8 +407,17 @@ class KVEventSubscriber:
         self.indexer.register(self.address)
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.address}")
 
+    def stop(self) -> None:
+        """Stop applying now: cancel the reading task and mark this subscriber stopped, so a
+        message it already received applies nothing once its wait ends (the address may
+        already belong to another publisher's subscriber). `aclose` closes the sockets."""
+        self.stopped = True
+        if self._task is not None:
+            self._task.cancel()
+
     async def aclose(self) -> None:
         """Stop reading and close the sockets. Idempotent."""
+        self.stop()
         await cancel_and_wait([self._task])
         self._task = None
         if self._sub is not None:
@@ -430,6 +441,8 @@ class KVEventSubscriber:
         idx = self.indexer
         addr = self.address
         metrics = idx.metrics
+        if self.stopped:
+            return
         if len(frames) != 3:
             metrics.errors.labels(addr, "frames").inc()
             return
@@ -444,6 +457,8 @@ class KVEventSubscriber:
             metrics.errors.labels(addr, "decode").inc()
             log.warning("kv events from %s: %s", addr, exc)
             return
+        if self.stopped:  # while decoding off the loop
+            return
         last = idx.last_seq(addr)
         if last is None:
             if seq > 0 and self.replay_endpoint is not None:
@@ -451,11 +466,16 @@ class KVEventSubscriber:
         elif seq <= last:
             idx.reset(addr, "restart")  # a new publisher process counts from 0 again
         elif seq > last + 1:
-            if self.replay_endpoint is None or not await self._replay(last + 1, seq, reset_if_short=True):
+            replayed = self.replay_endpoint is not None and await self._replay(last + 1, seq, reset_if_short=True)
+            if self.stopped:  # while asking for a replay
+                return
+            if not replayed:
                 metrics.gaps.labels(addr, "reset").inc()
                 idx.reset(addr, "gap")
             else:
                 metrics.gaps.labels(addr, "replayed").inc()
+        if self.stopped:  # while asking for a replay
+            return
         await idx.apply_sliced(addr, batch)
         idx.accept_seq(addr, seq)
 
@@ -464,6 +484,7 @@ class KVEventSubscriber:
         whether all of them came (with `reset_if_short`, none is applied unless all did)."""
         assert self.replay_endpoint is not None
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         got: list[tuple[int, KVEventBatch]] = []
@@ -491,7 +512,7 @@ class KVEventSubscriber:
         # Every seq of start..stop-1 exactly once, checked without building that range: joining
         # an engine up for weeks asks from 0 to a seq in the 10^8s.
         complete = len(got) == stop - start and all(s == start + i for i, (s, _) in enumerate(got))
-        if reset_if_short and not complete:
+        if (reset_if_short and not complete) or self.stopped:
             return False
         for seq, batch in got:
             self.indexer.apply(self.address, batch)
@@ -562,15 +583,18 @@ class PreciseSource:
 
     def remove(self, address: str) -> asyncio.Task[None] | None:
         """The endpoint `address` left the fleet (or no longer publishes events): forget its
-        mirror and stop its subscriber (in the background; returns that task, None when it
-        had none). Call before the tracker's `drop_endpoint`, so no late batch re-adds what
-        that drops."""
+        mirror and stop its subscriber: stopped now (nothing it received applies any more, to
+        this mirror or to a new publisher's for the same address), its sockets closed in the
+        background (returns that task, None when it had none). Call before the tracker's
+        `drop_endpoint`, so no late batch re-adds what that drops."""
         self.indexer.unregister(address)
         self._endpoints = [e for e in self._endpoints if e[0] != address]
         gone = [s for s in self.subscribers if s.address == address]
         if not gone:
             return None
         self.subscribers = [s for s in self.subscribers if s.address != address]
+        for s in gone:
+            s.stop()
         task = asyncio.get_running_loop().create_task(self._close(gone), name=f"kv-events-close-{address}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -77,15 +78,25 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 def _split_host_port(address: str) -> tuple[str, str | None]:
     """("10.0.0.1", "8000") from "10.0.0.1:8000", ("::1", "8000") from "[::1]:8000", and a
-    bare host with None for its port ("10.0.0.1", "::1", "[::1]")."""
+    bare host with None for its port ("10.0.0.1", "::1", "[::1]"). An IP address comes back
+    in its canonical text (`ipaddress`: IPv6 lower-case and compressed), so "[2001:DB8::1]"
+    and "[2001:db8:0::1]" name the same host; a name comes back as it is."""
     address = address.strip()
     if address.startswith("["):
         host, _, rest = address[1:].partition("]")
-        return host, rest[1:] if rest.startswith(":") and rest[1:] else None
+        return _canonical_host(host), rest[1:] if rest.startswith(":") and rest[1:] else None
     if address.count(":") == 1:
         host, _, port = address.partition(":")
-        return host, port or None
-    return address, None  # a bare IPv4 or IPv6 address, or a name
+        return _canonical_host(host), port or None
+    return _canonical_host(address), None  # a bare IPv4 or IPv6 address, or a name
+
+
+def _canonical_host(host: str) -> str:
+    """`host` in `ipaddress`'s canonical text when it is an IP address, else unchanged."""
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host
 
 
 _endpoint_host_port = functools.lru_cache(maxsize=4096)(_split_host_port)

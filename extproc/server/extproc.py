@@ -234,7 +234,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             mode = responses.GENERATION_MODE_NO_RESPONSE if self._skip_response_headers else responses.GENERATION_MODE
                         yield responses.continue_request_headers(mode=mode)
                 elif phase == "request_body":
-                    if s.kind is None or s.routed is not None or s.reservation is not None:
+                    if s.done or s.kind is None or s.routed is not None or s.reservation is not None:
                         yield responses.continue_for(phase)
                         continue
                     s.record = self._new_record(s)
@@ -476,9 +476,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     async def _decide(self, body: bytes, s: _Stream) -> pb.ProcessingResponse:
         """`_route`, answered in BUFFERED mode: the routing headers (and a rewritten body) on
-        the body reply, or the error's `ImmediateResponse`. Sets the stream's decision."""
+        the body reply, or the error's `ImmediateResponse`. Sets the stream's decision, or on
+        a refusal marks it `done` (its `kind` None), as `_classify_headers` does."""
         decided = await self._route(body, s.kind, s.hdrs, s.record, s.tenant)  # type: ignore[arg-type]
         if isinstance(decided, pb.ProcessingResponse):
+            s.kind, s.done = None, True  # answered: a stray body after this decides nothing
             return decided
         s.routed, s.reservation, s.admission = decided.routed, decided.reservation, decided.admission
         return responses.route_in_body(decided.headers, decided.body)
@@ -504,7 +506,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         per tenant and model, so it stands; only the scheduling runs again, not the parsing and
         counting), and when that endpoint is gone too the charge is
         given back (tokens and in-flight slot) and the answer is a 503 `endpoint_gone`. Any
-        refusal after the charge gives it back.
+        refusal after the charge gives it back, and a failure after the choice (the decision
+        log's prediction, the reservation, headers, an alias's body rewrite) releases the
+        reservation and gives the charge back too, answering 500.
 
         No timer guards the whole decision: its only wait is token counting off the event loop,
         which the pipeline bounds (half of `limits.decision_timeout_ms`, then a character
@@ -544,29 +548,38 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("decision failed")
             err = ExtProcError("internal error while routing the request")
         else:
-            if record is not None:
-                record.decision_s, record.tier = time.perf_counter() - start, routed.tier
-                if routed.endpoint is not None:
-                    record.endpoint = routed.endpoint.address
-                    record.predict(routed)
-            reservation = self._pipeline.reserve(routed)
-            m = self._metrics
-            for phase, seconds in routed.timings_s.items():
-                m.child(m.decision_seconds, phase).observe(seconds)
-            m.prompt_tokens.observe(routed.request.prompt_tokens)
-            m.child(m.requests, "routed", "ok").inc()
-            address = routed.endpoint.address if routed.endpoint is not None else None
-            if address is not None:
-                m.child(m.endpoint_routed, address).inc()
-            if routed.result is not None and log.isEnabledFor(logging.DEBUG):
-                log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
-            headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
-            req = routed.request
-            # A truncated prompt's body; an alias: the engines serve the model under its configured name.
-            rewritten = routed.body
-            if req.model != req.served_model:
-                rewritten = with_model(rewritten or body, req.served_model)
-            return Decision(routed, reservation, admission, headers, rewritten)
+            # Nothing below may leave the charge or the reservation behind: they reach the
+            # stream only with the returned Decision, so a failure here gives both back.
+            reservation: Reservation | None = None
+            try:
+                if record is not None:
+                    record.decision_s, record.tier = time.perf_counter() - start, routed.tier
+                    if routed.endpoint is not None:
+                        record.endpoint = routed.endpoint.address
+                        record.predict(routed)
+                reservation = self._pipeline.reserve(routed)
+                m = self._metrics
+                for phase, seconds in routed.timings_s.items():
+                    m.child(m.decision_seconds, phase).observe(seconds)
+                m.prompt_tokens.observe(routed.request.prompt_tokens)
+                m.child(m.requests, "routed", "ok").inc()
+                address = routed.endpoint.address if routed.endpoint is not None else None
+                if address is not None:
+                    m.child(m.endpoint_routed, address).inc()
+                if routed.result is not None and log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
+                headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
+                req = routed.request
+                # A truncated prompt's body; an alias: the engines serve the model under its configured name.
+                rewritten = routed.body
+                if req.model != req.served_model:
+                    rewritten = with_model(rewritten or body, req.served_model)
+                return Decision(routed, reservation, admission, headers, rewritten)
+            except Exception:
+                log.exception("decision failed after the choice")
+                if reservation is not None:
+                    reservation.release()
+                err = ExtProcError("internal error while routing the request")
         if admission is not None:  # refused after the charge: nothing was sent, nothing is owed
             self._ratelimit.settle(admission, 0)  # type: ignore[union-attr]
         self._metrics.child(self._metrics.decision_seconds, "total").observe(time.perf_counter() - start)

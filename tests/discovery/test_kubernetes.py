@@ -13,11 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import orjson
+import pydantic
 import pytest
 
 from extproc.config.loader import ConfigError, config_from_mapping
 from extproc.datastore.endpoints import Datastore
-from extproc.discovery.base import Discovered
+from extproc.discovery.base import Discovered, EndpointTemplate
 from extproc.logthrottle import WarnEvery
 from extproc.discovery.kubernetes import Malformed, Params, Source, pod_endpoint, pool_selector, slice_endpoints
 from extproc.discovery.manager import Discovery
@@ -401,3 +402,24 @@ def test_a_replay_port_annotation_without_kv_events_is_dropped():
     assert p.endpoint("10.0.0.1", 8000, socket_ports={"kv_events_replay": 7000}).kv_events_replay is None
     cfg = p.endpoint("fd00::1", 8000, socket_ports={"kv_events": 6000, "kv_events_replay": 7000})
     assert (cfg.kv_events, cfg.kv_events_replay) == ("tcp://[fd00::1]:6000", "tcp://[fd00::1]:7000")
+
+
+@pytest.mark.parametrize(
+    ("field", "template"),
+    [
+        ("kv_events", "tcp://{host}.evil.example:5557"),  # renders 10.1.2.3.evil.example: a DNS name
+        ("agent", "{host}.evil.example:9100"),
+        ("kv_events", "tcp://eth0;{host}:5557"),  # ZMQ "source;destination" syntax
+        ("kv_events", "tcp://{host}{host}:5557"),
+        ("agent", "{host}@evil:9100"),
+        ("agent", "{host}:9100,evil:1"),
+        ("agent", "ipv4:{host}:9100,169.254.169.254:80"),  # gRPC's multi-address target syntax
+        ("agent", "unix:/run/{host}.sock:1"),  # gRPC dials a Unix socket
+    ],
+)
+def test_socket_template_that_does_not_render_to_the_address_is_refused(field: str, template: str) -> None:
+    """A discovered endpoint's socket templates must put the router on the discovered address
+    itself (docs/discovery.md: "{host} becomes the address"), never on a name a DNS answer
+    resolves, nor on a second host or a ZMQ source-interface spec."""
+    with pytest.raises(pydantic.ValidationError):
+        EndpointTemplate(port=8000, models=["m"], **{field: template})

@@ -18,6 +18,7 @@ from extproc.prefix.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    REPLAY_END_SEQ,
     KVEventBatch,
     encode_batch,
     encode_seq,
@@ -368,3 +369,91 @@ async def test_a_large_batch_is_decoded_off_the_loop_and_applied_in_slices() -> 
     for i in (0, chains - 1):
         assert tracker.index.match(chain_block_hashes([i] * BS, BS)).get(EP) == 1
     assert idx.metrics.batches.labels(EP)._value.get() == 1  # one batch, however many slices
+
+
+async def test_an_ipv6_publisher_is_heard() -> None:
+    """A discovered IPv6 endpoint's KV-event socket is rendered as `tcp://[addr]:port`
+    (docs/discovery.md): ZMQ leaves IPv6 off unless `zmq.IPV6` is set, and the connect is then
+    accepted while nothing ever arrives."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    try:
+        pub.bind("tcp://[::1]:*")
+    except zmq.ZMQError:
+        pytest.skip("no IPv6 loopback here")
+    endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    tracker = PrefixTracker(PrefixConfig())
+    source = PreciseSource(tracker, [(EP, endpoint, None)], registry=CollectorRegistry())
+    await source.start()
+    try:
+        frames = [b"kv", encode_seq(0), encode_batch(batch(stored([901, 902], None, PROMPT[: 2 * BS])))]
+        for _ in range(30):  # PUB/SUB joins late: publish until heard (3 s)
+            await pub.send_multipart(frames)
+            await asyncio.sleep(0.1)
+            if source.indexer.last_seq(EP) is not None:
+                break
+        assert source.indexer.last_seq(EP) == 0, f"nothing heard from {endpoint}"
+    finally:
+        await source.aclose()
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+async def test_a_batch_of_the_replaced_publisher_does_not_reach_the_new_mirror() -> None:
+    """An endpoint's KV-event publisher replaced by a reload (`PreciseSource.add` with another
+    socket): a batch the old subscriber already received must not be applied to the NEW
+    publisher's mirror (the old one's sockets close in the background)."""
+    tracker = PrefixTracker(PrefixConfig())
+    source = PreciseSource(tracker, [(EP, "tcp://127.0.0.1:1", None)], registry=CollectorRegistry())
+    await source.start()
+    try:
+        old = source.subscribers[0]
+        # A message of the old publisher received just before the reload (its task's wake-up
+        # already queued on the loop when the reload callback runs).
+        frames = [b"kv", encode_seq(41), encode_batch(batch(stored([901, 902], None, PROMPT[: 2 * BS])))]
+        late = asyncio.create_task(old.handle(frames))
+        source.add(EP, "tcp://127.0.0.1:2", None)  # the reload: another publisher for EP
+        await late
+        await asyncio.sleep(0.05)
+        assert source.indexer.last_seq(EP) is None, "the new publisher's mirror took the old publisher's sequence number"
+        assert tracker.index.match(OURS).get(EP, 0) == 0, "the old publisher's blocks were indexed for the new one"
+    finally:
+        await source.aclose()
+
+
+async def test_a_gap_is_replayed_from_an_ipv6_replay_socket() -> None:
+    """The replay DEALER needs `zmq.IPV6` as the SUB does: a replay socket rendered as
+    `tcp://[addr]:port` would otherwise time out and every gap reset the mirror."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.IPV6, 1)
+    try:
+        router.bind("tcp://[::1]:*")
+    except zmq.ZMQError:
+        ctx.destroy(linger=0)
+        pytest.skip("no IPv6 loopback here")
+    events = [[stored([901], None, PROMPT[:BS])], [stored([902], 901, PROMPT[BS : 2 * BS])], [stored([903], 902, PROMPT[2 * BS : 3 * BS])]]
+
+    async def serve_one_replay() -> None:
+        ident, _, start = await router.recv_multipart()
+        assert start == encode_seq(1)
+        await router.send_multipart([ident, b"", encode_seq(1), encode_batch(batch(*events[1]))])
+        await router.send_multipart([ident, b"", encode_seq(REPLAY_END_SEQ), b""])
+
+    tracker = PrefixTracker(PrefixConfig())
+    idx = PreciseIndexer(tracker)
+    idx.register(EP)
+    replay = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sub = KVEventSubscriber(EP, "tcp://127.0.0.1:1", replay, idx, ctx)
+    server = asyncio.create_task(serve_one_replay())
+    try:
+        await sub.handle(frames(0, *events[0]))
+        await sub.handle(frames(2, *events[2]))  # batch 1 missed: asked of the replay socket
+        await asyncio.wait_for(server, 1.0)
+        assert idx.metrics.gaps.labels(EP, "replayed")._value.get() == 1
+        assert matched(tracker) == 3
+    finally:
+        server.cancel()
+        router.close(linger=0)
+        ctx.destroy(linger=0)

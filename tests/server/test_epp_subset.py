@@ -30,6 +30,11 @@ def endpoint(address: str) -> Endpoint:
         pytest.param(["10.0.0.1"], "10.0.0.1:9999", True, id="bare-ip-any-port"),
         pytest.param(["[fd00::1]:8000"], "[fd00::1]:8000", True, id="ipv6-bracketed"),
         pytest.param(["fd00::1"], "[fd00::1]:8000", True, id="ipv6-bare"),
+        # The same IPv6 address written another way: upper case, zeros spelt out.
+        pytest.param(["[2001:DB8::1]:8000"], "[2001:db8::1]:8000", True, id="ipv6-upper-case-hint"),
+        pytest.param(["[2001:db8:0:0::1]:8000"], "[2001:DB8::1]:8000", True, id="ipv6-uncompressed-hint-upper-case-endpoint"),
+        pytest.param(["2001:DB8::1"], "[2001:db8::1]:8000", True, id="ipv6-bare-upper-case"),
+        pytest.param(["[2001:db8::2]:8000"], "[2001:db8::1]:8000", False, id="ipv6-another-address"),
         pytest.param([], "10.0.0.1:8000", False, id="empty-list"),
         pytest.param("", "10.0.0.1:8000", False, id="empty-string"),
         pytest.param(42, "10.0.0.1:8000", False, id="a-number-allows-nothing"),
