@@ -24,6 +24,7 @@ by its address is dropped by the `on_removed` hooks registered there.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -37,7 +38,22 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+__all__ = ["canonical_address", "Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+
+
+def canonical_address(address: str) -> str:
+    """`host:port` with an IP host in `ipaddress`'s canonical text ("[2001:DB8:0::1]:8000" →
+    "[2001:db8::1]:8000"); a name, or text that is not `host:port`, comes back unchanged."""
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return address
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return address
+    return f"[{ip.compressed}]:{port}" if ip.version == 6 else f"{ip.compressed}:{port}"
+
 
 log = logging.getLogger(__name__)
 

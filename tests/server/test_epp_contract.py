@@ -416,3 +416,28 @@ async def test_a_proxy_in_the_other_body_mode_gets_a_clear_500(make_app, mode, p
     error = orjson.loads(ex.immediate_body)["error"]
     assert error["code"] == "proxy_mode_mismatch" and hint in error["message"]
     assert served.kinds == ["request_headers"] and served.destination in ENDPOINTS
+
+
+async def test_a_served_ipv6_endpoint_written_otherwise_is_still_the_endpoint(make_app):
+    v6 = ["[2001:db8::1]:18001", "[2001:db8::2]:18002"]
+    app = await make_app(protocol={"mode": "epp"}, endpoints=[{"address": a, "models": [MODEL]} for a in v6])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        call = open_stream(ch)
+        await call.write(request_headers("POST", CHAT))
+        await call.write(request_body(chat_body(stream=True, max_tokens=4), end=True))
+        ex = Exchange()
+        ex.take(await call.read())
+        ex.take(await call.read())
+        primary = ex.destination
+        (other,) = [e for e in v6 if e != primary]
+        # The gateway writes the address it retried onto in its own text: upper case, zeros kept.
+        written = other.replace("2001:db8::", "2001:DB8:0:0:0:0:0:").upper()
+        await call.write(response_headers(200, content_type="text/event-stream", served=written))
+        await call.read()
+        assert inflight(app, primary) == 0 and inflight(app, other) == 1
+        assert app.metrics.registry.get_sample_value("llm_extproc_epp_served_total", {"endpoint": "other"}) == 1
+        await call.write(response_body(b"data: [DONE]\n\n", end=True))
+        await call.read()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    await wait_until(lambda: app.store.open_reservations == 0, timeout=5)
