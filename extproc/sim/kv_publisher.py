@@ -78,6 +78,7 @@ class KVEventPublisher:
         pub = zmq.Socket(self._ctx, zmq.PUB)  # a plain socket: PUB sends never wait
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
+        pub.setsockopt(zmq.IPV6, 1)  # without it `tcp://[::1]:port` cannot be bound
         self._pub = pub
         try:
             pub.bind(self.endpoint)
@@ -85,6 +86,7 @@ class KVEventPublisher:
             if self.replay_endpoint is not None:
                 router = self._router = self._ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.IPV6, 1)
                 router.bind(self.replay_endpoint)
                 self.replay_endpoint = _bound(router)
                 self._task = asyncio.create_task(self._serve_replay(), name="sim-kv-replay")

@@ -457,3 +457,19 @@ async def test_a_gap_is_replayed_from_an_ipv6_replay_socket() -> None:
         server.cancel()
         router.close(linger=0)
         ctx.destroy(linger=0)
+
+
+async def test_the_simulator_publishes_on_ipv6() -> None:
+    """The simulator's publisher binds `tcp://[::1]:*` like a vLLM pod with an IPv6 address, and
+    its replay socket too (`zmq.IPV6` on both: without it the bind fails)."""
+    publisher = KVEventPublisher("tcp://[::1]:*", "tcp://[::1]:*")
+    try:
+        publisher.start()
+    except zmq.ZMQError as e:
+        if "Address family not supported" in str(e) or "Cannot assign requested address" in str(e):
+            pytest.skip(f"no IPv6 loopback on this machine: {e}")
+        raise
+    try:
+        assert publisher.endpoint.startswith("tcp://[::1]:") and publisher.replay_endpoint.startswith("tcp://[::1]:")
+    finally:
+        await publisher.aclose()
