@@ -78,7 +78,10 @@ class KVEventPublisher:
         pub = zmq.Socket(self._ctx, zmq.PUB)  # a plain socket: PUB sends never wait
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
-        pub.setsockopt(zmq.IPV6, 1)  # without it `tcp://[::1]:port` cannot be bound
+        # `zmq.IPV6` only for an IPv6 address: without it that bind fails, and with it an IPv4
+        # bind reports itself as `tcp://[::ffff:a.b.c.d]:port`, which no subscriber was told.
+        if "[" in self.endpoint:
+            pub.setsockopt(zmq.IPV6, 1)
         self._pub = pub
         try:
             pub.bind(self.endpoint)
@@ -86,7 +89,8 @@ class KVEventPublisher:
             if self.replay_endpoint is not None:
                 router = self._router = self._ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
-                router.setsockopt(zmq.IPV6, 1)
+                if "[" in self.replay_endpoint:
+                    router.setsockopt(zmq.IPV6, 1)
                 router.bind(self.replay_endpoint)
                 self.replay_endpoint = _bound(router)
                 self._task = asyncio.create_task(self._serve_replay(), name="sim-kv-replay")
