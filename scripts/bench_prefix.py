@@ -17,7 +17,9 @@ machinery (`extproc.bench.commands.run_bench`):
 
 For each workload: the infinite-cache oracle hit rate at the engines' block size, then per
 policy the engines' own prefix hit rate (tokens), TTFT p50/p90/p99, output tokens/s, goodput,
-429 and 503 counts. Then capacity at equal p99 TTFT on `mooncake-conv`: `--capacity-policies`
+429 and 503 counts, and the duplicate prefills (requests sent to an engine holding at least 128
+tokens less of their prefix than another engine held: `duplicate_prefills`; "–" for the peer
+routers, whose per-request lines do not name the engine). Then capacity at equal p99 TTFT on `mooncake-conv`: `--capacity-policies`
 at `--capacity-multiples` of the workload's rate; a policy's capacity is the highest offered rate
 (interpolated) at which its p99 TTFT is no worse than envoy-least-request's p99 at the workload's
 own rate (1×), the same bound in ms for every policy. `--capacity-from` recomputes that table
@@ -52,6 +54,7 @@ from extproc.bench.commands import BenchOptions, Outputs, run_bench  # noqa: E40
 from extproc.bench.policies import POLICIES, parse_policies  # noqa: E402
 from extproc.bench.prefix_workloads import (  # noqa: E402
     SharedPromptSpec,
+    duplicate_prefills,
     oracle_hit_rate,
     sample_conversations,
     shared_system_prompt_workload,
@@ -161,13 +164,32 @@ def run(prepared: Prepared, policies: list[str], scale: float, args: argparse.Na
     if status not in (0,):
         raise SystemExit(f"bench for {stem} ended with status {status}")
     runs = json.loads((out / f"{stem}.json").read_text())["runs"]
+    served = _served(out / f"{stem}-requests.jsonl")
+    ordered = sorted(workload.requests, key=lambda r: r.arrival_s)  # the load generator's send order: its `index`
     for r in runs:
         r["scale"], r["speed"] = scale, speed
+        dup = duplicate_prefills(ordered, served.get(r["policy"], []), args.counter, _block_size())
+        r["duplicate_prefills"] = None if dup is None else dataclasses.asdict(dup)
     return runs
+
+
+def _served(path: Path) -> dict[str, list[tuple[int, float, str | None]]]:
+    """Per policy, `(index, send time s, endpoint)` of every request sent (per-request lines)."""
+    out: dict[str, list[tuple[int, float, str | None]]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.setdefault(r["policy"], []).append((r["index"], r["sent_s"], r["endpoint"]))
+    return out
 
 
 def _errors(run: dict, prefix: str) -> int:
     return sum(n for reason, n in run["errors"].items() if reason.startswith(prefix))
+
+
+def _dups(run: dict) -> str:
+    d = run.get("duplicate_prefills")
+    return "–" if d is None else f"{d['requests']} ({d['tokens']:,} tok)"
 
 
 def _pct(x: float | None) -> str:
@@ -181,14 +203,14 @@ def _ms(x: float | None) -> str:
 def workload_table(prepared: Prepared, runs: list[dict]) -> list[str]:
     lines = [
         f"### {prepared.name}", "", prepared.notes + f"; oracle hit rate {_pct(prepared.oracle)}.", "",
-        "| policy | engines' prefix hit | oracle | TTFT p50 / p90 / p99 (ms) | output tok/s | goodput (req/s) | 429 | 503 | other errors | late sends |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| policy | engines' prefix hit | oracle | duplicate prefills | TTFT p50 / p90 / p99 (ms) | output tok/s | goodput (req/s) | 429 | 503 | other errors | late sends |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]  # fmt: skip
     for r in runs:
         other = {k: v for k, v in r["errors"].items() if not k.startswith(("429", "503"))}
         t = r["ttft_ms"]
         lines.append(
-            f"| {r['policy']} | {_pct(r['prefix_cache_hit_rate'])} | {_pct(prepared.oracle)} | "
+            f"| {r['policy']} | {_pct(r['prefix_cache_hit_rate'])} | {_pct(prepared.oracle)} | {_dups(r)} | "
             f"{_ms(t['p50'])} / {_ms(t['p90'])} / {_ms(t['p99'])} | {_ms(r['output_tokens_per_s'])} | "
             f"{(r['goodput_rps'] or 0):.2f} | {_errors(r, '429')} | {_errors(r, '503')} | "
             f"{', '.join(f'{k} ×{v}' for k, v in other.items()) or '–'} | {r['behind_schedule']['fraction']:.1%} |"
@@ -282,6 +304,7 @@ def main() -> None:
     from extproc.sim.profiles import PROFILES
 
     prompts = PromptSynthesizer(TokenCounter.from_source("builtin:qwen3"))
+    args.counter = prompts.counter
     max_model_len = min(PROFILES[p].max_model_len for p in DEFAULT_FLEET)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     report: dict[str, Any] = {"started": started, "fleet": list(DEFAULT_FLEET), "block_size": _block_size(), "workloads": {}}

@@ -246,3 +246,74 @@ def oracle_hit_rate(requests: Sequence[TraceRequest], counter: TokenCounter, blo
         total += len(ids)
         seen.update(hashes)
     return hit / total if total else None
+
+
+@dataclass(frozen=True)
+class DuplicatePrefills:
+    """Prefills a cache-aware router could have avoided (`duplicate_prefills`).
+
+    Attributes:
+        requests: requests sent to an endpoint that held less of their prefix than another
+            endpoint did, by at least the threshold (count).
+        tokens: prompt tokens those requests prefilled that another endpoint held (tokens).
+    """
+
+    requests: int
+    tokens: int
+
+
+def duplicate_prefills(
+    requests: Sequence[TraceRequest],
+    served: Sequence[tuple[int, float, str | None]],
+    counter: TokenCounter,
+    block_size: int = 16,
+    min_tokens: int = 128,
+) -> DuplicatePrefills | None:
+    """Count requests prefilled again where another endpoint already held their prefix.
+
+    Replays the sends in order (`served`: `(index into requests, send time s, endpoint)` per
+    request actually sent) against one infinite prefix cache per endpoint holding every block
+    sent there: a request is a duplicate when some endpoint held at least `min_tokens` more of
+    its leading blocks (at most `cacheable_blocks` of them, as vLLM) than the one it was sent
+    to. Every prefill of a shared-system-prompt request that misses its system prompt while
+    another engine holds it is one. Eviction is not modelled, so on a fleet whose KV cannot
+    hold the working set this counts too many.
+
+    Returns:
+        the count and the tokens, or None when any send does not name its endpoint (peer
+        routers do not say which engine served).
+
+    Raises:
+        ValueError: a request without messages, an index out of range, or `block_size` < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if any(ep is None for _, _, ep in served):
+        return None
+    held: dict[str, set[int]] = defaultdict(set)
+    count = tokens = 0
+    for index, _, endpoint in sorted(served, key=lambda s: s[1]):
+        if not 0 <= index < len(requests):
+            raise ValueError(f"request index {index} out of range (0..{len(requests) - 1})")
+        request = requests[index]
+        if request.messages is None:
+            raise ValueError("duplicate_prefills needs every request's messages (build them with with_messages)")
+        ids = counter.count_chat(request.messages).token_ids
+        hashes = chain_block_hashes(ids, block_size)
+        usable = hashes[: cacheable_blocks(len(ids), block_size)]
+        own = _leading(usable, held[endpoint])
+        best = max((_leading(usable, blocks) for blocks in held.values()), default=0)
+        if (best - own) * block_size >= min_tokens:
+            count += 1
+            tokens += (best - own) * block_size
+        held[endpoint].update(hashes)
+    return DuplicatePrefills(count, tokens)
+
+
+def _leading(hashes: Sequence[int], held: set[int]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n

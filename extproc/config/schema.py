@@ -506,6 +506,9 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("session-affinity-scorer", 1.0),
             _p("weight-override-scorer"),
         ],
+        # On a request whose prefix an endpoint holds, the balancers choose only among the
+        # endpoints the TTFT cost rates within a quarter of the best prefill cost (decision 0240).
+        picker=_p("max-score-picker", lead_scorer="ttft-estimate-scorer"),
     ),
     # GIE-style weighted prefix affinity (the inference extension's default shape: prefix 3,
     # queue 1, KV utilisation 1), for comparison and for users who want it; the default profile

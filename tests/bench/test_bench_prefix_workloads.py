@@ -9,6 +9,7 @@ import pytest
 
 from extproc.bench.prefix_workloads import (
     SharedPromptSpec,
+    duplicate_prefills,
     oracle_hit_rate,
     sample_conversations,
     shared_system_prompt_workload,
@@ -43,6 +44,32 @@ def test_oracle_counts_leading_blocks_seen_before(synth: PromptSynthesizer, qwen
     assert rate is not None and 144 / total <= rate <= 176 / total  # the template's few tokens shift the blocks
     with pytest.raises(ValueError, match="messages"):
         oracle_hit_rate([TraceRequest(0.0, 10, 1)], qwen_counter)
+
+
+def test_duplicate_prefills_counts_a_prefix_prefilled_where_another_endpoint_held_it(
+    synth: PromptSynthesizer, qwen_counter: TokenCounter
+) -> None:
+    """Two system prompts of ~1k tokens: the second request of a prompt sent to the endpoint
+    that holds it is no duplicate, sent elsewhere it is (its held blocks counted as tokens);
+    a new prompt anywhere is none; a short shared head (< 128 tokens) is none; the order is
+    the send time, not the list order; an unnamed endpoint gives None."""
+    sys_a, sys_b = synth.stream_text("sys-a", 1000), synth.stream_text("sys-b", 1000)
+    short = synth.stream_text("short", 40)
+
+    def req(system: str, q: str) -> TraceRequest:
+        return TraceRequest(0.0, 0, 1, messages=[{"role": "system", "content": system}, *_user(synth.stream_text(q, 50))])
+
+    requests = [req(sys_a, "q0"), req(sys_a, "q1"), req(sys_b, "q2"), req(sys_a, "q3"), req(short, "q4"), req(short, "q5")]
+    served = [(0, 0.0, "e1"), (1, 1.0, "e1"), (2, 2.0, "e2"), (3, 3.0, "e2"), (4, 4.0, "e1"), (5, 5.0, "e2")]
+    dup = duplicate_prefills(requests, served, qwen_counter)
+    assert dup is not None and dup.requests == 1  # only request 3: sys_a was on e1, sent to e2
+    assert 960 <= dup.tokens <= 1040  # sys_a's full blocks, to a block
+    # sent in another order: request 3 first to e2, then 0 and 1 to e1 — 0 is then the duplicate
+    reordered = [(3, -1.0, "e2"), *served[:3]]
+    assert duplicate_prefills(requests, reordered, qwen_counter).requests == 1  # type: ignore[union-attr]
+    assert duplicate_prefills(requests, [(0, 0.0, "e1"), (1, 1.0, None)], qwen_counter) is None
+    with pytest.raises(ValueError, match="out of range"):
+        duplicate_prefills(requests, [(9, 0.0, "e1")], qwen_counter)
 
 
 def test_sample_conversations_keeps_whole_conversations_at_the_trace_rate() -> None:

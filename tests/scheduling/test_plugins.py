@@ -301,7 +301,7 @@ def test_ttft_estimate_forgets_an_idle_endpoints_old_value(store):
     a, b, _ = store.all()
     _observe(store, a, [(1000, 0.05)])
     _observe(store, b, [(1000, 5.0)])  # b's one sample: a 100x slow cold start
-    scorer = build("ttft-estimate-scorer", {"relearn_after_s": 10})
+    scorer = build("ttft-estimate-scorer", {"relearn_after_s": 10, "decode_weight": 0})  # TTFT alone
     ctx = context(prompt=1000)
     assert scorer.score(ctx, [a, b])[1] < 0.1
     ctx.now = b.prefill_sampled_at + 11
@@ -380,3 +380,113 @@ def test_cost_scores_are_the_ratio_of_costs_without_decode_load():
     assert cost_scores([0.1, 0.2], [0.5, 0.3]) == pytest.approx([0.1 / 0.3, 1.0])
     assert cost_scores([], []) == []
     assert cost_scores([0.0, 0.1], [0.0, 0.1]) == [1.0, 0.0]
+
+
+def _load_aware():
+    from extproc.config.schema import BUILTIN_PROFILES
+    from extproc.pipeline.request import build_profile
+
+    return build_profile("load-aware", BUILTIN_PROFILES["load-aware"])
+
+
+def test_balancers_do_not_overturn_a_clear_ttft_lead_on_a_prefix_match(store):
+    """The shared-system duplicates of decision 0180: the endpoint holding the prompt's prefix is
+    clearly the cheaper by the TTFT cost (b costs ~0.4 × the best prefill cost more, scoring
+    ~0.72 < 0.8) but busier by count (3 requests in flight, an engine queue, fuller KV). The count balancers' points
+    for the idle b outweighed the cost's lead and the fleet prefilled the prefix again; now they
+    choose only among endpoints the cost rates near-best. Without a prefix match, or with a
+    near-tie, they decide as before (decision 0240)."""
+    from extproc.prefix.match import PrefixMatch
+
+    a, b, _ = store.all()
+    for ep in (a, b):
+        _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
+    for _ in range(3):
+        store.reserve(a, prompt_tokens=100)  # three short requests just sent to a
+    a.engine, b.engine = engine(waiting=2, running=3, kv=0.5, blocks=50_000), engine(kv=0.1, blocks=50_000)
+    profile = _load_aware()
+
+    def pick(ctx):
+        result = profile.run(ctx, [a, b])
+        assert result.pick is not None
+        return result.pick
+
+    ctx = context(prompt=7200, output=1000)
+    ctx.prefix = PrefixMatch(prompt_tokens=7200, matched={a.address: 125}, block_size={a.address: 16})  # 2,000 tokens warm
+    chosen = pick(ctx)
+    runner_up = chosen.fallbacks[0]
+    assert chosen.primary.endpoint is a and runner_up.endpoint is b
+    assert runner_up.total > chosen.primary.total  # the balancers alone would have sent it to b
+    assert 0.6 < runner_up.parts["ttft-estimate-scorer"] < 0.8
+    cold = context(prompt=7200, output=1000)  # no prefix anywhere: the total decides, as before
+    assert pick(cold).primary.endpoint is b
+    near = context(prompt=7200, output=1000)  # a holds 1 block (≥ min match is the index's job): a near-tie
+    near.prefix = PrefixMatch(prompt_tokens=7200, matched={a.address: 8}, block_size={a.address: 16})
+    assert pick(near).primary.endpoint is b
+
+
+def test_max_score_picker_lead_keeps_every_candidate_in_the_fallbacks(store):
+    from extproc.prefix.match import PrefixMatch
+    from extproc.scheduling.framework import ScoredEndpoint
+
+    a, b, c = store.all()
+    picker = build("max-score-picker", {"lead_scorer": "cost"})
+    scored = [ScoredEndpoint(a, 5.0, {"cost": 0.5}), ScoredEndpoint(b, 4.0, {"cost": 1.0}), ScoredEndpoint(c, 3.0, {"cost": 0.9})]
+    ctx = context(prompt=320)
+    assert picker.pick(ctx, scored).primary.endpoint is a  # no prefix: the total
+    ctx.prefix = PrefixMatch(prompt_tokens=320, matched={b.address: 10}, block_size={b.address: 16})
+    result = picker.pick(ctx, scored)
+    assert result.primary.endpoint is b and [s.endpoint for s in result.fallbacks] == [a, c]
+    # an endpoint an operator override zeroes is never kept for its lead
+    zeroed = [ScoredEndpoint(a, 5.0, {"cost": 0.5}), ScoredEndpoint(b, 0.0, {"cost": 1.0})]
+    assert picker.pick(ctx, zeroed).primary.endpoint is a
+    with pytest.raises(PluginConfigError, match="lead_min_score"):
+        build("max-score-picker", {"lead_min_score": 0})
+
+
+def test_ttft_estimate_charges_decode_per_gpu():
+    """An A100 reads KV ~1.6× slower than an H100 (72 against 44 ns per context token): an H100
+    decoding 1.5× the A100's context is the cheaper decode, which the one constant for every GPU
+    got the wrong way round (decision 0240)."""
+    from extproc.config.schema import EndpointConfig
+    from extproc.datastore.endpoints import Datastore
+
+    gpus = {"10.0.0.1:8000": "h100", "10.0.0.2:8000": "NVIDIA-A100-SXM4-80GB", "10.0.0.3:8000": ""}
+    store = Datastore([EndpointConfig(address=addr, models=["m"], labels={"gpu": g} if g else {}) for addr, g in gpus.items()])
+    h100, a100, unlabelled = store.all()
+    scorer = build("ttft-estimate-scorer")
+    assert scorer.decode_s_per_context_token(h100) == 4.4e-8
+    assert scorer.decode_s_per_context_token(a100) == 7.2e-8
+    assert scorer.decode_s_per_context_token(unlabelled) == 4.4e-8  # the parameter's default
+    for ep in (h100, a100):
+        _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
+    store.reserve(h100, prompt_tokens=0, context_tokens=150_000)
+    store.reserve(a100, prompt_tokens=0, context_tokens=100_000)
+    scores = scorer.score(context(prompt=2000, output=1000), [h100, a100])
+    assert scores[0] == pytest.approx(1.0) and scores[1] < 0.99
+    flat = build("ttft-estimate-scorer", {"decode_s_per_context_token_by_gpu": {}})
+    assert flat.score(context(prompt=2000, output=1000), [h100, a100])[0] < 0.99  # one d: the A100 looked cheaper
+    with pytest.raises(PluginConfigError, match="non-empty"):
+        build("ttft-estimate-scorer", {"decode_s_per_context_token_by_gpu": {"h100": -1.0}})
+
+
+def test_ttft_estimate_charges_the_decodes_a_prefill_stalls(store):
+    """Every step of a chunked prefill is also a step of every sequence decoding on the engine:
+    a prefill of w tokens at s seconds each stalls n running decodes by about s·w each. Ten
+    decodes on a and none on b make a cold 4k prefill there 0.25 × 10 × 0.2 s = 0.5 s dearer
+    (decode_weight 0.25); the same request with 3,600 tokens cached on a stalls them for 400
+    tokens only, and a wins (decision 0240)."""
+    from extproc.prefix.match import PrefixMatch
+
+    a, b, _ = store.all()
+    for ep in (a, b):
+        _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
+    for _ in range(10):
+        store.reserve(a, prompt_tokens=10).mark_first_token(learn=False)
+    scorer = build("ttft-estimate-scorer")
+    cold = scorer.score(context(prompt=4000, output=0), [a, b])  # no output: no decode-context term
+    p = 0.01 + 2 * 5e-5 * 4000  # the best prefill cost: predicted TTFT + the work term
+    assert cold[1] == pytest.approx(1.0) and cold[0] == pytest.approx(p / (p + 0.25 * 10 * 5e-5 * 4000), rel=0.05)
+    warm = context(prompt=4000, output=0)
+    warm.prefix = PrefixMatch(prompt_tokens=4000, matched={a.address: 225}, block_size={a.address: 16})
+    assert scorer.score(warm, [a, b])[0] == pytest.approx(1.0)

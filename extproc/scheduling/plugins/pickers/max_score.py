@@ -1,8 +1,28 @@
 """`max-score-picker`: the highest total wins; ties (within `tie_epsilon`) are broken uniformly
 at random so equal endpoints share a burst instead of the first one taking it all.
 
+With `lead_scorer` set (the default profile sets `ttft-estimate-scorer`), a request whose prefix
+some candidate holds is first restricted to the candidates that scorer rates at least
+`lead_min_score` — for the TTFT cost, whose score is `P / (P + cost_i − min cost)`, those
+costing at most `(1 / lead_min_score − 1) × P` seconds more than the cheapest (P: the request's
+best prefill cost), a quarter of it at the default 0.8 — and the highest total among them wins.
+The count balancers (in-flight, queue, KV, FLOPs, ...) still choose among near-equal endpoints,
+but can no longer send a request away from the engine holding its prefix when the cost says the
+warm engine is clearly the faster choice: on the shared-system-prompt benchmark their 6.5 points
+for an idler A100 overturned cost leads of 40-300 ms and the fleet prefilled a 6k-token system
+prompt again (decisions 0180, 0240). This is sglang-router's `cache_aware` shape (affinity
+holds unless the load is clearly unbalanced) with "clearly" measured by the cost in seconds,
+which already counts the warm engine's queue and decode batch, so affinity still breaks by
+itself once the warm engine is saturated. Requests no candidate holds a prefix of (no shared
+prefix, or shorter than `prefix.min_match_tokens`) are picked on the total alone, as before.
+Every candidate stays in the fallbacks, by total.
+
 Parameters:
     tie_epsilon (float ≥ 0, default 1e-9): totals this close count as equal.
+    lead_scorer (str, default ""): the scorer (by name) whose clear lead the others may not
+        overturn on prefix-matched requests; "" for none.
+    lead_min_score (float in (0, 1], default 0.8): the least `lead_scorer` value a candidate
+        needs to stay in the running on such a request.
 """
 
 from __future__ import annotations
@@ -20,12 +40,26 @@ from extproc.scheduling.registry import register
 class MaxScorePicker(Plugin):
     class Params(Params):
         tie_epsilon: float = Field(default=1e-9, ge=0)
+        lead_scorer: str = ""
+        lead_min_score: float = Field(default=0.8, gt=0, le=1)
 
     def pick(self, ctx: SchedulingContext, scored: Sequence[ScoredEndpoint]) -> PickResult:
         if not scored:
             raise ValueError("no candidates")
         order = sorted(scored, key=lambda s: s.total, reverse=True)
-        best = order[0].total
-        ties = [s for s in order if best - s.total <= self.params.tie_epsilon]
+        running = self._in_the_running(ctx, order)
+        best = running[0].total
+        ties = [s for s in running if best - s.total <= self.params.tie_epsilon]
         chosen = ties[0] if len(ties) == 1 else ctx.rng.choice(ties)
         return PickResult(chosen, [s for s in order if s is not chosen])
+
+    def _in_the_running(self, ctx: SchedulingContext, order: list[ScoredEndpoint]) -> list[ScoredEndpoint]:
+        """The candidates the primary is chosen from (by total, best first): all of them, or on
+        a prefix-matched request those `lead_scorer` rates at least `lead_min_score` (never none:
+        an endpoint an operator override zeroes does not count)."""
+        name = self.params.lead_scorer
+        prefix = ctx.prefix
+        if not name or prefix is None or not any(prefix.cached_tokens(s.endpoint.address) > 0 for s in order):
+            return order
+        kept = [s for s in order if s.parts.get(name, 1.0) >= self.params.lead_min_score and s.total > 0]
+        return kept or order

@@ -30,13 +30,23 @@ until its backlog exceeds the cold one's by about (1 + work_weight) × the token
 
 The decode side is in the same cost: every decode step on an endpoint reads the KV of every
 sequence running there, `d` seconds per context token (vLLM's attention read; the calibration's
-d = 44 ns/token for an H100 serving an 8B model, 72 ns for an A100), so this request's own decode
+d = 44 ns/token for an H100 serving an 8B model, 72 ns for an A100, chosen per endpoint by its
+`gpu` label: `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`), so this request's own decode
 of `expected_output` tokens takes about `d × context_tokens_i × expected_output` seconds longer
 there than on an idle endpoint (`Endpoint.context_tokens`: full prompts plus half the expected
 outputs of what is in flight). Weighted by `decode_weight`, this keeps long streams spread (one
 engine dying must not take most of the fleet's streams with it) and stops a burst of identical
 prompts piling onto the endpoint that holds their prefix once its decode batch costs more than a
 cold prefill elsewhere.
+
+The decode side runs both ways: the request's prefill also stalls every sequence decoding on
+the endpoint (with chunked prefill each prefill step is a step of the running decodes too), by
+about its own prefill time each, `decode_weight × decode_inflight_i × s_i × uncached_i`
+(seconds of other requests' decode, weighed like the request's own). A cold 7k-token prefill on
+an A100 running 20 decodes stalls them ~0.5 s each; a warm one, for the few uncached tokens,
+almost not at all. Without this term the decode-context term alone moved shared-system-prompt
+requests off the engine holding their system prompt whenever its batch was longer, and the
+fleet prefilled the prompt again (decision 0240).
 
 Score = P / (P + cost_i − min_j cost_j), with P = min_j (the first two terms plus the work
 term), the request's best prefill cost: the cheapest endpoint scores 1.0 and one costing P more
@@ -54,8 +64,18 @@ Parameters:
     relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
     work_weight (float ≥ 0, default 1): weight of the delay imposed on later requests.
     decode_s_per_context_token (float ≥ 0, default 4.4e-8): `d` above (seconds per context
-        token per decode step).
-    decode_weight (float ≥ 0, default 0.25): weight of the decode term (0: TTFT alone). At 1
+        token per decode step) for an endpoint whose GPU is not in the table below.
+    decode_s_per_context_token_by_gpu (dict GPU name → float ≥ 0, default
+        `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`: h100 44, h200 31, a100 72 ns): `d` per GPU, the
+        name matched case-insensitively as a substring of the endpoint's `gpu_label` label (the
+        longest match wins), so "a100" finds "NVIDIA-A100-SXM4-80GB" (the form of GPU feature
+        discovery's `nvidia.com/gpu.product` node label); the label comes from the endpoint's
+        config or its discovery template (`labels`). One `d` for every GPU charged an H100
+        decoding 1.5× an A100's context as the slower decode, and sent requests to the A100
+        without their cached system prompt (decision 0240). Scale the table for other models
+        (d is proportional to KV bytes per token).
+    gpu_label (str, default "gpu"): the endpoint label naming its GPU.
+    decode_weight (float ≥ 0, default 0.25): weight of the decode terms (0: TTFT alone). At 1
         (a request's whole decode slowdown against its TTFT) the term outweighed every prefix
         saving on the shared-system-prompt benchmark (hit rate 53 % of 73 % possible); at 0 a
         burst of identical prompts piles onto one engine; 0.25 kept 90 % of the oracle hit rate
@@ -66,7 +86,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from extproc.datastore.endpoints import Endpoint
 from extproc.datastore.prefill_fit import PrefillFit
@@ -74,7 +94,14 @@ from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["TTFTEstimateScorer", "cost_scores", "effective_fits", "predicted_ttft_s"]
+__all__ = ["DECODE_S_PER_CONTEXT_TOKEN_BY_GPU", "TTFTEstimateScorer", "cost_scores", "effective_fits", "predicted_ttft_s"]
+
+DECODE_S_PER_CONTEXT_TOKEN_BY_GPU: dict[str, float] = {"h100": 4.4e-8, "h200": 3.1e-8, "a100": 7.2e-8}
+"""`d` per GPU for an 8B model with 16-bit KV (seconds per context token per decode step): KV bytes
+per token over the GPU's effective HBM bandwidth. H100 43.7 ns measured (vLLM's FP8-KV blog, ITL
+against input length at batch 1); A100 ×3.35/2.04 TB/s = 72 ns, H200 ×3.35/4.8 = 31 ns, both
+scaled by bandwidth (../shared/data/calibration.md §10, the simulator's profiles). Keys are
+matched as substrings of the endpoint's GPU label."""
 
 
 def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
@@ -127,7 +154,17 @@ class TTFTEstimateScorer(Plugin):
         relearn_after_s: float = Field(default=10.0, gt=0)
         work_weight: float = Field(default=1.0, ge=0)
         decode_s_per_context_token: float = Field(default=4.4e-8, ge=0)
+        decode_s_per_context_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(DECODE_S_PER_CONTEXT_TOKEN_BY_GPU))
+        gpu_label: str = "gpu"
         decode_weight: float = Field(default=0.25, ge=0)
+
+        @field_validator("decode_s_per_context_token_by_gpu")
+        @classmethod
+        def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+            bad = {k: x for k, x in v.items() if not x >= 0 or not k}
+            if bad:
+                raise ValueError(f"GPU names must be non-empty and seconds per context token >= 0, got {bad}")
+            return {k.lower(): x for k, x in v.items()}
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
         work = [ctx.uncached_tokens(ep) for ep in endpoints]
@@ -137,8 +174,24 @@ class TTFTEstimateScorer(Plugin):
         p = self.params
         per_step = p.decode_weight * ctx.expected_output_tokens
         prefill = [t + p.work_weight * f.s_per_token * w for f, t, w in zip(fits, predicted, work)]
-        cost = [c + per_step * p.decode_s_per_context_token * ep.context_tokens for c, ep in zip(prefill, endpoints)]
+        cost = [
+            c + per_step * self.decode_s_per_context_token(ep) * ep.context_tokens
+            + p.decode_weight * ep.decode_inflight * f.s_per_token * w
+            for c, ep, f, w in zip(prefill, endpoints, fits, work)
+        ]  # fmt: skip
         return cost_scores(prefill, cost)
+
+    def decode_s_per_context_token(self, ep: Endpoint) -> float:
+        """`d` for the endpoint's GPU (seconds per context token per decode step): the entry of
+        `decode_s_per_context_token_by_gpu` whose name the endpoint's `gpu_label` label contains
+        (case-insensitive, the longest such name: "a100" in "NVIDIA-A100-SXM4-80GB"), else
+        `decode_s_per_context_token`."""
+        gpu = ep.labels.get(self.params.gpu_label, "").lower()
+        if gpu:
+            names = [n for n in self.params.decode_s_per_context_token_by_gpu if n in gpu]
+            if names:
+                return self.params.decode_s_per_context_token_by_gpu[max(names, key=len)]
+        return self.params.decode_s_per_context_token
 
 
 def cost_scores(prefill_s: Sequence[float], cost_s: Sequence[float]) -> list[float]:
