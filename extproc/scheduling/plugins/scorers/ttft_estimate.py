@@ -100,7 +100,7 @@ DECODE_S_PER_CONTEXT_TOKEN_BY_GPU: dict[str, float] = {"h100": 4.4e-8, "h200": 3
 """`d` per GPU for an 8B model with 16-bit KV (seconds per context token per decode step): KV bytes
 per token over the GPU's effective HBM bandwidth. H100 43.7 ns measured (vLLM's FP8-KV blog, ITL
 against input length at batch 1); A100 ×3.35/2.04 TB/s = 72 ns, H200 ×3.35/4.8 = 31 ns, both
-scaled by bandwidth (../shared/data/calibration.md §10, the simulator's profiles). Keys are
+scaled by HBM bandwidth (docs/simulator.md, the simulator's profiles). Keys are
 matched as substrings of the endpoint's GPU label."""
 
 
