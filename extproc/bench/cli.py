@@ -297,16 +297,27 @@ def bench(
         None, "--extproc-config", help="YAML merged into llm-extproc's config for the llm-extproc policies "
         "(e.g. scheduling.profiles.load-aware with other scorer weights)",
     ),
+    report: str | None = typer.Option(
+        None, "--report", help="run nothing: print the table of these --json reports (comma-separated, e.g. one "
+        "per policy) as one; --json writes them as one report",
+    ),
 ) -> None:
     """Replay the same requests through each policy in turn (fresh simulators for each) and compare."""
     import asyncio
     import dataclasses
 
-    from extproc.bench.commands import BenchOptions, Outputs, run_bench
+    from extproc.bench.commands import BenchOptions, Outputs, report_files, run_bench
     from extproc.bench.results import SLO
     from extproc.bench.runner import ReplayOptions, auto_rate_scale, auto_speed
 
     console = _console()
+    if report is not None:
+        paths = [Path(p.strip()) for p in report.split(",") if p.strip()]
+        if not paths:
+            raise _fail("--report takes one or more JSON files, comma-separated")
+        if plot is not None or requests_out is not None:
+            raise _fail("--report reads summaries only: --plot and --requests-out need the runs themselves")
+        raise typer.Exit(report_files(paths, json_path, console))
     speed_value = 1.0 if speed == "auto" else _parse_speed(speed)
     chosen, settings = _common(
         policy_names=policies, fleet=fleet, speed=speed_value, stream_interval=stream_interval, seed=seed, port=0

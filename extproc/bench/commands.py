@@ -23,11 +23,11 @@ import orjson
 from rich.console import Console
 
 from extproc.bench.policies import Policy
-from extproc.bench.results import SLO, LabeledRun, Report, build_report, render_report, request_rows
+from extproc.bench.results import SLO, LabeledRun, Report, build_report, merge_reports, render_report, request_rows
 from extproc.bench.runner import Interrupts, ReplayOptions, Workload, replay
 from extproc.bench.stacks import PolicyStack, StackSettings
 
-__all__ = ["BenchOptions", "DemoOptions", "Outputs", "run_bench", "run_demo", "run_up"]
+__all__ = ["BenchOptions", "DemoOptions", "Outputs", "report_files", "run_bench", "run_demo", "run_up"]
 
 _BEHIND_WARN = 0.01  # behind-schedule fraction above which a run is flagged (CPU headroom gone)
 
@@ -327,6 +327,50 @@ async def run_bench(options: BenchOptions, console: Console) -> int:
         console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
         return status or 2
     return status
+
+
+def report_files(paths: Sequence[Path], json_path: Path | None, console: Console) -> int:
+    """`bench --report`: the table `bench` prints, over the runs of several `--json` reports
+    (e.g. one per policy, each run under its own lock), optionally written back as one report.
+
+    Returns 0, or 2 when a file cannot be read, is not a report, or the reports do not compare
+    (different SLOs or time units); reports whose settings differ are shown with a warning.
+    """
+    from pydantic import ValidationError
+
+    from extproc.bench.views import render_goodput
+
+    reports = []
+    for path in paths:
+        try:
+            reports.append(Report.model_validate_json(path.read_bytes()))
+        except OSError as exc:
+            console.print(f"[red]error:[/red] cannot read {path}: {exc}", highlight=False)
+            return 2
+        except ValidationError as exc:
+            console.print(f"[red]error:[/red] {path} is not a bench --json report: {exc}", highlight=False)
+            return 2
+    try:
+        report, differing = merge_reports(reports)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    if differing:
+        console.print(
+            f"[yellow]warning:[/yellow] the reports' settings differ ({', '.join(differing)}): their runs did not "
+            "replay the same requests the same way", highlight=False,
+        )  # fmt: skip
+    console.print(render_report(report))
+    if len({run.trace for run in report.runs}) > 1:
+        console.print(render_goodput(report))
+    _warn_behind(console, report)
+    if json_path is not None:
+        try:
+            _write_json(report, json_path, console)
+        except OSError as exc:
+            console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
+            return 2
+    return 0
 
 
 def _write_requests(runs: list[LabeledRun], path: Path, console: Console) -> None:

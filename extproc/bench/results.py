@@ -49,6 +49,7 @@ __all__ = [
     "Report",
     "RunSummary",
     "build_report",
+    "merge_reports",
     "percentiles",
     "prefix_cache_counters",
     "prefix_cache_hit_rate",
@@ -255,6 +256,32 @@ def build_report(runs: Sequence[LabeledRun], slo: SLO | None = None, settings: d
         raise ValueError(f"runs mix time units {sorted(units)}; report them separately")
     unit = units.pop() if units else "wall"
     return Report(runs=[summarize_run(r, slo) for r in runs], slo=slo, time_unit=unit, settings=settings)  # type: ignore[arg-type]
+
+
+def merge_reports(reports: Sequence[Report]) -> tuple[Report, list[str]]:
+    """One report holding the runs of `reports` in order (e.g. one `bench --json` per policy, run
+    one at a time), and the `settings` keys on which they differ.
+
+    `settings` is kept when every report has the same, else None (the differing keys say why:
+    runs at different speeds or seeds did not replay the same requests the same way).
+
+    Raises:
+        ValueError: no report, or reports with different SLOs or time units (their goodput or
+            latencies would not compare).
+    """
+    if not reports:
+        raise ValueError("no report to merge")
+    first = reports[0]
+    for other in reports[1:]:
+        if other.slo != first.slo:
+            raise ValueError(f"reports use different SLOs ({first.slo} and {other.slo}); goodput would not compare")
+        if other.time_unit != first.time_unit:
+            raise ValueError(f"reports mix time units ({first.time_unit} and {other.time_unit}); report them separately")
+    every = [r.settings or {} for r in reports]
+    keys = sorted({k for s in every for k in s})
+    differing = [k for k in keys if any(s.get(k) != every[0].get(k) for s in every[1:])]
+    runs = [run for r in reports for run in r.runs]
+    return Report(runs=runs, slo=first.slo, time_unit=first.time_unit, settings=None if differing else first.settings), differing
 
 
 def prefix_cache_counters(metrics_text: str) -> tuple[float, float]:

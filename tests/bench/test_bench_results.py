@@ -11,6 +11,7 @@ from extproc.bench.results import (
     SLO,
     LabeledRun,
     build_report,
+    merge_reports,
     percentiles,
     prefix_cache_counters,
     prefix_cache_hit_rate,
@@ -114,6 +115,35 @@ def test_table_lists_each_run() -> None:
     assert "round-robin" in text and "llm-extproc" in text
     assert "250 / 1,840 / 2,434" in text  # TTFT p50/p90/p99
     assert "429 rate_limit_exceeded×1" in text
+
+
+def test_merge_keeps_every_run_in_order_and_shared_settings() -> None:
+    settings = {"speed": 0.27, "seed": 0, "rate_scales": [12.0]}
+    a = build_report([LabeledRun("envoy-least-request", "t", _record("simulated", 0.27))], settings=settings)
+    b = build_report([LabeledRun("llm-extproc", "t", _record("simulated", 0.27))], settings=dict(settings))
+    merged, differing = merge_reports([a, b])
+    assert [r.policy for r in merged.runs] == ["envoy-least-request", "llm-extproc"]
+    assert merged.runs == [a.runs[0], b.runs[0]] and merged.time_unit == "simulated"
+    assert merged.settings == settings and differing == []
+
+
+def test_merge_names_the_settings_that_differ_and_drops_them() -> None:
+    a = build_report([LabeledRun("a", "t", _record())], settings={"speed": 0.27, "seed": 0})
+    b = build_report([LabeledRun("b", "t", _record())], settings={"speed": 1.0, "seed": 0})
+    c = build_report([LabeledRun("c", "t", _record())])  # no settings (demo --json)
+    merged, differing = merge_reports([a, b])
+    assert differing == ["speed"] and merged.settings is None
+    assert merge_reports([a, c])[1] == ["seed", "speed"]
+
+
+def test_merge_refuses_reports_that_do_not_compare() -> None:
+    wall = build_report([LabeledRun("a", "t", _record())])
+    with pytest.raises(ValueError, match="SLOs"):
+        merge_reports([wall, build_report([LabeledRun("b", "t", _record())], SLO(ttft_ms=500))])
+    with pytest.raises(ValueError, match="time units"):
+        merge_reports([wall, build_report([LabeledRun("b", "t", _record("simulated", 2.0))])])
+    with pytest.raises(ValueError, match="no report"):
+        merge_reports([])
 
 
 METRICS = """\
