@@ -39,7 +39,7 @@ def agent(
     from extproc.agent.app import AgentSettings, NodeAgent
     from extproc.agent.devices import GpuSourceError, gpu_source_from_spec
     from extproc.agent.weight import WeightParams
-    from extproc.clitools import fail, setup_logging, stop_on_signals
+    from extproc.clitools import fail, setup_logging, skip_final_collection, stop_on_signals
 
     setup_logging(log_level)
     try:
@@ -80,3 +80,4 @@ def agent(
         await app.aclose()
 
     asyncio.run(run())
+    skip_final_collection()
