@@ -38,21 +38,27 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["canonical_address", "Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+__all__ = ["canonical_address", "canonical_host", "Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+
+
+def canonical_host(host: str) -> str:
+    """`host` in `ipaddress`'s canonical text when it is an IP address ("2001:DB8:0::1" →
+    "2001:db8::1"), else unchanged (a name)."""
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host
 
 
 def canonical_address(address: str) -> str:
-    """`host:port` with an IP host in `ipaddress`'s canonical text ("[2001:DB8:0::1]:8000" →
+    """`host:port` with an IP host in canonical text (`canonical_host`: "[2001:DB8:0::1]:8000" →
     "[2001:db8::1]:8000"); a name, or text that is not `host:port`, comes back unchanged."""
     host, sep, port = address.rpartition(":")
     if not sep:
         return address
     bracketed = host.startswith("[") and host.endswith("]")
-    try:
-        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
-    except ValueError:
-        return address
-    return f"[{ip.compressed}]:{port}" if ip.version == 6 else f"{ip.compressed}:{port}"
+    canon = canonical_host(host[1:-1] if bracketed else host)
+    return f"[{canon}]:{port}" if ":" in canon else f"{canon}:{port}"
 
 
 log = logging.getLogger(__name__)

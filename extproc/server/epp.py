@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -48,7 +47,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.config.schema import ProtocolConfig
-from extproc.datastore.endpoints import Endpoint, Reservation
+from extproc.datastore.endpoints import Endpoint, Reservation, canonical_host
 from extproc.errors import NoEndpointError, PayloadTooLargeError
 from extproc.pipeline.request import Routed
 from extproc.server import responses
@@ -84,19 +83,11 @@ def _split_host_port(address: str) -> tuple[str, str | None]:
     address = address.strip()
     if address.startswith("["):
         host, _, rest = address[1:].partition("]")
-        return _canonical_host(host), rest[1:] if rest.startswith(":") and rest[1:] else None
+        return canonical_host(host), rest[1:] if rest.startswith(":") and rest[1:] else None
     if address.count(":") == 1:
         host, _, port = address.partition(":")
-        return _canonical_host(host), port or None
-    return _canonical_host(address), None  # a bare IPv4 or IPv6 address, or a name
-
-
-def _canonical_host(host: str) -> str:
-    """`host` in `ipaddress`'s canonical text when it is an IP address, else unchanged."""
-    try:
-        return ipaddress.ip_address(host).compressed
-    except ValueError:
-        return host
+        return canonical_host(host), port or None
+    return canonical_host(address), None  # a bare IPv4 or IPv6 address, or a name
 
 
 _endpoint_host_port = functools.lru_cache(maxsize=4096)(_split_host_port)
