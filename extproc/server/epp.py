@@ -42,7 +42,6 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
@@ -72,7 +71,6 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 """The served endpoint's key in the destination namespace's filter metadata (responses)."""
 
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _split_host_port(address: str) -> tuple[str, str | None]:
