@@ -112,7 +112,10 @@ async def test_a_failure_after_the_reservation_in_route_still_releases_everythin
     `with_model` (the alias rewrite)."""
     import extproc.server.extproc as servicer_module
 
+    calls: list[str] = []
+
     def broken(body: bytes, model: str) -> bytes:
+        calls.append(model)
         raise ValueError("injected")
 
     monkeypatch.setattr(servicer_module, "with_model", broken)
@@ -125,10 +128,9 @@ async def test_a_failure_after_the_reservation_in_route_still_releases_everythin
         await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
         await call.read()
         await call.write(body_msg(chat_body(max_tokens=20, model="qwen3-8b")))
-        try:
-            await call.read()
-        except grpc.aio.AioRpcError:
-            pass
+        reply = await call.read()
+        assert calls == ["Qwen/Qwen3-8B"], "the fault was not injected: the test proves nothing"
+        assert reply.HasField("immediate_response") and reply.immediate_response.status.code == 500, reply
         call.cancel()
         deadline = asyncio.get_running_loop().time() + 5
         while app.servicer.active_streams and asyncio.get_running_loop().time() < deadline:
