@@ -381,6 +381,7 @@ async def test_an_ipv6_publisher_is_heard() -> None:
     try:
         pub.bind("tcp://[::1]:*")
     except zmq.ZMQError:
+        ctx.destroy(linger=0)
         pytest.skip("no IPv6 loopback here")
     endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
     tracker = PrefixTracker(PrefixConfig())
