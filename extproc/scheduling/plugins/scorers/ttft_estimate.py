@@ -166,6 +166,10 @@ class TTFTEstimateScorer(Plugin):
                 raise ValueError(f"GPU names must be non-empty and seconds per context token >= 0, got {bad}")
             return {k.lower(): x for k, x in v.items()}
 
+    def __init__(self, params: Params, *, name: str) -> None:
+        super().__init__(params, name=name)
+        self._d_by_label: dict[str, float] = {}
+
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
         work = [ctx.uncached_tokens(ep) for ep in endpoints]
         fits = effective_fits(endpoints, work, now=ctx.now, relearn_after_s=self.params.relearn_after_s)
@@ -186,12 +190,16 @@ class TTFTEstimateScorer(Plugin):
         `decode_s_per_context_token_by_gpu` whose name the endpoint's `gpu_label` label contains
         (case-insensitive, the longest such name: "a100" in "NVIDIA-A100-SXM4-80GB"), else
         `decode_s_per_context_token`."""
-        gpu = ep.labels.get(self.params.gpu_label, "").lower()
-        if gpu:
-            names = [n for n in self.params.decode_s_per_context_token_by_gpu if n in gpu]
+        label = ep.labels.get(self.params.gpu_label, "")
+        d = self._d_by_label.get(label)
+        if d is None:  # looked up once per label value, not per candidate and request
+            d = self.params.decode_s_per_context_token
+            names = [n for n in self.params.decode_s_per_context_token_by_gpu if n in label.lower()] if label else []
             if names:
-                return self.params.decode_s_per_context_token_by_gpu[max(names, key=len)]
-        return self.params.decode_s_per_context_token
+                d = self.params.decode_s_per_context_token_by_gpu[max(names, key=len)]
+            if len(self._d_by_label) < 1024:  # label values are few; bounded against churn
+                self._d_by_label[label] = d
+        return d
 
 
 def cost_scores(prefill_s: Sequence[float], cost_s: Sequence[float]) -> list[float]:
