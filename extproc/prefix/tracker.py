@@ -138,9 +138,10 @@ class PrefixTracker:
         """Set by the KV-event source: called instead of `index.add` for precise endpoints."""
         self.on_reset: Callable[[str], None] | None = None
         """Set by the KV-event source: called after an endpoint's entries were dropped."""
-        self.on_shared: Callable[[str, int, list[int], bytes | None], None] | None = None
-        """Set by replica sync: called by `on_pick` with (address, block size, the prompt's block
-        hashes, session key) so the other replicas learn the pick (`apply_remote_pick`)."""
+        self.on_shared: Callable[[str, list[int], bytes | None], None] | None = None
+        """Set by replica sync: called by `on_pick` with (address, the prompt's block
+        hashes at that endpoint's block size, session key) when there is something to learn, so the
+        other replicas learn the pick (`apply_remote_pick`)."""
         self._clock = clock
         self.warmer = PrefixWarmer(config.warmup, self.index, registry, clock)
         self.metrics.index_bytes.set_function(lambda: len(self.index) * BYTES_PER_ENTRY)
@@ -200,8 +201,9 @@ class PrefixTracker:
         addr = endpoint.address
         if session is not None:
             self.sessions.bind(session, addr, now)
-        if self.on_shared is not None and (session is not None or match is not None):
-            self.on_shared(addr, block_size, (match.hashes.get(block_size) or []) if match is not None else [], session)
+        hashes = (match.hashes.get(block_size) or []) if match is not None else []
+        if self.on_shared is not None and (session is not None or hashes):
+            self.on_shared(addr, hashes, session)
         if match is None:
             return
         st = self._stats(addr)
@@ -214,7 +216,6 @@ class PrefixTracker:
         st.counters[0].inc(match.prompt_tokens)
         if cached:
             st.counters[1].inc(cached)
-        hashes = match.hashes.get(block_size) or []
         # Hot prefixes: the longest shared part any endpoint held at routing time.
         best = max((b for a, b in match.matched.items() if match.block_size.get(a) == block_size), default=0)
         if best > 0 and hashes:
@@ -231,12 +232,7 @@ class PrefixTracker:
                 if candidates and token_ids is not None:
                     holders = {a for a, b in match.matched.items() if b >= best} | {addr}
                     self.warmer.consider(candidates, sorted(holders), shared, hashes[:best], token_ids[: best * block_size], model)
-        if not hashes:
-            return
-        if addr in self.precise and self.on_precise_pick is not None:
-            self.on_precise_pick(addr, hashes)
-        else:
-            self.index.add(addr, hashes)
+        self._learn(addr, hashes)
 
     def apply_remote_pick(self, address: str, hashes: list[int], session: bytes | None) -> None:
         """Another replica routed a prompt with these block `hashes` (and `session`) to
@@ -244,7 +240,13 @@ class PrefixTracker:
         endpoint; the session binding). Statistics and hot prefixes stay this replica's own."""
         if session is not None:
             self.sessions.bind(session, address, self._clock())
-        if not self.enabled or not hashes:
+        if self.enabled:
+            self._learn(address, hashes)
+
+    def _learn(self, address: str, hashes: list[int]) -> None:
+        """`address` now holds (or will have prefilled) these blocks: index entries, speculative
+        ones for an endpoint whose index comes from its KV events."""
+        if not hashes:
             return
         if address in self.precise and self.on_precise_pick is not None:
             self.on_precise_pick(address, hashes)

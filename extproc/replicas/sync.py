@@ -278,10 +278,9 @@ class ReplicaSync:
         if rid is not None:
             self._enqueue(["r", rid])
 
-    def shared(self, address: str, block_size: int, hashes: list[int], session: bytes | None) -> None:
-        """A pick's prompt blocks (`hashes` at `block_size`) and session, for the others' prefix
-        index and session table."""
-        del block_size  # the receiver uses the endpoint's own (hashes are per block size)
+    def shared(self, address: str, hashes: list[int], session: bytes | None) -> None:
+        """A pick's prompt block hashes (at the endpoint's block size, which the receiver knows)
+        and session, for the others' prefix index and session table."""
         self._enqueue(["x", address, hashes[: self.config.max_hashes], session])
 
     # -- lifecycle --------------------------------------------------------------------------

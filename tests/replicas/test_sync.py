@@ -285,7 +285,7 @@ async def test_picks_reach_the_other_replica_and_redis_loss_is_survived(redis_se
         await until(lambda: a.connected and b.connected, timeout_s=10.0)
         hashes = chain_block_hashes(list(range(32)), 16)
         again = store_a.reserve(ep_a)
-        a.shared(ADDRS[0], 16, hashes, None)
+        a.shared(ADDRS[0], hashes, None)
         await until(lambda: ep_b.inflight == 1 and tracker_b.index.match(hashes) == {ADDRS[0]: 2}, timeout_s=10.0)
         again.release()
         await until(lambda: ep_b.inflight == 0)
