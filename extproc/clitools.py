@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 from typing import Any
 
@@ -47,8 +46,10 @@ def setup_logging(level: str) -> None:
     """
     if level.lower() not in LOG_LEVELS:
         raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
-    worker = os.environ.get("LLM_EXTPROC_WORKER")  # `serve --workers`: say which worker speaks
-    who = f"[worker {worker}] " if worker else ""
+    from extproc.config.loader import worker_index  # not at the top: `--help` loads no configuration schema
+
+    worker = worker_index()  # `serve --workers`: say which worker speaks
+    who = f"[worker {worker}] " if worker is not None else ""
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
 
 

@@ -18,12 +18,23 @@ from extproc.config.diagnose import did_you_mean, known_keys_at, late_problems
 from extproc.config.schema import Config
 from extproc.models import DEFAULT_MODEL
 
-__all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "ENV_OVERRIDES"]
+__all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "worker_index", "ENV_OVERRIDES", "WORKER_ENV"]
 
 ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LLM_EXTPROC_GRPC_ADDRESS": ("listen", "grpc"),
     "LLM_EXTPROC_ADMIN_ADDRESS": ("listen", "admin"),
 }
+
+WORKER_ENV = "LLM_EXTPROC_WORKER"
+"""Set by `serve --workers N`'s supervisor in each worker's environment (with that worker's
+listen addresses): the worker's index, 0 .. N-1."""
+
+
+def worker_index(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's worker index under `serve --workers N` (`WORKER_ENV` in `environ`, default
+    `os.environ`), or None when it is not such a worker (unset, empty or not a number)."""
+    value = (os.environ if environ is None else environ).get(WORKER_ENV, "")
+    return int(value) if value.isdigit() else None
 
 
 class ConfigError(ValueError):
@@ -69,7 +80,7 @@ def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", en
     applied = []
     environ = env if env is not None else os.environ
     # `serve --workers` sets the listen addresses of each worker itself: not the user's overrides.
-    own = {"LLM_EXTPROC_GRPC_ADDRESS", "LLM_EXTPROC_ADMIN_ADDRESS"} if environ.get("LLM_EXTPROC_WORKER") else set()
+    own = {"LLM_EXTPROC_GRPC_ADDRESS", "LLM_EXTPROC_ADMIN_ADDRESS"} if worker_index(environ) is not None else set()
     for var, (section, key) in ENV_OVERRIDES.items():
         value = environ.get(var)
         if value:

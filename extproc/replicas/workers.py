@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from extproc.config.loader import WORKER_ENV
 from extproc.config.schema import Config, parse_host_port
 
 __all__ = ["WorkerAddress", "worker_addresses", "run_workers", "per_worker_limits_warning", "MIN_UPTIME_S"]
@@ -113,7 +114,7 @@ class _Worker:
         env = dict(os.environ)
         env["LLM_EXTPROC_GRPC_ADDRESS"] = self.addr.grpc
         env["LLM_EXTPROC_ADMIN_ADDRESS"] = self.addr.admin
-        env["LLM_EXTPROC_WORKER"] = str(self.addr.index)
+        env[WORKER_ENV] = str(self.addr.index)
         # inherits stdout/stderr: one log stream
         self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         self.started = time.monotonic()

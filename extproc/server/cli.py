@@ -24,12 +24,13 @@ def serve(
 ) -> None:
     """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
     import asyncio
-    import os
     import sys
 
     from extproc.clitools import fail, setup_logging, skip_final_collection, stop_on_signals
     from extproc.config import ConfigError, default_config, load_config
+    from extproc.config.loader import worker_index
     from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.replicas.workers import run_workers
     from extproc.server.app import ExtProcApp
 
     setup_logging(log_level)
@@ -49,8 +50,6 @@ def serve(
     except ValueError as exc:
         raise fail(str(exc)) from None
     if workers > 1:
-        from extproc.replicas.workers import run_workers
-
         argv = [sys.executable, "-m", "extproc", "serve", "--log-level", log_level]
         argv += ["--config", config] if config else [a for e in endpoint for a in ("--endpoint", e)]
         if cfg.replicas.sync == "redis":
@@ -78,7 +77,7 @@ def serve(
             flush=True,
         )
         await stop.wait()
-        if "LLM_EXTPROC_WORKER" not in os.environ:  # under --workers the supervisor says it once
+        if worker_index() is None:  # under --workers the supervisor says it once
             print("shutting down: waiting for in-flight streams", file=sys.stderr, flush=True)
         await app.aclose()
 
