@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What head + tail truncation adds to a decision: ~64k-token requests cut to the default
 model's 40,960-token context, through the real request pipeline (`RequestPipeline.route`,
-the real Qwen3 tokenizer and chat template, the executor the server uses), in process.
+the real Qwen3 tokenizer and chat template, the tokenizer threads the server uses), in process.
 
 Shapes (each iteration's text is new, so the token cache never holds a cut text already):
 
@@ -31,7 +31,6 @@ import math
 import random
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -43,6 +42,7 @@ from extproc.errors import ContextLengthError
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
+from extproc.server.app import TOKENIZE_THREADS
 from extproc.types import RequestKind
 
 MODEL = "Qwen/Qwen3-8B"
@@ -112,7 +112,7 @@ SHAPES = {
 }
 
 
-def pipeline(counter: TokenCounter, executor: ThreadPoolExecutor, mode: str) -> tuple[RequestPipeline, Metrics]:
+def pipeline(counter: TokenCounter, mode: str) -> tuple[RequestPipeline, Metrics]:
     cfg = config_from_mapping(
         {
             "limits": {"max_body_bytes": 8 * 1024 * 1024, "grpc_max_message_bytes": 9 * 1024 * 1024, "max_json_values": 100_000},
@@ -123,7 +123,7 @@ def pipeline(counter: TokenCounter, executor: ThreadPoolExecutor, mode: str) -> 
     )
     metrics = Metrics(CollectorRegistry())
     runtime = ModelRuntime(cfg.models[0], counter)
-    return RequestPipeline(cfg, Datastore(cfg.endpoints), {MODEL: runtime}, metrics, executor=executor), metrics
+    return RequestPipeline(cfg, Datastore(cfg.endpoints), {MODEL: runtime}, metrics, tokenize_threads=TOKENIZE_THREADS), metrics
 
 
 async def refusal(pipe: RequestPipeline, kind: RequestKind, body: bytes, name: str) -> float:
@@ -138,9 +138,8 @@ async def refusal(pipe: RequestPipeline, kind: RequestKind, body: bytes, name: s
 
 async def run(iterations: int) -> list[dict[str, Any]]:
     counter = TokenCounter.from_source("builtin:qwen3")
-    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-    on, _ = pipeline(counter, executor, "head-tail")
-    off, _ = pipeline(counter, executor, "off")
+    on, _ = pipeline(counter, "head-tail")
+    off, _ = pipeline(counter, "off")
     rows = []
     for name, make in SHAPES.items():
         cut_ms, total_ms, refuse_ms, cold_ms, before, after = [], [], [], [], [], []
@@ -173,7 +172,8 @@ async def run(iterations: int) -> list[dict[str, Any]]:
                 "on_p50_ms": statistics.median(total_ms),
             }
         )
-    executor.shutdown()
+    on.close()
+    off.close()
     return rows
 
 

@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,9 +271,10 @@ class RequestPipeline:
         store: endpoint datastore (health, metrics, accounting).
         models: canonical model name → runtime (tokenizer).
         metrics: metrics sink.
-        executor: where long prompts are tokenized.
-        executor_workers: its threads (the counting jobs admitted to it are bounded by the time
-            they would take on that many threads: `extproc.pipeline.offload.OffloadGate`).
+        tokenize_threads: threads that tokenize long prompts (and check huge JSON bodies) off
+            the event loop, in a pool this pipeline owns (`close` stops it); 0: everything
+            inline. The counting jobs admitted to them are bounded by the time they would take
+            on that many threads (`extproc.pipeline.offload.OffloadGate`).
         rng: tie-break randomness (seeded in tests).
         prefix: the prefix tracker (prefix index, sessions), or None for none.
     """
@@ -284,10 +285,9 @@ class RequestPipeline:
         store: Datastore,
         models: Mapping[str, ModelRuntime],
         metrics: Metrics,
-        executor: Executor | None = None,
         rng: random.Random | None = None,
         prefix: PrefixTracker | None = None,
-        executor_workers: int = 2,
+        tokenize_threads: int = 0,
     ) -> None:
         self._config = config
         self.prefix = prefix
@@ -298,7 +298,7 @@ class RequestPipeline:
             for name in (m.name, *m.aliases):
                 self._aliases[name] = m.name
         self._metrics = metrics
-        self._executor = executor
+        self._executor = ThreadPoolExecutor(max_workers=tokenize_threads, thread_name_prefix="tokenize") if tokenize_threads else None
         self._rng = rng or random.Random()
         self._max_body = config.limits.max_body_bytes
         # A completions prompt may be token ids, one JSON value each: one full-context prompt
@@ -317,13 +317,20 @@ class RequestPipeline:
         # budget behind the counts already queued, is routed on the estimate at once, never
         # queued (a flood of huge prompts would make every decision wait the whole budget).
         fast = all(rt.counter.encoder == "tiktoken" for rt in self._models.values())
-        self.offload = OffloadGate(executor_workers, self._count_budget_s, chars_per_s=TIKTOKEN_CHARS_PER_S if fast else TOKENIZERS_CHARS_PER_S)
+        self.offload = OffloadGate(max(1, tokenize_threads), self._count_budget_s, chars_per_s=TIKTOKEN_CHARS_PER_S if fast else TOKENIZERS_CHARS_PER_S)
         sched = config.scheduling
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
         self._passthrough = self.profiles["least-inflight"]
         self._in_panic: set[str] = set()
         """Pools in health panic: model names, "" for `pick_any`'s whole fleet."""
+
+    def close(self) -> None:
+        """Stop the tokenizer threads: jobs not started are cancelled, running ones finish on
+        their own (their decisions are over: the server is stopping)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     @property
     def served_models(self) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -146,7 +145,6 @@ class ExtProcApp:
             # Hooks on the datastore and tracker: every pick, first token and release is shared.
             self.sync = ReplicaSync(config.replicas, config.ratelimit.redis, self.store, self.prefix, registry=self.metrics.registry)
         self._models = models
-        self._executor: ThreadPoolExecutor | None = None
         self._decision_log: DecisionLog | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -269,9 +267,8 @@ class ExtProcApp:
             except OSError as exc:
                 raise RuntimeError(f"cannot open decision_log.path {cfg.decision_log.path}: {exc.strerror or exc}") from None
             self._decision_log = decision_log
-        self._executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        pipeline = RequestPipeline(
-            cfg, self.store, self._models, self.metrics, executor=self._executor, prefix=self.prefix, executor_workers=TOKENIZE_THREADS
+        self.pipeline = pipeline = RequestPipeline(
+            cfg, self.store, self._models, self.metrics, prefix=self.prefix, tokenize_threads=TOKENIZE_THREADS
         )
         od = cfg.scheduling.outlier_detection
         servicer_kwargs = {}
@@ -295,7 +292,6 @@ class ExtProcApp:
             decision_log=self._decision_log,
             skip_response_headers=self._skip_response_headers(cfg),
         )
-        self.pipeline = pipeline
         await self.discovery.start()
         await self._checker.start()
         await self._agents.start()
@@ -378,9 +374,8 @@ class ExtProcApp:
             self._admin = None
         if self.ratelimit is not None:
             await self.ratelimit.aclose()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self._decision_log is not None:
             self._decision_log.close()  # after the streams: their last lines are written
             self._decision_log = None
