@@ -427,11 +427,19 @@ class Datastore:
                 self._by_model.pop(m, None)
 
     def reserve(
-        self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0, context_tokens: int = 0
+        self,
+        endpoint: Endpoint,
+        blocks: int = 0,
+        *,
+        prompt_tokens: int = 0,
+        settle_after_s: float = 2.0,
+        context_tokens: int = 0,
+        notify: bool = True,
     ) -> Reservation:
         """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks, with
         `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens); release
-        the returned reservation when the request ends, however it ends."""
+        the returned reservation when the request ends, however it ends. `notify=False` does not
+        tell the `listener` (a reservation another replica made, applied here)."""
         r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens)
         endpoint.inflight += 1
         endpoint.context_tokens += context_tokens
@@ -442,7 +450,7 @@ class Datastore:
             endpoint.reserved_blocks += blocks
             endpoint.unsettled.add(r)
         self._open.add(r)
-        if self.listener is not None:
+        if notify and self.listener is not None:
             self.listener.reserved(r)
         return r
 

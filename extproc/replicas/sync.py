@@ -223,7 +223,6 @@ class ReplicaSync:
         self._next_rid = 0
         self._local: dict[Reservation, int] = {}
         self._peers: dict[str, _Peer] = {}
-        self._applying = False
         self._tasks: list[asyncio.Task[None]] = []
         self._pub: aioredis.Redis | None = None
         # One throttle per kind of line. A Redis outage is logged at the rate limiter's interval
@@ -241,6 +240,8 @@ class ReplicaSync:
         self._dropped = m.events.labels("dropped")
         self._bad_message = m.rejected.labels("message")
         self._bad_event = m.rejected.labels("event")
+        self._reconciled = m.expired.labels("reconciled")
+        self._owner_gone = m.expired.labels("owner_gone")
         m.remote_inflight.set_function(lambda: self.remote_inflight)
         m.peers.set_function(lambda: len(self._peers))
         store.listener = self
@@ -258,9 +259,8 @@ class ReplicaSync:
         self._wake.set()
 
     def reserved(self, r: Reservation) -> None:
-        """A reservation was made here: share it (a remote one being applied is not re-sent)."""
-        if self._applying:
-            return
+        """A reservation was made here: share it (a remote one is applied with `notify=False`,
+        so it never comes here to be sent again)."""
         rid = self._next_rid = self._next_rid + 1
         self._local[r] = rid
         ep = r.endpoint
@@ -552,13 +552,9 @@ class ReplicaSync:
             ep = self._store.get(address)
             if ep is None or self.remote_inflight >= self.config.max_remote or rid in peer.open:
                 return 0
-            self._applying = True
-            try:
-                r = self._store.reserve(
-                    ep, blocks, prompt_tokens=prompt_tokens, settle_after_s=settle_after_s, context_tokens=context_tokens
-                )
-            finally:
-                self._applying = False
+            r = self._store.reserve(
+                ep, blocks, prompt_tokens=prompt_tokens, settle_after_s=settle_after_s, context_tokens=context_tokens, notify=False
+            )
             peer.open[rid] = r
             return 1
         if kind == "f":
@@ -586,7 +582,7 @@ class ReplicaSync:
                 for rid in gone:
                     peer.open.pop(rid).release()
                 if gone:
-                    self.metrics.expired.labels("reconciled").inc(len(gone))
+                    self._reconciled.inc(len(gone))
             return 0
         # "b" (the only other kind `_parse_event` returns)
         self._release_all(peer)
@@ -611,7 +607,7 @@ class ReplicaSync:
                 log.info("replica sync: replica %s not heard from for %.1f s; released its %d reservations", origin, self.config.owner_timeout_s, n)
             gone += n
         if gone:
-            self.metrics.expired.labels("owner_gone").inc(gone)
+            self._owner_gone.inc(gone)
         return gone
 
     @property
