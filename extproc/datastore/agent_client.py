@@ -149,9 +149,10 @@ class AgentWatcher:
         if backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         self._store = store
-        self._targets: list[tuple[Endpoint, str]] = [(ep, ep.agent) for ep in store.all() if ep.agent]
-        self._current: dict[str, Endpoint] = {ep.address: ep for ep, _ in self._targets}
-        """The endpoint object each watch reports to, by address (`add` may replace it)."""
+        self._targets: dict[str, str] = {ep.address: ep.agent for ep in store.all() if ep.agent}
+        """The agent watched for each endpoint address, in configuration order. A watch reports
+        to the endpoint the store lists under its address now (a reload or discovery may have
+        replaced the object)."""
         self._min_interval = min_interval_s
         self._stale_after = stale_after_s
         self._idle_timeout = idle_timeout_s
@@ -165,38 +166,33 @@ class AgentWatcher:
     @property
     def agents(self) -> list[str]:
         """The watched agent addresses, in configuration order."""
-        return [addr for _, addr in self._targets]
+        return list(self._targets.values())
 
     async def start(self) -> None:
         """Start one watch task per endpoint with an agent (returns at once)."""
         self._started = True
-        for ep, addr in self._targets:
-            self._spawn(ep, addr)
+        for address, agent in self._targets.items():
+            self._spawn(address, agent)
 
-    def _spawn(self, ep: Endpoint, addr: str) -> None:
-        if ep.address not in self._tasks:
-            self._tasks[ep.address] = asyncio.create_task(self._watch(ep, addr), name=f"agent-watch-{addr}")
+    def _spawn(self, address: str, agent: str) -> None:
+        if address not in self._tasks:
+            self._tasks[address] = asyncio.create_task(self._watch(address, agent), name=f"agent-watch-{agent}")
 
     def add(self, ep: Endpoint, agent: str) -> None:
         """Watch the agent (`host:port`) of an endpoint that joined after construction; an
         endpoint watched on another agent (a reload changed it) moves to this one. Keyed on
         the endpoint's address: the same address and agent again keeps its stream (no
-        reconnect), its reports going to `ep` from now on if `ep` is another object."""
-        for i, (e, a) in enumerate(self._targets):
-            if e.address == ep.address and a == agent:
-                self._targets[i] = (ep, agent)
-                self._current[ep.address] = ep
-                return
+        reconnect), its reports going to whichever object the store lists under that address."""
+        if self._targets.get(ep.address) == agent:
+            return
         self.remove(ep)
-        self._targets.append((ep, agent))
-        self._current[ep.address] = ep
+        self._targets[ep.address] = agent
         if self._started:
-            self._spawn(ep, agent)
+            self._spawn(ep.address, agent)
 
     def remove(self, ep: Endpoint) -> None:
         """Stop watching the agent of an endpoint that left."""
-        self._targets = [(e, a) for e, a in self._targets if e.address != ep.address]
-        self._current.pop(ep.address, None)
+        self._targets.pop(ep.address, None)
         task = self._tasks.pop(ep.address, None)
         if task is not None:
             task.cancel()
@@ -213,7 +209,7 @@ class AgentWatcher:
             req.min_interval.FromNanoseconds(int(self._min_interval * 1e9))
         return req
 
-    async def _watch(self, ep: Endpoint, addr: str) -> None:
+    async def _watch(self, address: str, addr: str) -> None:
         attempt = 0
         initial, cap = self._backoff
         options = [
@@ -232,9 +228,9 @@ class AgentWatcher:
                         if report is grpc.aio.EOF:
                             log.info("agent %s ended its stream", addr)
                             break
-                        self._current.get(ep.address, ep).node = NodeReport.from_proto(
-                            report, received_at=time.monotonic(), stale_after_s=self._stale_after
-                        )
+                        ep = self._store.get(address)
+                        if ep is not None:  # else it left the store; `remove` is on its way
+                            ep.node = NodeReport.from_proto(report, received_at=time.monotonic(), stale_after_s=self._stale_after)
                         attempt = 0
             except TimeoutError:
                 log.warning("agent %s sent nothing for %.3g s; reconnecting", addr, self._idle_timeout)

@@ -126,15 +126,16 @@ def test_endpoint_agent_address_is_validated(agent: str, ok: bool) -> None:
 
 async def test_the_same_agent_for_another_object_of_the_same_address_keeps_its_stream(engine: FakeEngine, start_agent, watchers) -> None:
     """`add` is keyed on the endpoint's address (Endpoint compares by identity): the same
-    address and agent again, as a new `Endpoint` object (an endpoint re-added by a reload or
-    discovery), keeps the open stream, and its reports go to the new object."""
+    address and agent again, as a new `Endpoint` object (an endpoint removed, then re-added by
+    a reload or discovery), keeps the open stream, and its reports go to the new object."""
     agent = await start_agent(engine.url, period_s=0.05)
     addr = f"127.0.0.1:{agent.grpc_port}"
     store = store_for(agent.grpc_port)
     w = await watchers(store)
     await eventually(lambda: node(store) is not None, what="first report")
-    again = Datastore([EndpointConfig(address=ENDPOINT, models=["m"], agent=addr)]).get(ENDPOINT)
-    assert again is not None and again is not store.get(ENDPOINT)
+    first = store.remove_endpoint(ENDPOINT)
+    again = store.add_endpoint(EndpointConfig(address=ENDPOINT, models=["m"], agent=addr))
+    assert first is not None and again is not first and again.node is None
     connects = w.connects[addr]
     w.add(again, addr)
     await eventually(lambda: again.node is not None, what="a report on the new object")
