@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -218,21 +218,26 @@ class PreciseIndexer:
             m.last_seq = seq
 
     def apply(self, address: str, batch: KVEventBatch) -> None:
-        """Apply one batch's events in order (an unregistered address is ignored)."""
-        if address in self._mirrors:
-            self.metrics.batches.labels(address).inc()
-            self.apply_events(address, batch.events)
+        """Apply one batch's events in order, at once (an unregistered address is ignored)."""
+        for _ in self._apply_slices(address, batch, len(batch.events) or 1):
+            pass
 
     async def apply_sliced(self, address: str, batch: KVEventBatch, *, slice_events: int = APPLY_SLICE_EVENTS) -> None:
         """`apply`, yielding to the event loop after every `slice_events` events (a batch of
         thousands of events would otherwise hold every decision behind it)."""
+        for _ in self._apply_slices(address, batch, slice_events):
+            await asyncio.sleep(0)
+
+    def _apply_slices(self, address: str, batch: KVEventBatch, slice_events: int) -> Iterator[None]:
+        """Count the batch and apply its events `slice_events` at a time, yielding between two
+        slices (nothing for an unregistered address)."""
         if address not in self._mirrors:
             return
         self.metrics.batches.labels(address).inc()
         events = batch.events
         for start in range(0, len(events), slice_events):
             if start:
-                await asyncio.sleep(0)
+                yield
             self.apply_events(address, events[start : start + slice_events])
 
     def apply_events(self, address: str, events: Sequence[KVEvent]) -> None:
