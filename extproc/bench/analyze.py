@@ -32,6 +32,7 @@ __all__ = [
     "TIER_EDGES",
     "analyze_trace",
     "arrival_stats",
+    "enough_spread",
     "length_stats",
     "log2_histogram",
     "prefix_reuse",
@@ -103,25 +104,23 @@ def suggest_tiers(input_tokens: np.ndarray) -> dict[str, Any]:
     """Tier boundaries for this traffic: its P68 and P90 input lengths (`SUGGEST_QUANTILES`),
     each rounded to the nearest power of two — on the design notes' distribution this gives
     their 512 and 2,048. Keys: `low_latency_below`, `high_throughput_above` (tokens, as in
-    `scheduling.tiers`), `edges`, the `split` those edges give, and `enough_spread`: False when
-    both percentiles round to the same power of two (or there is no traffic), so no balanced
-    tier exists and the edges are no advice."""
+    `scheduling.tiers`), `edges` and the `split` those edges give. Both percentiles rounding to
+    the same power of two (`enough_spread` False: no balanced tier exists, the edges are no
+    advice) gives equal edges; no traffic gives the low default edge twice."""
     if input_tokens.size == 0:
-        low, high = TIER_EDGES
-        spread = False
+        low = high = TIER_EDGES[0]
     else:
         p_low, p_high = np.percentile(input_tokens, SUGGEST_QUANTILES)
         low, high = _pow2(p_low), _pow2(p_high)
         high = max(high, low)
-        spread = high > low
     split = tier_split(input_tokens, (low, high))
-    return {
-        "low_latency_below": low,
-        "high_throughput_above": high,
-        "edges": (low, high),
-        "split": split,
-        "enough_spread": spread,
-    }
+    return {"low_latency_below": low, "high_throughput_above": high, "edges": (low, high), "split": split}
+
+
+def enough_spread(suggested: dict[str, Any]) -> bool:
+    """Whether `suggest_tiers`' edges leave room for a balanced tier (they differ)."""
+    low, high = suggested["edges"]
+    return high > low
 
 
 def arrival_stats(arrivals: np.ndarray) -> dict[str, float | None]:
@@ -263,7 +262,7 @@ def render_analysis(analysis: dict[str, Any], console: Console) -> None:
     console.print(tiers)
     sug = analysis["suggested_tiers"]
     shares = " / ".join(f"{t['share']:.1%}" for t in sug["split"].values())
-    if not sug["enough_spread"]:
+    if not enough_spread(sug):
         console.print(
             "Suggested tiers: not enough spread in input lengths to suggest tiers (P68 and P90 both "
             f"round to {sug['low_latency_below']:,} tokens); keep scheduling.tiers as they are"

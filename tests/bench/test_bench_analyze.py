@@ -9,7 +9,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from extproc.bench.analyze import analyze_trace, arrival_stats, log2_histogram, suggest_tiers
+from extproc.bench.analyze import analyze_trace, arrival_stats, enough_spread, log2_histogram, suggest_tiers
 from extproc.bench.traces import load_trace
 from extproc.cli import app
 
@@ -52,9 +52,10 @@ def test_peak_of_a_trace_longer_than_a_minute_uses_full_bins() -> None:
 
 def test_suggested_tiers_need_spread() -> None:
     same = suggest_tiers(np.full(50, 2000))  # P68 and P90 both round to 2048
-    assert same["enough_spread"] is False
+    assert enough_spread(same) is False and same["edges"] == (2048, 2048)
+    assert enough_spread(suggest_tiers(np.array([], dtype=np.int64))) is False  # no traffic, no advice
     spread = suggest_tiers(np.concatenate([np.full(70, 100), np.full(20, 1000), np.full(10, 8000)]))
-    assert spread["enough_spread"] is True and spread["edges"][0] < spread["edges"][1]
+    assert enough_spread(spread) is True and spread["edges"][0] < spread["edges"][1]
 
 
 def test_cli_says_when_tiers_cannot_be_suggested(tmp_path: Path) -> None:
