@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from extproc.models import builtin_tokenizer_dir
 from extproc.pipeline.chat_render import DirectChatRenderer, _qwen3_plain
 from extproc.pipeline.tokens import TokenCounter
+from tests.pipeline.segments import segments_by_finditer
 
 TOOLS = [
     {
@@ -242,18 +243,6 @@ def test_the_counter_renders_directly(qwen_counter):
 def test_segment_cuts_equal_a_scan_for_every_added_token(qwen_counter):
     """Cuts found by `str.find` on the tokens' first character are exactly `finditer`'s."""
     assert qwen_counter._cut_lead == "<"
-    cut = qwen_counter._cut_re
-
-    def by_finditer(text: str) -> list[str]:
-        out, last = [], 0
-        for m in cut.finditer(text):
-            if m.start() > last:
-                out.append(text[last : m.start()])
-                last = m.start()
-        if last < len(text) or not out:
-            out.append(text[last:])
-        return out
-
     texts = [
         "",
         "<",
@@ -265,4 +254,4 @@ def test_segment_cuts_equal_a_scan_for_every_added_token(qwen_counter):
         "x" * 50 + "<" + "<|endoftext|>" + "<<",
     ]
     for text in texts:
-        assert qwen_counter._segments(text) == by_finditer(text), text
+        assert qwen_counter._segments(text) == segments_by_finditer(qwen_counter._cut_re, text), text

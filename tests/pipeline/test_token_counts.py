@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.pipeline.tokens import TokenCounter
+from tests.pipeline.segments import segments_by_finditer
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +119,7 @@ def test_fuzz_direct_render_equals_apply_chat_template(counter: TokenCounter, me
 @settings(max_examples=3000, deadline=None)
 @given(st.lists(st.sampled_from(["<", "|", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "im_start", "x", "<<|", "|>", "\n"]), max_size=20).map("".join))
 def test_fuzz_str_find_cuts_equal_finditer_cuts(counter: TokenCounter, text: str) -> None:
-    cut = counter._cut_re
-    out, last = [], 0
-    for m in cut.finditer(text):
-        if m.start() > last:
-            out.append(text[last : m.start()])
-            last = m.start()
-    if last < len(text) or not out:
-        out.append(text[last:])
-    assert counter._segments(text) == out
+    assert counter._segments(text) == segments_by_finditer(counter._cut_re, text)
     assert counter.encode(text) == counter.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 

@@ -17,8 +17,6 @@ from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.replicas.sync import MAX_PEERS, ReplicaSync, redis_location
-from tests.ratelimit.conftest import redis_server  # noqa: F401 - a real redis-server per test
-from tests.replicas.blackhole import BlackholeProxy
 
 MODEL = "m"
 ADDRS = ["10.0.0.1:8000", "10.0.0.2:8000"]
@@ -363,15 +361,12 @@ async def test_aclose_returns_even_when_redis_py_swallows_the_publishers_cancell
         assert store_a.open_reservations == 0
 
 
-async def test_a_subscriber_on_a_silently_dropped_connection_reconnects_and_hears_again(redis_server):
+async def test_a_subscriber_on_a_silently_dropped_connection_reconnects_and_hears_again(redis_server, redis_proxy):
     # b's connections to Redis go through a proxy that then black-holes them: no byte either
     # way, no FIN, no RST. b's subscriber must notice it hears nothing (not even its own
     # heartbeats or its PINGs' replies) within owner_timeout_s, subscribe again, and hear a.
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
-    proxy = BlackholeProxy(host, int(port))
-    await proxy.start()
     a, store_a, _ = make_sync(url=redis_server.url, heartbeat_s=0.2, owner_timeout_s=1.0)
-    b, store_b, _ = make_sync(url=f"redis://127.0.0.1:{proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=1.0)
+    b, store_b, _ = make_sync(url=f"redis://127.0.0.1:{redis_proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=1.0)
     await a.start()
     await b.start()
     try:
@@ -382,8 +377,8 @@ async def test_a_subscriber_on_a_silently_dropped_connection_reconnects_and_hear
         first.release()
         await until(lambda: ep_b.inflight == 0)
 
-        accepted = proxy.accepted
-        proxy.blackhole()
+        accepted = redis_proxy.accepted
+        redis_proxy.blackhole()
         cut = time.monotonic()
         await until(lambda: not b.connected, timeout_s=5.0)
         noticed = time.monotonic() - cut
@@ -391,7 +386,7 @@ async def test_a_subscriber_on_a_silently_dropped_connection_reconnects_and_hear
         # for a loaded 2-core host.
         assert b.silent_reconnects == 1 and b.metrics.silent_reconnects._value.get() == 1 and noticed <= 1.0 + 0.2 + 0.5, noticed
         await until(lambda: b.connected, timeout_s=5.0)
-        assert proxy.accepted > accepted  # a new connection, not the dead one revived
+        assert redis_proxy.accepted > accepted  # a new connection, not the dead one revived
         second = store_a.reserve(ep_a)
         await until(lambda: ep_b.inflight == 1, timeout_s=3.0)
         second.release()
@@ -399,26 +394,21 @@ async def test_a_subscriber_on_a_silently_dropped_connection_reconnects_and_hear
     finally:
         await a.aclose()
         await b.aclose()
-        await proxy.aclose()
 
 
-async def test_a_working_subscription_is_kept_by_its_ping_replies_when_nothing_else_is_heard(redis_server):
+async def test_a_working_subscription_is_kept_by_its_ping_replies_when_nothing_else_is_heard(redis_proxy):
     # The replica's own heartbeats stop reaching the channel (every connection but the
     # subscriber's black-holed, new ones too: its publisher fails), and no one else publishes.
     # The subscriber's PINGs are answered on its own connection: it stays subscribed through
     # several owner_timeout_s of silence instead of reconnecting in a loop.
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
-    proxy = BlackholeProxy(host, int(port))
-    await proxy.start()
-    a, _, _ = make_sync(url=f"redis://127.0.0.1:{proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=0.6)
+    a, _, _ = make_sync(url=f"redis://127.0.0.1:{redis_proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=0.6)
     await a.start()
     try:
-        await until(lambda: a.connected and proxy.accepted == 1)  # the subscriber's connection, index 0
-        proxy.blackhole(spare=0, new_too=True)
+        await until(lambda: a.connected and redis_proxy.accepted == 1)  # the subscriber's connection, index 0
+        redis_proxy.blackhole(spare=0, new_too=True)
         dropped = a.metrics.events.labels("dropped")._value.get()
         await asyncio.sleep(2.5)
         assert a.metrics.events.labels("dropped")._value.get() > dropped  # its heartbeats went nowhere
         assert a.connected and a.silent_reconnects == 0
     finally:
         await a.aclose()
-        await proxy.aclose()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-from tests.ratelimit.conftest import redis_server  # noqa: F401 - a real redis-server per test
-from tests.replicas.blackhole import BlackholeProxy
 from tests.replicas.test_sync import make_sync, until
 
 
@@ -38,31 +36,27 @@ def ours() -> int:
     return sum(1 for t in asyncio.all_tasks() if "Blackhole" not in t.get_coro().__qualname__ and "_pipe" not in t.get_coro().__qualname__)
 
 
-async def test_repeated_silent_reconnects_leave_no_sockets_or_tasks(redis_server):  # noqa: F811
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
-    proxy = BlackholeProxy(host, int(port))
-    await proxy.start()
-    a, _, _ = make_sync(url=f"redis://127.0.0.1:{proxy.port}/0", heartbeat_s=0.1, owner_timeout_s=0.3)
+async def test_repeated_silent_reconnects_leave_no_sockets_or_tasks(redis_proxy):
+    a, _, _ = make_sync(url=f"redis://127.0.0.1:{redis_proxy.port}/0", heartbeat_s=0.1, owner_timeout_s=0.3)
     await a.start()
     try:
         await until(lambda: a.connected)
         await asyncio.sleep(0.3)
-        base_sockets, base_tasks = client_sockets_to(proxy.port), ours()
+        base_sockets, base_tasks = client_sockets_to(redis_proxy.port), ours()
         cycles = 8
         for i in range(cycles):
-            proxy.blackhole()
+            redis_proxy.blackhole()
             await until(lambda: a.silent_reconnects == i + 1, timeout_s=5.0)
             await until(lambda: a.connected, timeout_s=5.0)
         await asyncio.sleep(1.0)  # the publisher's own timeouts and reconnects settle
-        sockets, tasks = client_sockets_to(proxy.port), ours()
+        sockets, tasks = client_sockets_to(redis_proxy.port), ours()
         assert sockets <= base_sockets, f"client sockets to Redis: {base_sockets} before, {sockets} after {cycles} silent reconnects"
         assert tasks <= base_tasks + 1, f"tasks: {base_tasks} before, {tasks} after"
     finally:
         await a.aclose()
-        await proxy.aclose()
 
 
-async def test_no_silent_reconnect_while_redis_answers_slowly(redis_server):  # noqa: F811
+async def test_no_silent_reconnect_while_redis_answers_slowly(redis_server):
     """Redis alive but each reply late (a loaded server, a slow link): the subscription is
     kept as long as replies come within owner_timeout_s."""
     host, port = redis_server.url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
@@ -98,15 +92,12 @@ async def test_no_silent_reconnect_while_redis_answers_slowly(redis_server):  # 
         server.close()
 
 
-async def test_connected_is_not_reported_for_a_subscription_redis_never_confirmed(redis_server):  # noqa: F811
+async def test_connected_is_not_reported_for_a_subscription_redis_never_confirmed(redis_proxy):
     """A path that accepts TCP connections but forwards nothing (an L4 balancer in front of a
     dead Redis, a black-holed NAT): the replica must never report itself subscribed. (Held up:
     redis-py's connection handshake waits for a reply, bounded by `timeout_ms` × 4.)"""
-    host, port = redis_server.url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
-    proxy = BlackholeProxy(host, int(port))
-    await proxy.start()
-    proxy.blackhole(new_too=True)
-    a, _, _ = make_sync(url=f"redis://127.0.0.1:{proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=1.0)
+    redis_proxy.blackhole(new_too=True)
+    a, _, _ = make_sync(url=f"redis://127.0.0.1:{redis_proxy.port}/0", heartbeat_s=0.2, owner_timeout_s=1.0)
     await a.start()
     try:
         samples = []
@@ -116,4 +107,3 @@ async def test_connected_is_not_reported_for_a_subscription_redis_never_confirme
         assert not any(samples), f"reported connected in {sum(samples)} of {len(samples)} samples; silent reconnects {a.silent_reconnects}"
     finally:
         await a.aclose()
-        await proxy.aclose()

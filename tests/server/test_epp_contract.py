@@ -59,6 +59,19 @@ async def send_request(channel, messages) -> Exchange:
     return ex
 
 
+async def open_and_pick(channel, body: bytes | None = None, *, extra: dict[str, str] | None = None):
+    """Open a stream and send a chat request whole (headers, then `body`, default `chat_body()`);
+    read the headers' answer and the body's, which carries the pick. Returns the still-open
+    call and the `Exchange` holding those two answers."""
+    call = open_stream(channel)
+    await call.write(request_headers("POST", CHAT, extra=extra))
+    await call.write(request_body(chat_body() if body is None else body, end=True))
+    ex = Exchange()
+    ex.take(await call.read())
+    ex.take(await call.read())
+    return call, ex
+
+
 async def wait_until(predicate, timeout: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
@@ -223,12 +236,7 @@ async def test_early_cancel_mid_body_holds_nothing(epp, channel):
 
 
 async def test_cancel_after_the_decision_releases_the_reservation(epp, channel):
-    call = open_stream(channel)
-    await call.write(request_headers("POST", CHAT))
-    await call.write(request_body(chat_body(stream=True), end=True))
-    ex = Exchange()
-    ex.take(await call.read())
-    ex.take(await call.read())
+    call, ex = await open_and_pick(channel, chat_body(stream=True))
     assert ex.body_ended
     assert epp.store.open_reservations == 1 and inflight(epp, ex.destination) == 1
     call.cancel()
@@ -237,12 +245,7 @@ async def test_cancel_after_the_decision_releases_the_reservation(epp, channel):
 
 
 async def test_response_is_streamed_back_and_the_served_endpoint_takes_the_load(epp, channel):
-    call = open_stream(channel)
-    await call.write(request_headers("POST", CHAT))
-    await call.write(request_body(chat_body(stream=True, max_tokens=4), end=True))
-    ex = Exchange()
-    ex.take(await call.read())
-    ex.take(await call.read())
+    call, ex = await open_and_pick(channel, chat_body(stream=True, max_tokens=4))
     primary = ex.destination
     (other,) = [e for e in ENDPOINTS if e != primary]
     # The gateway retried onto `other` and says so in the envoy.lb metadata.
@@ -271,11 +274,7 @@ async def test_response_is_streamed_back_and_the_served_endpoint_takes_the_load(
 
 
 async def test_an_engine_error_body_is_held_and_answered_in_the_gateway_shape(epp, channel):
-    call = open_stream(channel)
-    await call.write(request_headers("POST", CHAT))
-    await call.write(request_body(chat_body(), end=True))
-    await call.read()
-    await call.read()
+    call, _ = await open_and_pick(channel)
     await call.write(response_headers(500, content_type="text/plain"))
     reply = await call.read()
     assert reply.response_headers is not None and reply.mode_override is None
@@ -323,11 +322,7 @@ async def test_response_trailers_close_a_streamed_response(epp, channel):
     from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue
     from envoy_data_plane.envoy.service.ext_proc.v3 import HttpTrailers, ProcessingRequest
 
-    call = open_stream(channel)
-    await call.write(request_headers("POST", CHAT))
-    await call.write(request_body(chat_body(), end=True))
-    await call.read()
-    await call.read()
+    call, _ = await open_and_pick(channel)
     await call.write(response_headers(200))
     await call.read()
     await call.write(response_body(b'{"id":"x"}', end=False))
@@ -346,12 +341,8 @@ async def test_rate_limits_answer_429_and_settle_in_epp_mode(make_app):
     app = await make_app(protocol={"mode": "epp"}, ratelimit={"enabled": True, "default": {"tokens_per_minute": 300}})
     auth = {"authorization": "Bearer sk-epp-ratelimit-test"}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
-        first = open_stream(ch)  # admitted and still in flight: its charge is held
-        await first.write(request_headers("POST", CHAT, extra=auth))
-        await first.write(request_body(chat_body(max_tokens=200), end=True))
-        held = Exchange()
-        held.take(await first.read())
-        held.take(await first.read())
+        # admitted and still in flight: its charge is held
+        first, held = await open_and_pick(ch, chat_body(max_tokens=200), extra=auth)
         assert held.destination in ENDPOINTS
         second = await send_request(ch, [request_headers("POST", CHAT, extra=auth), request_body(chat_body(max_tokens=200), end=True)])
         first.cancel()
@@ -372,12 +363,7 @@ async def test_a_capped_tenant_is_refused_at_its_headers_before_its_body_is_buff
     )
     auth = {"authorization": "Bearer sk-epp-capped-test"}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
-        first = open_stream(ch)
-        await first.write(request_headers("POST", CHAT, extra=auth))
-        await first.write(request_body(chat_body(max_tokens=20), end=True))
-        held = Exchange()
-        held.take(await first.read())
-        held.take(await first.read())
+        first, held = await open_and_pick(ch, chat_body(max_tokens=20), extra=auth)
         second = await send_request(ch, [request_headers("POST", CHAT, extra=auth)])  # headers only
         first.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
@@ -422,12 +408,7 @@ async def test_a_served_ipv6_endpoint_written_otherwise_is_still_the_endpoint(ma
     v6 = ["[2001:db8::1]:18001", "[2001:db8::2]:18002"]
     app = await make_app(protocol={"mode": "epp"}, endpoints=[{"address": a, "models": [MODEL]} for a in v6])
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
-        call = open_stream(ch)
-        await call.write(request_headers("POST", CHAT))
-        await call.write(request_body(chat_body(stream=True, max_tokens=4), end=True))
-        ex = Exchange()
-        ex.take(await call.read())
-        ex.take(await call.read())
+        call, ex = await open_and_pick(ch, chat_body(stream=True, max_tokens=4))
         primary = ex.destination
         (other,) = [e for e in v6 if e != primary]
         # The gateway writes the address it retried onto in its own text: upper case, zeros kept.
