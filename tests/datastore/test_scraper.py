@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiohttp import web
@@ -83,12 +84,18 @@ def test_malformed_exposition_is_an_error():
 
 
 async def test_hanging_metrics_age_into_staleness_and_recover():
-    state = {"hang": False}
+    answering = asyncio.Event()  # cleared: every scrape hangs (past the scraper's timeout) until set again
+    answering.set()
 
     async def metrics(request):
-        if state["hang"]:
-            await asyncio.sleep(5)
+        await asyncio.wait({asyncio.ensure_future(answering.wait())}, timeout=5)
         return web.Response(text=MODERN)
+
+    async def until(predicate, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            await asyncio.sleep(0.02)
 
     runner, port = await serve_get("/metrics", metrics)
     store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"])])
@@ -98,15 +105,12 @@ async def test_hanging_metrics_age_into_staleness_and_recover():
     try:
         await scraper.start()
         assert ep.engine is not None and ep.engine.waiting == 3
-        state["hang"] = True
-        await asyncio.sleep(0.8)
+        answering.clear()
+        await until(lambda: ep.metrics_age(time.monotonic()) > 0.5)  # the old snapshot ages
         assert results[-1] is False
-        import time
-
-        assert ep.metrics_age(time.monotonic()) > 0.5  # the old snapshot ages
-        state["hang"] = False
-        await asyncio.sleep(0.5)
-        assert results[-1] is True and ep.metrics_age(time.monotonic()) < 0.3
+        answering.set()  # the hung scrapes answer late; the next ones in time
+        await until(lambda: results[-1] is True)
+        assert ep.metrics_age(time.monotonic()) < 0.3
     finally:
         await scraper.aclose()
         await runner.cleanup()

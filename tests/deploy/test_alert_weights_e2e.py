@@ -156,9 +156,12 @@ async def test_a_firing_alert_lowers_the_endpoint_and_the_override_expires(tmp_p
 
         # Healthy fleet: both endpoints take traffic.
         load = asyncio.create_task(traffic())
-        await asyncio.sleep(4)
-        before = [e for _, e in routed]
-        assert before.count(slow) >= 2 and before.count(fast) >= 2, before
+
+        async def both_served() -> bool:
+            before = [e for _, e in routed]
+            return before.count(slow) >= 2 and before.count(fast) >= 2
+
+        await wait_until(both_served, proc=prom, what=f"both endpoints serving: {[e for _, e in routed]}", timeout_s=15, interval_s=0.1)
 
         # The fault: up to 6 s before every streamed chunk on one engine → its P95 TTFT > 2 s.
         async with httpx.AsyncClient() as c:

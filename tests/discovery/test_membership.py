@@ -129,8 +129,8 @@ async def test_the_manager_merges_sources_and_drains_what_none_reports_as_ready(
     s1, s2 = FakeSource("one"), FakeSource("two")
     d = Discovery(store, [s1, s2], initial_wait_s=0.05)
     start = asyncio.create_task(d.start())
-    await s1.ready.wait()
-    await s2.ready.wait()
+    await asyncio.wait_for(s1.ready.wait(), 10)
+    await asyncio.wait_for(s2.ready.wait(), 10)
     s1.report(found(A, B))
     assert {e.address for e in store.all()} == {A, B}
     s1.report(found(A))  # s2 has not reported yet: B may be its own, so it stays
@@ -156,7 +156,7 @@ async def test_a_source_that_never_answers_keeps_nothing_from_being_drained_only
     s1, silent = FakeSource("one"), FakeSource("silent")
     d = Discovery(store, [s1, silent], initial_wait_s=0.2)
     start = asyncio.create_task(d.start())
-    await s1.ready.wait()
+    await asyncio.wait_for(s1.ready.wait(), 10)
     s1.report(found(B))
     assert store.get(A) is not None  # the silent source might report A
     await start  # gave up waiting: the wanted set is what has been reported

@@ -206,7 +206,7 @@ async def test_a_client_hanging_up_mid_upload_leaves_nothing_open(by_header, pic
 
     async with httpx.AsyncClient(base_url=by_header.url, trust_env=False, timeout=30) as c:
         task = asyncio.create_task(c.post("/v1/chat/completions", content=half_then_stall(), headers={"content-type": "application/json"}))
-        await sent.wait()
+        await asyncio.wait_for(sent.wait(), 10)
         deadline = asyncio.get_running_loop().time() + 10
         while await metric(picker, "llm_extproc_grpc_streams_active") < 1:  # the picker holds the partial body
             assert asyncio.get_running_loop().time() < deadline

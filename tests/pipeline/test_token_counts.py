@@ -12,8 +12,9 @@ from tests.pipeline.segments import segments_by_finditer
 
 
 @pytest.fixture(scope="module")
-def counter() -> TokenCounter:
-    return TokenCounter.from_source("builtin:qwen3")
+def counter(qwen_counter: TokenCounter) -> TokenCounter:
+    """The session's Qwen3 counter (loaded once for the whole suite); read only here."""
+    return qwen_counter
 
 
 def reference_ids(counter: TokenCounter, messages, **kwargs) -> list[int]:
@@ -46,9 +47,12 @@ _TEXT = st.lists(st.one_of(_ADVERSARIAL, st.text(max_size=6)), max_size=12).map(
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": _TEXT})
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_MESSAGE, min_size=1, max_size=4), st.sampled_from([None, True, False]))
 def test_fuzz_count_matches_reference(counter: TokenCounter, messages, thinking) -> None:
+    """Every text, including text whose NFC Python and the tokenizer disagree on (handled by
+    `extproc.pipeline.normalize`). One search: a second run of it restricted to text where the
+    two agree (from before that fix) looked at a subset of these inputs."""
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     try:
         want = reference_ids(counter, messages, **kwargs)
@@ -56,24 +60,6 @@ def test_fuzz_count_matches_reference(counter: TokenCounter, messages, thinking)
         return  # lone surrogates: the reference cannot encode them either
     got = counter.count_chat(messages, chat_template_kwargs=kwargs).token_ids
     assert got == want
-
-
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(st.lists(_MESSAGE, min_size=1, max_size=4), st.sampled_from([None, True, False]))
-def test_fuzz_count_matches_reference_where_nfc_agrees(counter: TokenCounter, messages, thinking) -> None:
-    """The same fuzz, skipping text whose NFC Python and the tokenizer disagree on (handled by
-    `extproc.pipeline.normalize`), to look for any other class of difference."""
-    import unicodedata
-
-    from hypothesis import assume
-
-    norm = counter.tokenizer.backend_tokenizer.normalizer
-    for m in messages:
-        try:
-            assume(norm.normalize_str(m["content"]) == unicodedata.normalize("NFC", m["content"]))
-        except Exception:
-            assume(False)
-    test_fuzz_count_matches_reference.hypothesis.inner_test(counter, messages, thinking)
 
 
 _VALUE = st.one_of(

@@ -5,9 +5,11 @@ that limits are per worker. (Draining a busy server is tests/e2e/test_restart.py
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,17 +34,33 @@ MODEL = "Qwen/Qwen3-8B"
 
 
 def _start(argv: list[str], ready: str, readies: int, env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    """Start `argv` and return once `ready` appeared on its stdout `readies` times (every process
+    prints its ready line once it listens). Raises AssertionError (the process killed) if it
+    exits first or is not ready within 90 s: a silent, hung child must not block the test."""
     out = log.open("w")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=out, text=True, env=env)
+    assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read(stdout) -> None:  # type: ignore[no-untyped-def]
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, args=(proc.stdout,), daemon=True).start()
     seen = 0
     deadline = time.monotonic() + 90
-    assert proc.stdout is not None
-    for line in proc.stdout:  # every process prints its ready line once it listens
-        seen += ready in line
-        if seen == readies:
-            return proc
-        assert time.monotonic() < deadline, log.read_text()
-    raise AssertionError(f"exited before ready: {log.read_text()}")
+    try:
+        while seen < readies:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line is None:
+                raise AssertionError(f"exited before ready: {log.read_text()}")
+            seen += ready in line
+    except queue.Empty:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"not ready after 90 s: {log.read_text()}") from None
+    return proc
 
 
 def _exit_time(proc: subprocess.Popen[str]) -> float:
