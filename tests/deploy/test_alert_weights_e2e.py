@@ -90,7 +90,10 @@ async def test_a_firing_alert_lowers_the_endpoint_and_the_override_expires(tmp_p
     prometheus_bin = _binary("prometheus")
     alertmanager_bin = _binary("prometheus-alertmanager", "alertmanager")
     procs: list[ManagedProcess] = []
-    sims = [SimProcess("h100-qwen3-8b", name=f"sim-{i}", workdir=tmp_path, seed=i) for i in range(2)]
+    # Every port fixed up front, so Prometheus, Alertmanager, the simulators and llm-extproc
+    # start side by side (Prometheus scrapes the server once it is up).
+    grpc_port, admin_port, am_port, prom_port, *sim_ports = free_ports(6)
+    sims = [SimProcess("h100-qwen3-8b", name=f"sim-{i}", workdir=tmp_path, seed=i, port=sim_ports[i]) for i in range(2)]
     server = envoy = None
     stop = asyncio.Event()
     routed: list[tuple[float, str | None]] = []
@@ -105,24 +108,18 @@ async def test_a_firing_alert_lowers_the_endpoint_and_the_override_expires(tmp_p
             await asyncio.gather(*(worker() for _ in range(4)))
 
     try:
-        await asyncio.gather(*(s.start() for s in sims))
-        slow, fast = sims[0].address, sims[1].address
+        slow, fast = (f"127.0.0.1:{port}" for port in sim_ports)
         config = {
             "models": [{"name": "Qwen/Qwen3-8B"}],
-            "endpoints": [{"address": s.address, "models": ["Qwen/Qwen3-8B"]} for s in sims],
+            "endpoints": [{"address": a, "models": ["Qwen/Qwen3-8B"]} for a in (slow, fast)],
             "telemetry": {"sample_rate": 1.0},
         }
         (tmp_path / "llm-extproc.yaml").write_text(yaml.safe_dump(config))
-        server = ExtProcServerProcess(tmp_path / "llm-extproc.yaml", workdir=tmp_path, env={"LLM_EXTPROC_ADMIN_TOKEN": TOKEN})
-        await server.start()
-        admin = server.admin_url
-        envoy = EnvoyProcess(
-            rewrite_config(load_envoy_config("fail-open"), RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", s.port) for s in sims])),
-            workdir=tmp_path,
+        server = ExtProcServerProcess(
+            tmp_path / "llm-extproc.yaml", workdir=tmp_path, grpc_port=grpc_port, admin_port=admin_port, env={"LLM_EXTPROC_ADMIN_TOKEN": TOKEN}
         )
-        await envoy.start()
+        admin = server.admin_url
 
-        am_port, prom_port = free_ports(2)
         am = ManagedProcess(
             [alertmanager_bin, f"--config.file={_alertmanager_config(tmp_path, admin)}", f"--storage.path={tmp_path / 'am-data'}",
              f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
@@ -143,6 +140,13 @@ async def test_a_firing_alert_lowers_the_endpoint_and_the_override_expires(tmp_p
         for p in (am, prom):
             p.spawn()
             procs.append(p)
+        await asyncio.gather(server.start(), *(s.start() for s in sims))
+        assert [s.address for s in sims] == [slow, fast]
+        envoy = EnvoyProcess(
+            rewrite_config(load_envoy_config("fail-open"), RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", s.port) for s in sims])),
+            workdir=tmp_path,
+        )
+        await envoy.start()
         prom_url = f"http://127.0.0.1:{prom_port}"
 
         async def query(expr: str) -> list[dict]:
