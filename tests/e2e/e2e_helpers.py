@@ -3,7 +3,9 @@ start-up with our configs, and the OpenAI error-shape assertion."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ import yaml
 from extproc.pipeline.tokens import TokenCounter
 from extproc.sim.server import SimServer
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
+from extproc.stack.fleet import SimProcess
 from extproc.stack.server import ExtProcServerProcess
 from tests.e2e.fake_engines import Backend
 
@@ -92,6 +95,35 @@ async def in_process_sims(counter: TokenCounter, n: int, speed: float, sim_class
     finally:
         for sim in started:
             await sim.aclose()
+
+
+async def start_beside(server: ExtProcServerProcess, sims: Sequence[SimProcess], timeout_s: float = 30.0) -> None:
+    """Start `server` and `sims` side by side (each a few seconds of tokenizer loading), the
+    simulators on the ports `server`'s config lists (fixed when they were made: `port=`), then
+    wait until the server has probed every endpoint healthy: its first probes may have come
+    before a simulator listened.
+
+    Raises:
+        ProcessError: one of them did not start.
+        AssertionError: not every endpoint healthy within `timeout_s` seconds.
+        Either way every one of them is stopped first.
+    """
+    try:
+        results = await asyncio.gather(server.start(), *(s.start() for s in sims), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(trust_env=False, timeout=5) as c:
+            while True:
+                health = (await c.get(f"{server.admin_url}/healthz")).json()
+                if health["endpoints_healthy"] == health["endpoints"]:
+                    return
+                assert time.monotonic() < deadline, f"endpoints healthy after {timeout_s:g} s: {health}"
+                await asyncio.sleep(0.05)
+    except BaseException:
+        await asyncio.gather(server.aclose(), *(s.aclose() for s in sims), return_exceptions=True)
+        raise
 
 
 async def start_server(workdir: Path, config: dict[str, Any], name: str, **kw: Any) -> ExtProcServerProcess:

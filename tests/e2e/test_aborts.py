@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack.fleet import SimProcess
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
+from extproc.stack.ports import free_ports
 from extproc.stack.server import ExtProcServerProcess
+from tests.e2e.e2e_helpers import start_beside
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -30,21 +32,21 @@ async def sim_stack(tmp_path_factory) -> AsyncIterator[tuple[EnvoyProcess, ExtPr
     workdir: Path = tmp_path_factory.mktemp("aborts")
     # Simulators in their own processes: the client load in this process must not slow the
     # engines' health and metrics answers (an in-process engine shares this event loop).
-    sims = [SimProcess("h100-qwen3-8b", name=f"sim-{i}", workdir=workdir, speed=10, stream_interval=2, seed=i) for i in range(2)]
-    await asyncio.gather(*(s.start() for s in sims))
+    ports = free_ports(2)
+    sims = [SimProcess("h100-qwen3-8b", name=f"sim-{i}", workdir=workdir, speed=10, stream_interval=2, seed=i, port=p) for i, p in enumerate(ports)]
     path = workdir / "llm-extproc.yaml"
     path.write_text(
         yaml.safe_dump(
             {
                 "models": [{"name": MODEL}],
-                "endpoints": [{"address": f"127.0.0.1:{s.port}", "models": [MODEL]} for s in sims],
+                "endpoints": [{"address": f"127.0.0.1:{p}", "models": [MODEL]} for p in ports],
                 # A loaded CI machine answers slowly: do not call an engine dead over one slow probe.
                 "scheduling": {"health_check": {"timeout_s": 2.0, "unhealthy_threshold": 3}},
             }
         )
     )
     server = ExtProcServerProcess(path, workdir=workdir)
-    await server.start()
+    await start_beside(server, sims)
     cfg = rewrite_config(
         load_envoy_config("fail-open"),
         RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", s.port) for s in sims]),

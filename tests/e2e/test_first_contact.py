@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack.envoy import EnvoyProcess, load_envoy_config, validate_config_file
 from extproc.stack.fleet import SimProcess
-from extproc.stack.ports import free_port
+from extproc.stack.ports import free_port, free_ports
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import assert_openai_error
+from tests.e2e.e2e_helpers import assert_openai_error, start_beside
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -49,19 +49,19 @@ class Stack:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
     workdir = tmp_path_factory.mktemp("first_contact")
-    sim = SimProcess("h100-qwen3-8b", name="sim-0", workdir=workdir, speed=20, stream_interval=2)
-    await sim.start()
+    (port,) = free_ports(1)
+    sim = SimProcess("h100-qwen3-8b", name="sim-0", workdir=workdir, speed=20, stream_interval=2, port=port)
     config = workdir / "llm-extproc.yaml"
     config.write_text(yaml.safe_dump({
         "models": [{"name": MODEL}],
-        "endpoints": [{"address": sim.address, "models": [MODEL]}],
+        "endpoints": [{"address": f"127.0.0.1:{port}", "models": [MODEL]}],
         "scheduling": {"health_check": {"timeout_s": 2.0, "unhealthy_threshold": 3}},
         "telemetry": {"sample_rate": 1.0},
     }))  # fmt: skip
     server = ExtProcServerProcess(config, workdir=workdir)
     started: list = [sim]
     try:
-        await server.start()
+        await start_beside(server, [sim])
         started.append(server)
         envoy = EnvoyProcess(envoy_config(workdir, config, "envoy", f"127.0.0.1:{server.grpc_port}"), workdir=workdir)
         await envoy.start()

@@ -16,8 +16,9 @@ import yaml
 from extproc.pipeline.tokens import TokenCounter
 from extproc.stack.envoy import EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.fleet import SimProcess
+from extproc.stack.ports import free_ports
 from extproc.stack.server import ExtProcServerProcess
-from tests.e2e.e2e_helpers import assert_openai_error
+from tests.e2e.e2e_helpers import assert_openai_error, start_beside
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -29,8 +30,8 @@ CONTEXT = 8192
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory) -> AsyncIterator[tuple[EnvoyProcess, SimProcess]]:
     workdir = tmp_path_factory.mktemp("truncation")
-    sim = SimProcess("h100-qwen3-8b", name="sim", workdir=workdir, speed=20, seed=1)
-    await sim.start()
+    (port,) = free_ports(1)
+    sim = SimProcess("h100-qwen3-8b", name="sim", workdir=workdir, speed=20, seed=1, port=port)
     path = workdir / "llm-extproc.yaml"
     path.write_text(
         yaml.safe_dump(
@@ -38,14 +39,14 @@ async def stack(tmp_path_factory) -> AsyncIterator[tuple[EnvoyProcess, SimProces
                 "models": [
                     {"name": MODEL, "max_model_len": CONTEXT, "truncation": {"mode": "on-request", "min_output_tokens": 256}}
                 ],
-                "endpoints": [{"address": f"127.0.0.1:{sim.port}", "models": [MODEL]}],
+                "endpoints": [{"address": f"127.0.0.1:{port}", "models": [MODEL]}],
                 "scheduling": {"health_check": {"timeout_s": 2.0, "unhealthy_threshold": 3}},
             }
         )
     )
     server = ExtProcServerProcess(path, workdir=workdir)
     try:
-        await server.start()
+        await start_beside(server, [sim])
         settings = RunSettings(extproc=server.grpc_address, endpoints=[("127.0.0.1", sim.port)])
         cfg = rewrite_config(load_envoy_config("fail-open"), settings)
         envoy = EnvoyProcess(cfg, workdir=workdir)
