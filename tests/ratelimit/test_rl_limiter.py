@@ -27,7 +27,7 @@ MODEL = "m"
 def _limiter(backend=None, registry=None, **cfg) -> RateLimiter:
     config = RateLimitConfig(enabled=True, **cfg)
     return RateLimiter(
-        config, backend or MemoryBackend(config.buckets), RateLimitMetrics(Metrics(registry or CollectorRegistry())), {MODEL: (100, 1000)}
+        config, MemoryBackend(config.buckets) if backend is None else backend, RateLimitMetrics(Metrics(registry or CollectorRegistry())), {MODEL: (100, 1000)}
     )
 
 
