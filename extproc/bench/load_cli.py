@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import typer
 
-__all__ = ["load"]
+__all__ = ["gateway_base", "load"]
+
+
+def gateway_base(url: str) -> str:
+    """The gateway's base URL without a trailing slash or the OpenAI `/v1` (the generator adds
+    `/v1/...` itself); `up` and `demo` print the API URL with `/v1`, and pasting that doubled it
+    into `/v1/v1/chat/completions` and a 404 for every request."""
+    base = url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def load(
-    url: str = typer.Option("http://127.0.0.1:8080", "--url", help="the gateway's base URL (Envoy's listener)"),
+    url: str = typer.Option("http://127.0.0.1:8080", "--url", help="the gateway's URL (Envoy's listener), with or without the /v1 that `up` prints"),
     rate: float = typer.Option(2.0, "--rate", help="mean arrival rate (requests/s, Poisson)"),
     requests: int = typer.Option(600, "--requests", min=1, help="requests to send"),
     model: str = typer.Option("Qwen/Qwen3-8B", "--model", help="the model field sent"),
@@ -33,7 +41,7 @@ def load(
 
     try:
         spec = WorkloadSpec(requests=requests, rate=rate, seed=seed)
-        config = LoadGenConfig(base_url=url.rstrip("/"), model=model, request_timeout_s=timeout)
+        config = LoadGenConfig(base_url=gateway_base(url), model=model, request_timeout_s=timeout)
     except ValueError as exc:
         raise fail(str(exc)) from None
     _, workload = _prepare(Workload("synthetic", synthetic_workload(spec)))

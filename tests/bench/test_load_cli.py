@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.bench.load_cli import gateway_base
 from extproc.stack.fleet import SimProcess
 
 
@@ -19,7 +20,8 @@ async def test_load_sends_the_workload_and_reports(tmp_path: Path):
     sim = SimProcess("h100-qwen3-8b", name="sim", workdir=tmp_path, speed=20.0)
     await sim.start()
     try:
-        done = _load("--url", sim.url, "--rate", "50", "--requests", "6")
+        # The API URL as `up` prints it, with /v1: the generator adds /v1 itself, once.
+        done = _load("--url", sim.url + "/v1/", "--rate", "50", "--requests", "6")
     finally:
         await sim.aclose()
     assert done.returncode == 0, done.stdout + done.stderr
@@ -31,3 +33,10 @@ def test_bad_arguments_are_clear_errors(args: list[str]):
     done = _load(*args, "--requests", "1")
     assert done.returncode != 0
     assert "Traceback" not in done.stderr and ("http://" in done.stderr + done.stdout or "rate" in done.stderr + done.stdout)
+
+
+def test_the_gateway_base_drops_one_trailing_v1_only():
+    assert gateway_base("http://gw:8080/v1") == gateway_base("http://gw:8080/v1/") == "http://gw:8080"
+    assert gateway_base("http://gw:8080/") == "http://gw:8080"
+    assert gateway_base("http://gw:8080/prefix/v1") == "http://gw:8080/prefix"
+    assert gateway_base("http://gw:8080/v1x") == "http://gw:8080/v1x"
