@@ -51,14 +51,22 @@ def _item_type(annotation: Any) -> Any:
     return args[-1] if args else None
 
 
+def _is_mapping(annotation: Any) -> bool:
+    """dict[str, X] (through Optional): its keys are names, not fields of X."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_mapping(a) for a in typing.get_args(annotation) if a is not type(None))
+    return isinstance(origin, type) and issubclass(origin, Mapping)
+
+
 def known_keys_at(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys the model at `loc` accepts (`loc` ends with the unknown key itself), or [] when
     `loc` does not lead to a model (a plugin's free-form `params`, say)."""
     annotation: Any = root
     for part in loc[:-1]:
         model = _model_in(annotation)
-        if isinstance(part, int) or (model is None and isinstance(part, str)):
-            annotation = _item_type(annotation)
+        if isinstance(part, int) or model is None or _is_mapping(annotation):
+            annotation = _item_type(annotation)  # a list index or a dict key (a profile's name)
             continue
         field = model.model_fields.get(part) if model is not None else None
         if field is None:

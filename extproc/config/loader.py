@@ -37,6 +37,12 @@ def worker_index(environ: Mapping[str, str] | None = None) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+MISSING_HINTS = {
+    "models": f" (the models the fleet serves; the smallest entry: `models: [{{name: {DEFAULT_MODEL}}}]`)",
+}
+"""What to write for a required key a new configuration most often leaves out."""
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message names each offending key and value."""
 
@@ -51,14 +57,16 @@ def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) 
             shown = shown[:77] + "..."
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
-            lines.append(f"  {loc or '<root>'}: required key is missing")
+            lines.append(f"  {loc or '<root>'}: required key is missing{MISSING_HINTS.get(loc, '')}")
         elif err["type"] == "extra_forbidden":
             hint = did_you_mean(err["loc"][-1], known_keys_at(Config, err["loc"]))
             lines.append(f"  {loc}: unknown key{hint} (value {shown if shown is not None else type(value).__name__})")
+        elif not loc:  # a whole-config cross-check: its message names the keys itself
+            lines.append(f"  {msg}")
         elif shown is None or shown in msg:
-            lines.append(f"  {loc or '<root>'}: {msg}")
+            lines.append(f"  {loc}: {msg}")
         else:
-            lines.append(f"  {loc or '<root>'}: {msg} (got {shown})")
+            lines.append(f"  {loc}: {msg} (got {shown})")
     # The cross-checks pydantic skipped because their section had other errors (or reported
     # already, naming the same value: not twice).
     reported = "\n".join(lines)

@@ -46,7 +46,7 @@ def test_default_config_serves_the_default_model():
         (minimal(models=[{"name": "m", "aliases": ["m"]}]), ["alias 'm'"]),
         (minimal(limits={"max_body_bytes": 9_000_000}), ["grpc_max_message_bytes", "max_body_bytes"]),
         (minimal(limits={"max_json_values": 10}), ["limits.max_json_values", "10"]),
-        ({"endpoints": []}, ["models: required key is missing"]),
+        ({"endpoints": []}, ["models: required key is missing", "the smallest entry: `models: [{name: Qwen/Qwen3-8B}]`"]),
         (minimal(scheduling={"profile": "round-robin"}), ["scheduling", "'round-robin' is not defined"]),
         (minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "kv-fit-filter"}]}}}), ["scheduling.profiles.p", "is not a scorer"]),
         (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "nope-filter"}]}}}), ["unknown plugin type 'nope-filter'"]),
@@ -131,17 +131,19 @@ def test_every_problem_is_reported_at_once_with_the_nearest_name():
         scheduling={
             "profile": "load-awre",
             "metrics": {"intervl_s": 0.1},
-            "profiles": {"mine": {"scorers": [{"type": "queue-depth-scorr"}]}},
+            "profiles": {"mine": {"scorers": [{"type": "queue-depth-scorr"}, {"type": "queue-depth-scorer", "wieght": 2}]}},
         },
         endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"], "lables": {}}],
     )
     with pytest.raises(ConfigError) as info:
         config_from_mapping(raw, env={})
     problems = [line.strip() for line in str(info.value).splitlines()[1:]]
-    assert len(problems) == 5, problems
+    assert len(problems) == 6, problems
     text = "\n".join(problems)
     assert "scheduling.metrics.intervl_s: unknown key; did you mean 'interval_s'?" in text
     assert "endpoints[0].lables: unknown key; did you mean 'labels'?" in text
+    # Under a dict of named sections (profiles), the key is looked up in the section's fields.
+    assert "scheduling.profiles.mine.scorers[1].wieght: unknown key; did you mean 'weight'?" in text
     assert "profile 'load-awre' is not defined; did you mean 'load-aware'?" in text
     assert "unknown plugin type 'queue-depth-scorr'; did you mean 'queue-depth-scorer'?" in text
     assert "'mm' is not a configured model name; did you mean 'm'?" in text
