@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import aiohttp
 
@@ -23,6 +24,13 @@ from extproc.types import PROBE_TIMEOUT
 __all__ = ["HealthChecker"]
 
 log = logging.getLogger(__name__)
+
+
+def probe_error(exc: aiohttp.ClientError) -> str:
+    """A failed probe in words an operator can act on: the exception's type and, for a failed
+    connection, the operating system's reason ("ClientConnectorError: Connection refused")."""
+    errno = exc.os_error.errno if isinstance(exc, aiohttp.ClientConnectorError) else None
+    return f"{type(exc).__name__}: {os.strerror(errno)}" if errno else type(exc).__name__
 
 
 class HealthChecker:
@@ -98,7 +106,7 @@ class HealthChecker:
         except TimeoutError:
             error = PROBE_TIMEOUT
         except aiohttp.ClientError as exc:
-            error = type(exc).__name__
+            error = probe_error(exc)
         if not ep.probed:
             # The first probe decides outright: no reason to route to an endpoint that never answered.
             ep.probed = True
