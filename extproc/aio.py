@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-__all__ = ["cancel_and_wait", "start_site"]
+__all__ = ["cancel_and_wait", "listener_at", "start_site"]
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
@@ -41,3 +41,21 @@ async def start_site(app: web.Application, host: str, port: int, *, reuse_port: 
     if server is not None and server.sockets:
         port = server.sockets[0].getsockname()[1]
     return runner, port
+
+
+async def listener_at(host: str, port: int, timeout_s: float = 0.2) -> bool:
+    """Whether something accepts a TCP connection at host:port within `timeout_s` seconds (a
+    wildcard host, 0.0.0.0 or ::, is tried on its loopback). False for port 0 and on any error."""
+    if port == 0:
+        return False
+    target = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "*": "127.0.0.1"}.get(host, host)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return True

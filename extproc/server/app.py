@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from extproc.aio import listener_at
 from extproc.config.schema import Config, TLSConfig, is_loopback, parse_host_port
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore, Endpoint
@@ -66,6 +67,23 @@ def load_models(config: Config) -> dict[str, ModelRuntime]:
             counters[key] = TokenCounter.from_source(m.tokenizer, encoder=m.token_encoder)
         out[m.name] = ModelRuntime(m, counters[key])
     return out
+
+
+async def _warn_if_shared(cfg: Config) -> None:
+    """Log a warning for each listen address where something already accepts connections:
+    with SO_REUSEPORT the bind succeeds and the kernel splits new connections between the two
+    listeners, which is the point while a replacement llm-extproc starts (decision 0140) and
+    a silent misrouting when the port is a typo for someone else's (Envoy's listener, say)."""
+    addresses = [("gRPC", cfg.listen.grpc)] + ([("admin", cfg.listen.admin)] if cfg.admin.enabled else [])
+    for what, address in addresses:
+        host, port = parse_host_port(address)
+        if await listener_at(host, port):
+            log.warning(
+                "%s port %s already has a listener; listen.reuse_port lets this process share it, as a replacement "
+                "llm-extproc does while the old one drains. If that listener is not llm-extproc, the kernel splits "
+                "connections between the two: choose another port",
+                what, address,
+            )
 
 
 def _add_port(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> int:
@@ -301,6 +319,8 @@ class ExtProcApp:
         if self.sync is not None:
             await self.sync.start()
 
+        if cfg.listen.reuse_port:
+            await _warn_if_shared(cfg)
         options = [
             ("grpc.max_receive_message_length", cfg.limits.grpc_max_message_bytes),
             ("grpc.max_send_message_length", cfg.limits.grpc_max_message_bytes),

@@ -74,13 +74,18 @@ async def test_mtls_admits_only_clients_with_a_certificate_from_the_ca(make_app,
             await _health(ch)
 
 
-async def test_a_replacement_binds_both_ports_beside_a_serving_process(make_app):
+async def test_a_replacement_binds_both_ports_beside_a_serving_process(make_app, caplog):
     """SO_REUSEPORT (listen.reuse_port, the default): the new process gets ready before the old
-    one is told to drain; with it off, the second bind fails as it did before."""
+    one is told to drain, and says it shares both ports (a typo for someone else's port would
+    split that listener's connections silently); with it off, the second bind fails as before."""
+    caplog.set_level(logging.WARNING, logger="extproc.server.app")
     old = await make_app()
+    assert not [r for r in caplog.records if "already has a listener" in r.getMessage()]
     ports = {"grpc": f"127.0.0.1:{old.grpc_port}", "admin": f"127.0.0.1:{old.admin_port}"}
     new = await make_app(listen=ports)
     assert (new.grpc_port, new.admin_port) == (old.grpc_port, old.admin_port)
+    shared = sorted(r.getMessage().split(" port ")[0] for r in caplog.records if "already has a listener" in r.getMessage())
+    assert shared == ["admin", "gRPC"]
     with pytest.raises(RuntimeError, match="cannot listen"):
         await make_app(listen={**ports, "reuse_port": False})
 
