@@ -241,6 +241,13 @@ def _estimate_tokens(parsed: ParsedRequest) -> list[int]:
     return [max(1, int(len(p) / ESTIMATE_CHARS_PER_TOKEN)) for p in parsed.prompts]
 
 
+def _none_in_subset(model: str | None) -> NoEndpointError:
+    """The 503 for a request none of whose model's endpoints (any endpoint's, when `model` is
+    None) is in the gateway's subset hint."""
+    whose = f"of model `{model}` " if model is not None else ""
+    return NoEndpointError(f"no endpoint {whose}is in the subset the gateway allowed", code="no_endpoint_in_subset")
+
+
 def _prompt_param(kind: RequestKind) -> str:
     """The request field that holds the prompt, for an error's `param`."""
     return {RequestKind.CHAT: "messages", RequestKind.COMPLETION: "prompt", RequestKind.RESPONSES: "input"}[kind]
@@ -431,8 +438,8 @@ class RequestPipeline:
             kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
         )
         runtime = self.resolve_model(parsed.model)
-        if subset is not None:
-            self._in_subset(runtime.config.name, subset)  # fail fast: before counting its tokens
+        if subset is not None and not any(map(subset, self._store.for_model(runtime.config.name))):
+            raise _none_in_subset(runtime.config.name)  # fail fast: before counting its tokens
         priority = self._priority(priority_header, trusted_priority)
         may_truncate = wanted(runtime.config.truncation, truncate_header)
         if record is not None:
@@ -544,8 +551,7 @@ class RequestPipeline:
             ctx.prefix = self.prefix.lookup(req, healthy or pool, ctx.block_size)
         result = self.profile.run(ctx, pool)
         self._note_panic(ctx, model.name)
-        for plugin, seconds in result.timings_s.items():
-            self._metrics.child(self._metrics.plugin_seconds, plugin).observe(seconds)
+        self._metrics.observe_each(self._metrics.plugin_seconds, result.timings_s)
         if result.pick is None:
             raise self._rejection(result, ctx, pool)
         endpoint = result.pick.primary.endpoint
@@ -716,11 +722,7 @@ class RequestPipeline:
         Raises:
             NoEndpointError: none is healthy (or none is in `subset`).
         """
-        pool = self._store.routable()
-        if subset is not None:
-            pool = [ep for ep in pool if subset(ep)]
-            if not pool:
-                raise NoEndpointError("no endpoint is in the subset the gateway allowed", code="no_endpoint_in_subset")
+        pool = self._store.routable() if subset is None else self._in_subset(None, subset)
         ctx = SchedulingContext(
             request=LLMRequest(kind=RequestKind.CHAT, model=""),
             expected_output_tokens=0,
@@ -869,15 +871,15 @@ class RequestPipeline:
         if misses > 0:
             self._metrics.child(self._metrics.tokenizer_cache_misses, name).inc(misses)
 
-    def _in_subset(self, model: str, subset: Callable[[Endpoint], bool]) -> list[Endpoint]:
-        """The model's endpoints that `subset` admits.
+    def _in_subset(self, model: str | None, subset: Callable[[Endpoint], bool]) -> list[Endpoint]:
+        """The model's endpoints (every routable endpoint when `model` is None) that `subset` admits.
 
         Raises:
             NoEndpointError: none (503 `no_endpoint_in_subset`).
         """
-        pool = [ep for ep in self._store.for_model(model) if subset(ep)]
+        pool = [ep for ep in (self._store.routable() if model is None else self._store.for_model(model)) if subset(ep)]
         if not pool:
-            raise NoEndpointError(f"no endpoint of model `{model}` is in the subset the gateway allowed", code="no_endpoint_in_subset")
+            raise _none_in_subset(model)
         return pool
 
     @staticmethod

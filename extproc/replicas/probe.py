@@ -20,9 +20,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-__all__ = ["HeldDecision", "chat_body", "decide", "DESTINATION_HEADER"]
+from extproc.server.responses import DESTINATION_HEADER
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
+__all__ = ["HeldDecision", "chat_body", "decide", "DESTINATION_HEADER"]
 
 
 def chat_body(model: str, content: str, **extra: Any) -> bytes:

@@ -195,19 +195,22 @@ class Profile:
         totals = [0.0] * len(candidates)
         factors = [1.0] * len(candidates)
         parts: list[dict[str, float]] = [{} for _ in candidates]
+        clock = time.perf_counter
         for ws in self.scorers:
-            t = time.perf_counter()
-            values = ws.scorer.score(ctx, candidates)
+            scorer = ws.scorer
+            name, weight = scorer.name, ws.weight
+            t = clock()
+            values = scorer.score(ctx, candidates)
             if timings is not None:
-                timings[ws.scorer.name] = time.perf_counter() - t
-            multiplies = getattr(ws.scorer, "multiplies", False)
+                timings[name] = clock() - t
+            multiplies = getattr(scorer, "multiplies", False)
             for i, v in enumerate(values):
-                v = 0.0 if v != v else min(1.0, max(0.0, v))  # NaN → 0, then clamp
-                parts[i][ws.scorer.name] = v
+                v = 0.0 if v != v else 1.0 if v >= 1.0 else v if v > 0.0 else 0.0  # NaN → 0, then clamp to [0, 1]
+                parts[i][name] = v
                 if multiplies:
                     factors[i] *= v  # an operator override (weight-override-scorer): scales the total
                 else:
-                    totals[i] += ws.weight * v
+                    totals[i] += weight * v
         return [ScoredEndpoint(ep, totals[i] * factors[i], parts[i]) for i, ep in enumerate(candidates)]
 
     def run(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> ProfileResult:

@@ -38,7 +38,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
@@ -53,7 +52,6 @@ from extproc.server import responses
 from extproc.server.extproc import ExtProcServicer, _Stream
 
 __all__ = [
-    "DESTINATION_KEY",
     "EppServicer",
     "SERVED_KEY",
     "SUBSET_KEY",
@@ -64,8 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DESTINATION_KEY = "x-gateway-destination-endpoint"
-"""The destination header, and its key in the destination namespace's dynamic metadata."""
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 """The subset hint's key in the subset namespace's filter metadata."""
 SERVED_KEY = "x-gateway-destination-endpoint-served"
@@ -167,10 +163,10 @@ def _destination_reply(headers: dict[str, str], destination: str, namespace: str
     """The (deferred) answer to the request headers: routing headers set, owned headers the
     client sent removed, the route recomputed, and the destination in dynamic metadata too
     (the same value as the header: the protocol forbids two different ones)."""
-    headers = {**headers, DESTINATION_KEY: destination}
+    headers = {**headers, responses.DESTINATION_HEADER: destination}
     remove = [h for h in responses.OWNED_HEADERS if h not in headers]
     metadata = struct_pb2.Struct()
-    metadata.fields[namespace].struct_value.fields[DESTINATION_KEY].string_value = destination
+    metadata.fields[namespace].struct_value.fields[responses.DESTINATION_HEADER].string_value = destination
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
@@ -204,12 +200,6 @@ def _pieces(phase: str, body: bytes, end_of_stream: bool, chunk_bytes: int) -> l
     return out
 
 
-_TRAILERS = {
-    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
-    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
-}
-
-
 class EppServicer(ExtProcServicer):
     """`ExtProcServicer` speaking the Endpoint Picker Protocol (module docstring).
 
@@ -228,6 +218,10 @@ class EppServicer(ExtProcServicer):
         self._served = self._metrics.epp_served
         for label in ("primary", "other", "unreported"):
             self._served.labels(label)
+
+    def _subset_for(self, msg: pb.ProcessingRequest) -> Subset | None:
+        """The request's subset hint (`_subset_of` in `protocol.subset_namespace`)."""
+        return _subset_of(msg, self._protocol.subset_namespace)
 
     def _destination(self, routed: Routed) -> str:
         """The primary endpoint, then up to `protocol.fallbacks` runners-up, comma-separated."""
@@ -265,16 +259,9 @@ class EppServicer(ExtProcServicer):
                 if s.done:
                     continue  # Envoy stops after an ImmediateResponse; a stray message changes nothing
                 if phase == "request_headers":
-                    s.start_ns = time.monotonic_ns()
-                    s.hdrs = self._headers(msg.request_headers)
-                    if (wrong := self._proxy_mode_error(msg)) is not None:
-                        s.done = True
-                        yield self._reject(wrong, s.hdrs)
-                        continue
-                    s.subset = _subset_of(msg, proto.subset_namespace)
-                    verdict = await self._classify_headers(s, msg.request_headers.end_of_stream, s.subset)
+                    verdict = await self._open_stream(msg, s)
                     if isinstance(verdict, pb.ProcessingResponse):
-                        yield verdict  # refused before its body is buffered, as in BUFFERED mode
+                        yield verdict  # refused before its body is buffered, as in BUFFERED mode (or a proxy in the other mode)
                     elif verdict is not None:  # passthrough, reserved
                         headers = self._routing_headers(None, None, None, s.hdrs.get("x-request-id"))
                         yield _destination_reply(headers, verdict.address, proto.destination_namespace)
@@ -295,7 +282,7 @@ class EppServicer(ExtProcServicer):
                     s.record = self._new_record(s)
                     whole = bytes(s.body)
                     s.body = bytearray()
-                    decided = await self._route(whole, s.kind, s.hdrs, s.record, s.tenant, s.subset)  # type: ignore[arg-type]
+                    decided = await self._route(whole, s)
                     if isinstance(decided, pb.ProcessingResponse):
                         s.done = True
                         yield decided
@@ -313,7 +300,7 @@ class EppServicer(ExtProcServicer):
                     for piece in _pieces("request_body", sent, not trailers, proto.chunk_bytes):
                         yield piece
                     if trailers:
-                        yield _TRAILERS["request_trailers"]
+                        yield responses.continue_for("request_trailers")
                 elif phase == "request_body":
                     # Routed at the headers (passthrough), or a chunk after the decision: on as it came.
                     yield _streamed("request_body", msg.request_body.body, msg.request_body.end_of_stream)
@@ -340,9 +327,9 @@ class EppServicer(ExtProcServicer):
                     if s.error_status:  # the error body ends with the trailers: send it first
                         for piece in _pieces("response_body", self._flush_error_body(s), False, proto.chunk_bytes):
                             yield piece
-                    yield _TRAILERS["response_trailers"]
+                    yield responses.continue_for("response_trailers")
                 elif phase == "request_trailers":
-                    yield _TRAILERS["request_trailers"]
+                    yield responses.continue_for("request_trailers")
         except asyncio.CancelledError:
             raise
         except Exception:

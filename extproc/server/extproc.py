@@ -95,6 +95,7 @@ class _Stream:
             rewritten (0: none), and the bytes held so far.
         first_token: the predicted end of prefill when response headers are skipped.
         done: answered with an `ImmediateResponse`: nothing more to say.
+        mismatched: the proxy speaks the other body mode (refused; the stream ends).
         subset: the gateway's subset hint (Endpoint Picker Protocol), or None.
         body: the request body held for the decision (Endpoint Picker Protocol).
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
@@ -115,6 +116,7 @@ class _Stream:
     error_body: bytearray = dataclasses.field(default_factory=bytearray)
     first_token: asyncio.TimerHandle | None = None
     done: bool = False
+    mismatched: bool = False
     subset: Callable[[Endpoint], bool] | None = None
     body: bytearray = dataclasses.field(default_factory=bytearray)
     buffering: bool = False
@@ -216,23 +218,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     # below releases what it held) rather than guess.
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected ext_proc message: {phase or 'empty'}")
                 if phase == "request_headers":
-                    s.start_ns = time.monotonic_ns()
-                    s.hdrs = self._headers(msg.request_headers)
-                    if (wrong := self._proxy_mode_error(msg)) is not None:
-                        yield self._reject(wrong, s.hdrs)
-                        return
-                    verdict = await self._classify_headers(s, msg.request_headers.end_of_stream)
+                    verdict = await self._open_stream(msg, s)
                     if isinstance(verdict, pb.ProcessingResponse):
                         yield verdict
+                        if s.mismatched:
+                            return  # the proxy's body mode is not ours: nothing more to say
                     elif verdict is not None:  # passthrough, reserved
                         headers = self._routing_headers(verdict.address, None, None, s.hdrs.get("x-request-id"))
                         yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream)
                     else:
-                        if s.observe:
-                            mode = responses.GENERATION_MODE_STREAMED
-                        else:
-                            mode = responses.GENERATION_MODE_NO_RESPONSE if self._skip_response_headers else responses.GENERATION_MODE
-                        yield responses.continue_request_headers(mode=mode)
+                        yield responses.generation_headers_reply(observe=s.observe, skip_response_headers=self._skip_response_headers)
                 elif phase == "request_body":
                     if s.done or s.kind is None or s.routed is not None or s.reservation is not None:
                         yield responses.continue_for(phase)
@@ -263,14 +258,30 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         finally:
             self._end_stream(s)
 
-    async def _classify_headers(self, s: _Stream, end_of_stream: bool, subset: Callable[[Endpoint], bool] | None = None) -> pb.ProcessingResponse | Endpoint | None:
+    async def _open_stream(self, msg: pb.ProcessingRequest, s: _Stream) -> pb.ProcessingResponse | Endpoint | None:
+        """A stream's request headers, the same in both body modes: read them into `s` (start,
+        headers, the subset hint), refuse a proxy in the other body mode (`s.mismatched`, `done`),
+        then `_classify_headers`. Returns what `_classify_headers` returns."""
+        s.start_ns = time.monotonic_ns()
+        s.hdrs = self._headers(msg.request_headers)
+        if (wrong := self._proxy_mode_error(msg)) is not None:
+            s.mismatched = s.done = True
+            return self._reject(wrong, s.hdrs)
+        s.subset = self._subset_for(msg)
+        return await self._classify_headers(s, msg.request_headers.end_of_stream)
+
+    def _subset_for(self, msg: pb.ProcessingRequest) -> Callable[[Endpoint], bool] | None:
+        """The endpoints this request may go to, from its first message; None: any (BUFFERED
+        mode has no subset hint; the Endpoint Picker Protocol's servicer reads one)."""
+        return None
+
+    async def _classify_headers(self, s: _Stream, end_of_stream: bool) -> pb.ProcessingResponse | Endpoint | None:
         """Classify a request by its headers (`s.hdrs` already read), the same in both body modes.
 
         Args:
             s: the stream; sets `kind`, and for a generation request `sampled`, `tenant`, `observe`.
+                A passthrough request goes only to an endpoint `s.subset` admits (when set).
             end_of_stream: the headers end the request (no body follows).
-            subset: the endpoints a passthrough request may go to (Endpoint Picker Protocol), or
-                None for any.
 
         Returns:
             the refusal to answer (the stream is then `done`, its `kind` None): a generation
@@ -295,7 +306,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             err = MethodNotAllowedError(f"{hdrs.get(':method', '')} is not allowed here; use POST")
         else:
             try:
-                endpoint = self._pipeline.pick_any(subset)
+                endpoint = self._pipeline.pick_any(s.subset)
             except ExtProcError as exc:
                 err = exc
             else:
@@ -465,7 +476,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _routing_headers(address: str | None, tier: str | None, prompt_tokens: int | None, request_id: str | None) -> dict[str, str]:
         headers: dict[str, str] = {}
         if address is not None:
-            headers["x-gateway-destination-endpoint"] = address
+            headers[responses.DESTINATION_HEADER] = address
         if tier is not None:
             headers["x-llm-tier"] = tier
         if prompt_tokens is not None:
@@ -478,26 +489,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """`_route`, answered in BUFFERED mode: the routing headers (and a rewritten body) on
         the body reply, or the error's `ImmediateResponse`. Sets the stream's decision, or on
         a refusal marks it `done` (its `kind` None), as `_classify_headers` does."""
-        decided = await self._route(body, s.kind, s.hdrs, s.record, s.tenant)  # type: ignore[arg-type]
+        decided = await self._route(body, s)
         if isinstance(decided, pb.ProcessingResponse):
             s.kind, s.done = None, True  # answered: a stray body after this decides nothing
             return decided
         s.routed, s.reservation, s.admission = decided.routed, decided.reservation, decided.admission
         return responses.route_in_body(decided.headers, decided.body)
 
-    async def _route(
-        self,
-        body: bytes,
-        kind: RequestKind,
-        hdrs: dict[str, str],
-        record: DecisionRecord | None = None,
-        tenant: Tenant | None = None,
-        subset: Callable[[Endpoint], bool] | None = None,
-    ) -> Decision | pb.ProcessingResponse:
+    async def _route(self, body: bytes, s: _Stream) -> Decision | pb.ProcessingResponse:
         """Run the pipeline on a body, charge the tenant's rate limit, reserve the decision.
 
-        `subset` (Endpoint Picker Protocol) admits only the endpoints it accepts; None admits
-        every endpoint. Returns the decision, or the `ImmediateResponse` refusing the request.
+        Reads the stream's `kind`, `hdrs`, `record` (filled in), `tenant` (charged) and `subset`
+        (Endpoint Picker Protocol: only the endpoints it accepts; None admits every endpoint).
+        Returns the decision, or the `ImmediateResponse` refusing the request.
 
         Only the rate-limit charge may await between the decision and the KV reservation: the
         memory backend never suspends, and a remote one gives a charge back when the stream is
@@ -515,10 +519,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         admission: Admission | None = None
+        kind, hdrs, record, tenant = s.kind, s.hdrs, s.record, s.tenant
 
         try:
             counted = await self._pipeline.count(
-                kind,
+                kind,  # type: ignore[arg-type]
                 body,
                 priority_header=hdrs.get(self._priority_header),
                 session_header=hdrs.get(self._session_header) if self._session_header else None,
@@ -526,7 +531,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 record=record,
                 trusted_priority=hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None,
                 before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
-                subset=subset,
+                subset=s.subset,
             )
             routed = self._pipeline.schedule(counted)
             if tenant is not None:
@@ -559,8 +564,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         record.predict(routed)
                 reservation = self._pipeline.reserve(routed)
                 m = self._metrics
-                for phase, seconds in routed.timings_s.items():
-                    m.child(m.decision_seconds, phase).observe(seconds)
+                m.observe_each(m.decision_seconds, routed.timings_s)
                 m.prompt_tokens.observe(routed.request.prompt_tokens)
                 m.child(m.requests, "routed", "ok").inc()
                 address = routed.endpoint.address if routed.endpoint is not None else None

@@ -17,8 +17,10 @@ from envoy.type.v3 import http_status_pb2
 from extproc.errors import ExtProcError
 
 __all__ = [
+    "DESTINATION_HEADER",
     "OWNED_HEADERS",
     "continue_request_headers",
+    "generation_headers_reply",
     "response_headers",
     "response_body",
     "response_body_cleared",
@@ -33,8 +35,12 @@ __all__ = [
     "continue_for",
 ]
 
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""The header naming the chosen endpoint ("ip:port") that Envoy's original-destination cluster
+routes on; in the Endpoint Picker Protocol also the destination's key in the dynamic metadata."""
+
 OWNED_HEADERS: tuple[str, ...] = (
-    "x-gateway-destination-endpoint",
+    DESTINATION_HEADER,
     "x-llm-tier",
     "x-llm-prompt-tokens",
     "x-llm-route-debug",
@@ -118,7 +124,8 @@ def continue_request_headers(
     remove: Iterable[str] = OWNED_HEADERS, mode: processing_mode_pb2.ProcessingMode | None = None
 ) -> pb.ProcessingResponse:
     """Headers-phase reply for a request whose body we still need: strip owned headers, go on,
-    optionally overriding the processing mode for the rest of the stream."""
+    optionally overriding the processing mode for the rest of the stream. A new message each call
+    (`generation_headers_reply` is the shared one a generation request gets)."""
     resp = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(remove)))
@@ -127,6 +134,22 @@ def continue_request_headers(
     if mode is not None:
         resp.mode_override.CopyFrom(mode)
     return resp
+
+
+_GENERATION_HEADERS = continue_request_headers(mode=GENERATION_MODE)
+_GENERATION_HEADERS_STREAMED = continue_request_headers(mode=GENERATION_MODE_STREAMED)
+_GENERATION_HEADERS_NO_RESPONSE = continue_request_headers(mode=GENERATION_MODE_NO_RESPONSE)
+
+
+def generation_headers_reply(*, observe: bool, skip_response_headers: bool) -> pb.ProcessingResponse:
+    """The headers-phase reply of a generation request: owned headers stripped, the stream
+    switched to GENERATION_MODE_STREAMED when its response is observed, else to
+    GENERATION_MODE_NO_RESPONSE when response headers are skipped, else to GENERATION_MODE.
+    The three replies are built once, at import (every generation request gets one of them, and
+    gRPC only serializes it): never modify the message returned."""
+    if observe:
+        return _GENERATION_HEADERS_STREAMED
+    return _GENERATION_HEADERS_NO_RESPONSE if skip_response_headers else _GENERATION_HEADERS
 
 
 def response_headers(
