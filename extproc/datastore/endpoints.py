@@ -28,10 +28,10 @@ import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior
+from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior, gpu_value
 from extproc.types import EndpointAddress
 
 if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
@@ -81,8 +81,12 @@ class Endpoint:
         inflight: requests routed here and not yet ended (count).
         prefill_inflight / decode_inflight: of those, before / after their first token (count).
         prefill_tokens: uncached prompt tokens of the requests in prefill (tokens): the
-            prefill work still ahead on this endpoint by our own count (a prompt's prefix that
-            the prefix index believes cached there is not work).
+            prefill work routed here and not yet past its first token, by our own count (a
+            prompt's prefix that the prefix index believes cached there is not work). Part of
+            it may be computed already: `prefill_ahead` is what is still ahead.
+        prefill_done / prefill_done_at: of `prefill_tokens`, the work the engine has probably
+            computed already (tokens), as of `time.monotonic()` `prefill_done_at` (seconds;
+            None before the first reservation); see `prefill_ahead`.
         context_tokens: decode context of the requests in flight (tokens; full prompts plus half
             their expected outputs): what each decode step on the endpoint reads.
         prefill_fit: the learned fit TTFT ≈ t0 + s · prefill work ahead
@@ -120,6 +124,8 @@ class Endpoint:
     prefill_inflight: int = 0
     decode_inflight: int = 0
     prefill_tokens: int = 0
+    prefill_done: float = 0.0
+    prefill_done_at: float | None = None
     context_tokens: int = 0
     reserved_blocks: int = 0
     consecutive_failures: int = 0
@@ -154,6 +160,35 @@ class Endpoint:
     def prefill_sampled_at(self) -> float | None:
         """`time.monotonic()` of the latest first-token sample (seconds), None before any."""
         return self.prefill_fit.sampled_at
+
+    def prefill_ahead(self, now: float) -> float:
+        """Prefill work still ahead on this endpoint (tokens): `prefill_tokens` less what the
+        engine has probably computed of it by `now` (`time.monotonic()` seconds).
+
+        While prefill work is counted here the engine works through it at about one token per
+        `s` seconds (`prefill_fit.s_per_token`, the learned seconds of TTFT per token of work
+        ahead), oldest first; when a request reaches its first token or ends, its tokens leave
+        both `prefill_tokens` and the work done. Counting a prompt in full until its first token
+        told a request routed 0.5 s into a 7k-token prefill on an A100 that all 7k were still
+        ahead: predicted 685 ms, observed 259 ms; and the fit, fed that backlog, learned the
+        A100 twice as fast as it is and then sent cold 7k prefills to it (shared-system
+        benchmark, 3 of 6 duplicate prefills; decision 0255)."""
+        return max(0.0, self.prefill_tokens - self._prefill_done_by(now))
+
+    def _prefill_done_by(self, now: float) -> float:
+        if self.prefill_tokens <= 0:
+            return 0.0
+        if self.prefill_done_at is None:  # counted without a reservation (never by the datastore)
+            return min(float(self.prefill_tokens), self.prefill_done)
+        rate = 1.0 / self.prefill_fit.s_per_token
+        done = self.prefill_done + max(0.0, now - self.prefill_done_at) * rate
+        return min(float(self.prefill_tokens), done)
+
+    def _prefill_changes(self, now: float, leaving: int = 0) -> None:
+        """Bring the work done up to `now`, before `prefill_tokens` changes; `leaving` tokens
+        (a request past its first token, or ended in prefill) were done, or are no longer work."""
+        self.prefill_done = max(0.0, self._prefill_done_by(now) - leaving)
+        self.prefill_done_at = now
 
     @property
     def unseen(self) -> int:
@@ -191,20 +226,28 @@ class Reservation:
         context_tokens: the request's whole context while it decodes (tokens): its full prompt,
             cached part included, plus half its expected output — what its decode steps make
             every other decode step on the endpoint read.
+        now: when it was routed (`time.monotonic()` seconds; default now).
     """
 
     __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
 
     def __init__(
-        self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float, context_tokens: int = 0
+        self,
+        store: Datastore,
+        endpoint: Endpoint,
+        blocks: int,
+        prompt_tokens: int,
+        settle_after_s: float,
+        context_tokens: int = 0,
+        now: float | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.blocks = blocks
         self.prompt_tokens = prompt_tokens
         self.context_tokens = context_tokens
-        self.backlog_tokens = endpoint.prefill_tokens + prompt_tokens
+        self.created_at = time.monotonic() if now is None else now
+        self.backlog_tokens = endpoint.prefill_ahead(self.created_at) + prompt_tokens
         """Prefill tokens ahead of and including this request when it was routed (tokens)."""
-        self.created_at = time.monotonic()
         self.first_token_at: float | None = None
         self.settle_at = self.created_at + settle_after_s
         self.settled = blocks == 0
@@ -231,6 +274,7 @@ class Reservation:
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
         elapsed = self.first_token_at - self.created_at
+        ep._prefill_changes(self.first_token_at, self.prompt_tokens)  # at the speed known so far
         if learn and elapsed > 0:
             ep.prefill_fit.add(self.backlog_tokens, elapsed, self.first_token_at)
         ep.prefill_inflight -= 1
@@ -259,6 +303,7 @@ class Reservation:
         ep.context_tokens -= self.context_tokens
         if self.in_prefill:
             ep.prefill_inflight -= 1
+            ep._prefill_changes(time.monotonic(), self.prompt_tokens)
             ep.prefill_tokens -= self.prompt_tokens
         else:
             ep.decode_inflight -= 1
@@ -287,6 +332,12 @@ class Datastore:
     Args:
         endpoints: endpoint configurations.
         prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
+        prefill_s_per_token_by_gpu: prefill seconds per token by GPU name (lower case, matched as
+            a substring of the endpoint's `gpu_label` label): an endpoint whose GPU is listed
+            gets that prior `s` (`PrefillPrior.known`). A mixed fleet otherwise started every
+            endpoint at one speed: an idle A100 was predicted as fast as the H100 just observed
+            and took cold 7k-token prefills at 640 ms that an H100 did in 230 (decision 0255).
+        gpu_label: the endpoint label naming its GPU.
 
     Attributes:
         on_added: called with each endpoint `add_endpoint` creates (start its probes, scrapes,
@@ -300,10 +351,18 @@ class Datastore:
             that keeps per-endpoint state (e.g. state shared between replicas).
     """
 
-    def __init__(self, endpoints: Iterable[EndpointConfig], prefill_prior: PrefillPrior | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Iterable[EndpointConfig],
+        prefill_prior: PrefillPrior | None = None,
+        prefill_s_per_token_by_gpu: dict[str, float] | None = None,
+        gpu_label: str = "gpu",
+    ) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         self._prior = prefill_prior
+        self._s_by_gpu = {k.lower(): v for k, v in (prefill_s_per_token_by_gpu or {}).items()}
+        self._gpu_label = gpu_label
         self._open: set[Reservation] = set()
         self.listener: ReservationListener | None = None
         """Told of every reservation, first token and release (replica sync); None: nobody."""
@@ -312,6 +371,15 @@ class Datastore:
         self.on_removed: list[Callable[[Endpoint], None]] = []
         for cfg in endpoints:
             self.add_endpoint(cfg)
+
+    def _prior_for(self, labels: dict[str, str]) -> PrefillPrior | None:
+        """The TTFT fit's prior for an endpoint with these labels: the configured one, its
+        prefill speed taken from `prefill_s_per_token_by_gpu` when the GPU label names a GPU
+        there (marked `known`)."""
+        s = gpu_value(labels.get(self._gpu_label, ""), self._s_by_gpu)
+        if s is None:
+            return self._prior
+        return replace(self._prior or PrefillPrior(), s_per_token=s, known=True)
 
     def all(self) -> list[Endpoint]:
         """Every endpoint, draining ones included, in the order they were added."""
@@ -356,7 +424,7 @@ class Datastore:
                 for hook in self.on_changed:
                     hook(ep)
             return ep
-        ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior))
+        ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior_for(cfg.labels)))
         ep.agent, ep.kv_events, ep.kv_events_replay = links
         self._by_addr[ep.address] = ep
         self._index(ep)
@@ -427,12 +495,21 @@ class Datastore:
                 self._by_model.pop(m, None)
 
     def reserve(
-        self, endpoint: Endpoint, blocks: int = 0, *, prompt_tokens: int = 0, settle_after_s: float = 2.0, context_tokens: int = 0
+        self,
+        endpoint: Endpoint,
+        blocks: int = 0,
+        *,
+        prompt_tokens: int = 0,
+        settle_after_s: float = 2.0,
+        context_tokens: int = 0,
+        now: float | None = None,
     ) -> Reservation:
         """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks, with
-        `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens); release
-        the returned reservation when the request ends, however it ends."""
-        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens)
+        `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens), routed at
+        `now` (`time.monotonic()` seconds; default now); release the returned reservation when
+        the request ends, however it ends."""
+        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens, now)
+        endpoint._prefill_changes(r.created_at)
         endpoint.inflight += 1
         endpoint.context_tokens += context_tokens
         endpoint.routed_total += 1

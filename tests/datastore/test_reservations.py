@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore
+from extproc.datastore.prefill_fit import PrefillPrior
 
 
 def make():
@@ -63,3 +66,60 @@ def test_unseen_counts_requests_since_the_last_scrape_started():
     for r in rs:
         r.release()
     assert ep.unseen == 1  # bounded by what is still in flight
+
+
+def _a100_like() -> tuple[Datastore, object]:
+    """One endpoint whose learned prefill speed starts at an A100's ~77 µs per token."""
+    store = Datastore([EndpointConfig(address="10.0.0.1:8000", models=["m"])], PrefillPrior(t0_s=0.04, s_per_token=77e-6))
+    return store, store.all()[0]
+
+
+def test_prefill_already_computed_is_not_ahead():
+    """A request routed 0.5 s into a cold 7,213-token prefill waits for what is left of it,
+    not for all of it (the shared-system benchmark: predicted 685 ms, observed 259 ms)."""
+    store, ep = _a100_like()
+    t = time.monotonic()
+    cold = store.reserve(ep, prompt_tokens=7213, now=t)
+    assert cold.backlog_tokens == 7213 and ep.prefill_ahead(t) == 7213
+    left = 7213 - 0.5 / 77e-6  # ~719 tokens
+    assert ep.prefill_ahead(t + 0.5) == pytest.approx(left)
+    warm = store.reserve(ep, prompt_tokens=1213, now=t + 0.5)
+    assert warm.backlog_tokens == pytest.approx(left + 1213)  # was 8,426: the whole cold prompt
+    assert ep.prefill_tokens == 8426  # the count of work routed and not past its first token is unchanged
+    cold.mark_first_token(t + 0.6)  # its tokens leave both the count and the work done
+    # 0.6 s at 77 µs/token computed the cold prompt and 579 tokens of the warm one
+    assert ep.prefill_tokens == 1213 and ep.prefill_ahead(t + 0.6) == pytest.approx(7213 + 1213 - 0.6 / 77e-6)
+    assert ep.prefill_ahead(t + 5) == 0
+    warm.release()  # ended in prefill: nothing left ahead, and a later request starts from zero
+    assert ep.prefill_ahead(t + 5) == 0
+    later = store.reserve(ep, prompt_tokens=500, now=t + 6)
+    assert later.backlog_tokens == 500 and ep.prefill_ahead(t + 6) == 500
+
+
+def test_prefill_fit_learns_an_engines_speed_from_overlapping_requests():
+    """An engine prefilling 77 µs/token, first come first served, gets a cold 7,213-token prompt
+    and then warm 1,213-token ones 0.2 s apart, each arriving while the previous is still in
+    prefill: the fit learns 77 µs/token. Counting every routed prompt in full until its first
+    token, it learned ~40 µs/token (the A100 of the shared-system benchmark) and predicted a
+    cold prefill there at 372 ms that took 659."""
+    store, ep = _a100_like()
+    s, t0 = 77e-6, 0.04
+    t = time.monotonic()
+    arrivals = [(t + 0.2 * i, 7213 if i % 4 == 0 else 1213) for i in range(40)]
+    free_at = t
+    events = []  # (time, order, reservation index or None, tokens)
+    done_at = []
+    for at, tokens in arrivals:
+        free_at = max(free_at, at) + s * tokens
+        done_at.append(free_at + t0)
+    reservations = []
+    for i, (at, tokens) in enumerate(arrivals):
+        events.append((at, 0, i, tokens))
+        events.append((done_at[i], 1, i, tokens))
+    for when, kind, i, tokens in sorted(events):
+        if kind == 0:
+            reservations.append(store.reserve(ep, prompt_tokens=tokens, now=when))
+        else:
+            reservations[i].mark_first_token(when)
+    assert ep.prefill_fit.s_per_token == pytest.approx(s, rel=0.2)
+    assert ep.prefill_fit.predict(7213) == pytest.approx(t0 + s * 7213, rel=0.15)
