@@ -84,9 +84,10 @@ class Endpoint:
             prefill work routed here and not yet past its first token, by our own count (a
             prompt's prefix that the prefix index believes cached there is not work). Part of
             it may be computed already: `prefill_ahead` is what is still ahead.
-        prefill_done / prefill_done_at: of `prefill_tokens`, the work the engine has probably
-            computed already (tokens), as of `time.monotonic()` `prefill_done_at` (seconds;
-            None before the first reservation); see `prefill_ahead`.
+        in_prefill: our reservations here before their first token, oldest first (the
+            engine's queue by our own count; `prefill_ahead`).
+        prefill_left_at: `time.monotonic()` when the latest of them left prefill (seconds;
+            -inf before any): the oldest one left has been computed since then at the latest.
         context_tokens: decode context of the requests in flight (tokens; full prompts plus half
             their expected outputs): what each decode step on the endpoint reads.
         prefill_fit: the learned fit TTFT ≈ t0 + s · prefill work ahead
@@ -124,8 +125,8 @@ class Endpoint:
     prefill_inflight: int = 0
     decode_inflight: int = 0
     prefill_tokens: int = 0
-    prefill_done: float = 0.0
-    prefill_done_at: float | None = None
+    in_prefill: dict[Reservation, None] = field(default_factory=dict, repr=False)
+    prefill_left_at: float = float("-inf")
     context_tokens: int = 0
     reserved_blocks: int = 0
     consecutive_failures: int = 0
@@ -163,32 +164,24 @@ class Endpoint:
 
     def prefill_ahead(self, now: float) -> float:
         """Prefill work still ahead on this endpoint (tokens): `prefill_tokens` less what the
-        engine has probably computed of it by `now` (`time.monotonic()` seconds).
+        engine has probably computed of the oldest of them by `now` (`time.monotonic()` seconds).
 
-        While prefill work is counted here the engine works through it at about one token per
-        `s` seconds (`prefill_fit.s_per_token`, the learned seconds of TTFT per token of work
-        ahead), oldest first; when a request reaches its first token or ends, its tokens leave
-        both `prefill_tokens` and the work done. Counting a prompt in full until its first token
-        told a request routed 0.5 s into a 7k-token prefill on an A100 that all 7k were still
-        ahead: predicted 685 ms, observed 259 ms; and the fit, fed that backlog, learned the
-        A100 twice as fast as it is and then sent cold 7k prefills to it (shared-system
+        The oldest request in prefill has nothing of ours ahead of it: since it was routed, or
+        since the one before it left prefill if that was later, the engine has worked on it at
+        about one token per `s` seconds (`prefill_fit.s_per_token`, the learned seconds of TTFT
+        per token of work ahead), up to its whole prompt. Only that request is credited: what
+        the engine does with the others at once (several prefills share a step) is left in the
+        count, which is what the fit was learned on. Counting a prompt in full until its first
+        token told a request routed 0.5 s into a 7k-token prefill on an A100 that all 7k were
+        still ahead: predicted 685 ms, observed 259 ms; and the fit, fed that backlog, learned
+        the A100 twice as fast as it is and then sent cold 7k prefills to it (shared-system
         benchmark, 3 of 6 duplicate prefills; decision 0255)."""
-        return max(0.0, self.prefill_tokens - self._prefill_done_by(now))
-
-    def _prefill_done_by(self, now: float) -> float:
-        if self.prefill_tokens <= 0:
-            return 0.0
-        if self.prefill_done_at is None:  # counted without a reservation (never by the datastore)
-            return min(float(self.prefill_tokens), self.prefill_done)
-        rate = 1.0 / self.prefill_fit.s_per_token
-        done = self.prefill_done + max(0.0, now - self.prefill_done_at) * rate
-        return min(float(self.prefill_tokens), done)
-
-    def _prefill_changes(self, now: float, leaving: int = 0) -> None:
-        """Bring the work done up to `now`, before `prefill_tokens` changes; `leaving` tokens
-        (a request past its first token, or ended in prefill) were done, or are no longer work."""
-        self.prefill_done = max(0.0, self._prefill_done_by(now) - leaving)
-        self.prefill_done_at = now
+        head = next(iter(self.in_prefill), None)
+        if head is None:
+            return float(self.prefill_tokens)
+        started = max(head.created_at, self.prefill_left_at)
+        done = min(float(head.prompt_tokens), max(0.0, now - started) / self.prefill_fit.s_per_token)
+        return max(0.0, self.prefill_tokens - done)
 
     @property
     def unseen(self) -> int:
@@ -274,7 +267,8 @@ class Reservation:
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
         elapsed = self.first_token_at - self.created_at
-        ep._prefill_changes(self.first_token_at, self.prompt_tokens)  # at the speed known so far
+        ep.in_prefill.pop(self, None)
+        ep.prefill_left_at = max(ep.prefill_left_at, self.first_token_at)
         if learn and elapsed > 0:
             ep.prefill_fit.add(self.backlog_tokens, elapsed, self.first_token_at)
         ep.prefill_inflight -= 1
@@ -303,7 +297,8 @@ class Reservation:
         ep.context_tokens -= self.context_tokens
         if self.in_prefill:
             ep.prefill_inflight -= 1
-            ep._prefill_changes(time.monotonic(), self.prompt_tokens)
+            ep.in_prefill.pop(self, None)
+            ep.prefill_left_at = max(ep.prefill_left_at, time.monotonic())
             ep.prefill_tokens -= self.prompt_tokens
         else:
             ep.decode_inflight -= 1
@@ -509,7 +504,7 @@ class Datastore:
         `now` (`time.monotonic()` seconds; default now); release the returned reservation when
         the request ends, however it ends."""
         r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens, now)
-        endpoint._prefill_changes(r.created_at)
+        endpoint.in_prefill[r] = None
         endpoint.inflight += 1
         endpoint.context_tokens += context_tokens
         endpoint.routed_total += 1

@@ -86,14 +86,16 @@ def test_prefill_already_computed_is_not_ahead():
     warm = store.reserve(ep, prompt_tokens=1213, now=t + 0.5)
     assert warm.backlog_tokens == pytest.approx(left + 1213)  # was 8,426: the whole cold prompt
     assert ep.prefill_tokens == 8426  # the count of work routed and not past its first token is unchanged
-    cold.mark_first_token(t + 0.6)  # its tokens leave both the count and the work done
-    # 0.6 s at 77 µs/token computed the cold prompt and 579 tokens of the warm one
-    assert ep.prefill_tokens == 1213 and ep.prefill_ahead(t + 0.6) == pytest.approx(7213 + 1213 - 0.6 / 77e-6)
+    cold.mark_first_token(t + 0.6)  # its tokens leave the count; the warm one is computed from now on
+    assert ep.prefill_tokens == 1213 and ep.prefill_ahead(t + 0.6) == 1213
+    assert ep.prefill_ahead(t + 0.65) == pytest.approx(1213 - 0.05 / ep.prefill_fit.s_per_token)  # s as just learned
     assert ep.prefill_ahead(t + 5) == 0
     warm.release()  # ended in prefill: nothing left ahead, and a later request starts from zero
-    assert ep.prefill_ahead(t + 5) == 0
+    assert ep.prefill_ahead(t + 5) == 0 and not ep.in_prefill
     later = store.reserve(ep, prompt_tokens=500, now=t + 6)
     assert later.backlog_tokens == 500 and ep.prefill_ahead(t + 6) == 500
+    queued = store.reserve(ep, prompt_tokens=300, now=t + 6)  # behind it: only the oldest is credited
+    assert queued.backlog_tokens == 800 and ep.prefill_ahead(t + 60) == 300
 
 
 def test_prefill_fit_learns_an_engines_speed_from_overlapping_requests():
