@@ -30,7 +30,10 @@ from saved reports (e.g. the main run plus a later run of more multiples) withou
 Writes `<out>/prefix.md` (markdown tables, also printed) and `<out>/prefix.json`, plus each
 run's bench report and per-request lines (`<out>/<workload>[-x<m>].json`, `...-requests.jsonl`).
 `llm-extproc-precise` (the prefix index fed by the engines' KV events) joins the default
-policies as soon as `extproc.bench.policies` defines it.
+policies as soon as `extproc.bench.policies` defines it. `--route-debug` turns on llm-extproc's
+`x-llm-route-debug` header and keeps it in the per-request lines (`route_debug`: the chosen
+endpoint's and the runner-up's scores, each candidate's matched prefix and predicted TTFT), to
+tell why a request went where it did (a duplicate prefill, a slow first token).
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ def prepare(name: str, args: argparse.Namespace, prompts: Any, max_model_len: in
     else:
         raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     workload = with_messages(workload, prompts)
+    replay = dataclasses.replace(replay, route_debug=args.route_debug)
     ordered = sorted(workload.requests, key=lambda r: r.arrival_s)  # the send order (stable: turns in order)
     return Prepared(name, workload, replay, oracle_hit_rate(ordered, counter, _block_size()), notes)
 
@@ -155,7 +159,10 @@ def run(prepared: Prepared, policies: list[str], scale: float, args: argparse.Na
     out = Path(args.out)
     options = BenchOptions(
         policies=parse_policies(policies), workload=workload, rate_scales=[1.0], duration_s=None,
-        stack=StackSettings(profiles=DEFAULT_FLEET, speed=speed, seed=args.seed),
+        stack=StackSettings(
+            profiles=DEFAULT_FLEET, speed=speed, seed=args.seed,
+            server_overrides={"scheduling": {"explain_header": True}} if args.route_debug else None,
+        ),
         replay=dataclasses.replace(prepared.replay, speed=speed),
         outputs=Outputs(json_path=out / f"{stem}.json", requests_path=out / f"{stem}-requests.jsonl"),
         slo=SLO(),
@@ -285,6 +292,8 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per request (simulated seconds)")
     ap.add_argument("--capacity-policies", default=f"{BASELINE},llm-extproc", help="'' skips the capacity runs")
     ap.add_argument("--capacity-multiples", default="0.5,1.5,2.0", help="mooncake-conv loads besides 1× (the lowest is the light load)")
+    ap.add_argument("--route-debug", action="store_true",
+                    help="llm-extproc policies explain each decision (x-llm-route-debug) in the per-request lines")
     ap.add_argument("--capacity-from", default="", help="only recompute the capacity table from these prefix.json files (comma-separated)")
     args = ap.parse_args()
     if args.capacity_from:

@@ -67,6 +67,8 @@ class LoadGenConfig:
         request_timeout_s: per-request limit, connect to end of stream (wall seconds).
         endpoint_headers: response headers naming the endpoint that served, first found wins.
         headers: extra request headers.
+        debug_header: when set, keep this response header's value (llm-extproc's
+            `x-llm-route-debug`: why the endpoint was chosen) in `RequestResult.route_debug`.
         session_header: when set, send each request's `session` in this header.
         lag_threshold_s: a send later than this behind schedule counts as behind (wall seconds).
         continuous_usage_stats: ask for usage in every chunk (vLLM), for exact tokens per chunk.
@@ -85,6 +87,7 @@ class LoadGenConfig:
     request_timeout_s: float = 300.0
     endpoint_headers: tuple[str, ...] = ("x-llm-endpoint", "x-served-by")
     headers: Mapping[str, str] = field(default_factory=dict)
+    debug_header: str | None = None
     session_header: str | None = None
     lag_threshold_s: float = 0.050
     continuous_usage_stats: bool = False
@@ -122,6 +125,7 @@ class RequestResult:
         error: error reason, None on success.
         error_detail: the error message, shortened, for diagnostics.
         endpoint: the endpoint that served it, when a header said so.
+        route_debug: the router's explanation of the choice (`LoadGenConfig.debug_header`).
         time_scale: wall → reported time factor used for this request.
         ttft_s: time to the first content event.
         e2e_s: time to the end of the stream.
@@ -143,6 +147,7 @@ class RequestResult:
     error: str | None = None
     error_detail: str | None = None
     endpoint: str | None = None
+    route_debug: str | None = None
     time_scale: float = 1.0
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -497,6 +502,8 @@ class LoadGenerator:
                 result.endpoint = next(
                     (response.headers[h] for h in self.config.endpoint_headers if h in response.headers), None
                 )
+                if self.config.debug_header is not None:
+                    result.route_debug = response.headers.get(self.config.debug_header)
                 if response.status != 200:
                     result.error, result.error_detail = error_reason(
                         response.status, await response.content.read(_ERROR_BODY_LIMIT)

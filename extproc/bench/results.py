@@ -217,7 +217,8 @@ def request_rows(runs: Sequence[LabeledRun]) -> Iterator[dict[str, Any]]:
 
     Keys: policy, trace, index, scheduled_s (trace seconds), sent_s (wall seconds since the run
     started), lag_ms (wall), input_tokens, max_tokens, output_tokens, endpoint, status, error,
-    ttft_ms, e2e_ms, itl_ms (the run's time unit; None when not measured).
+    ttft_ms, e2e_ms, itl_ms (the run's time unit; None when not measured); route_debug (the
+    router's explanation of the choice) when the replay kept it.
     """
 
     def ms(seconds: float | None) -> float | None:
@@ -225,7 +226,7 @@ def request_rows(runs: Sequence[LabeledRun]) -> Iterator[dict[str, Any]]:
 
     for run in runs:
         for r in run.record.results:
-            yield {
+            row = {
                 "policy": run.policy,
                 "trace": run.trace,
                 "index": r.index,
@@ -242,6 +243,9 @@ def request_rows(runs: Sequence[LabeledRun]) -> Iterator[dict[str, Any]]:
                 "e2e_ms": ms(r.e2e_s),
                 "itl_ms": ms(r.itl_s),
             }
+            if r.route_debug is not None:
+                row["route_debug"] = r.route_debug
+            yield row
 
 
 def build_report(runs: Sequence[LabeledRun], slo: SLO | None = None, settings: dict[str, Any] | None = None) -> Report:

@@ -46,7 +46,11 @@ __all__ = [
     "replay",
     "scrape_prefix_counters",
     "with_messages",
+    "ROUTE_DEBUG_HEADER",
 ]
+
+ROUTE_DEBUG_HEADER = "x-llm-route-debug"
+"""llm-extproc's explanation of a decision (`scheduling.explain_header`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +229,8 @@ class ReplayOptions:
         session_header: send each request's session id in this header (None: not sent).
         closed_loop_sessions: a session's turn waits for its previous turn's answer
             (`LoadGenConfig.closed_loop_sessions`), plus `think_time_s` (simulated seconds).
+        route_debug: keep each answer's `x-llm-route-debug` header (llm-extproc with
+            `scheduling.explain_header` on) in the per-request lines.
     """
 
     speed: float = 1.0
@@ -234,6 +240,7 @@ class ReplayOptions:
     session_header: str | None = None
     closed_loop_sessions: bool = False
     think_time_s: float = 0.0
+    route_debug: bool = False
 
 
 class Interrupts:
@@ -342,6 +349,7 @@ async def replay(
         session_header=options.session_header,
         closed_loop_sessions=options.closed_loop_sessions,
         think_time_s=options.think_time_s,
+        debug_header=ROUTE_DEBUG_HEADER if options.route_debug else None,
     )
     label = label or stack.policy.name
     bar = _progress_bar(console, label) if options.progress else None

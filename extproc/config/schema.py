@@ -27,6 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from extproc.config.diagnose import undefined_profile, unknown_model
 from extproc.config_base import Strict
 from extproc.config_base import yaml_off
+from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
@@ -543,12 +544,29 @@ class PrefillModelConfig(Strict):
         prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model).
         prior_weight: how many samples the prior counts as (samples).
         forget: per-sample decay of older samples (0.95 ≈ the last 20 first tokens).
+        prior_s_per_token_by_gpu: the prior prefill seconds per token by GPU name, matched
+            case-insensitively as a substring of the endpoint's `gpu_label` label (the longest
+            name wins); an endpoint whose GPU is listed starts from its own GPU's speed and is
+            predicted with it until observed (decision 0255). Default
+            `PREFILL_S_PER_TOKEN_BY_GPU` (h100, h200 23.5 µs, a100 67.3 µs: an 8B model; scale
+            for others). `{}` turns it off.
+        gpu_label: the endpoint label naming its GPU.
     """
 
     prior_t0_s: float = Field(default=0.02, ge=0)
     prior_s_per_token: float = Field(default=5e-5, gt=0)
     prior_weight: float = Field(default=1.0, gt=0)
     forget: float = Field(default=0.95, gt=0, le=1)
+    prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
+    gpu_label: str = "gpu"
+
+    @field_validator("prior_s_per_token_by_gpu")
+    @classmethod
+    def _positive_speeds(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if not x > 0 or not k}
+        if bad:
+            raise ValueError(f"GPU names must be non-empty and seconds per token > 0, got {bad}")
+        return {k.lower(): x for k, x in v.items()}
 
 
 class HotPrefixConfig(Strict):

@@ -28,10 +28,10 @@ import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior
+from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior, gpu_value
 from extproc.types import EndpointAddress
 
 if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
@@ -81,8 +81,13 @@ class Endpoint:
         inflight: requests routed here and not yet ended (count).
         prefill_inflight / decode_inflight: of those, before / after their first token (count).
         prefill_tokens: uncached prompt tokens of the requests in prefill (tokens): the
-            prefill work still ahead on this endpoint by our own count (a prompt's prefix that
-            the prefix index believes cached there is not work).
+            prefill work routed here and not yet past its first token, by our own count (a
+            prompt's prefix that the prefix index believes cached there is not work). Part of
+            it may be computed already: `prefill_ahead` is what is still ahead.
+        in_prefill: our reservations here before their first token, oldest first (the
+            engine's queue by our own count; `prefill_ahead`).
+        prefill_left_at: `time.monotonic()` when the latest of them left prefill (seconds;
+            -inf before any): the oldest one left has been computed since then at the latest.
         context_tokens: decode context of the requests in flight (tokens; full prompts plus half
             their expected outputs): what each decode step on the endpoint reads.
         prefill_fit: the learned fit TTFT ≈ t0 + s · prefill work ahead
@@ -120,6 +125,8 @@ class Endpoint:
     prefill_inflight: int = 0
     decode_inflight: int = 0
     prefill_tokens: int = 0
+    in_prefill: dict[Reservation, None] = field(default_factory=dict, repr=False)
+    prefill_left_at: float = float("-inf")
     context_tokens: int = 0
     reserved_blocks: int = 0
     consecutive_failures: int = 0
@@ -154,6 +161,36 @@ class Endpoint:
     def prefill_sampled_at(self) -> float | None:
         """`time.monotonic()` of the latest first-token sample (seconds), None before any."""
         return self.prefill_fit.sampled_at
+
+    def prefill_ahead(self, now: float) -> float:
+        """Prefill work still ahead on this endpoint (tokens): `prefill_tokens` less what the
+        engine has probably computed of the oldest of them by `now` (`time.monotonic()` seconds).
+
+        The oldest request in prefill has nothing of ours ahead of it: since it was routed, or
+        since the one before it left prefill if that was later, the engine has worked on it at
+        about one token per `s` seconds (`prefill_fit.s_per_token`, the learned seconds of TTFT
+        per token of work ahead), up to its whole prompt. Only that request is credited: what
+        the engine does with the others at once (several prefills share a step) is left in the
+        count, which is what the fit was learned on. Counting a prompt in full until its first
+        token told a request routed 0.5 s into a 7k-token prefill on an A100 that all 7k were
+        still ahead: predicted 685 ms, observed 259 ms; and the fit, fed that backlog, learned
+        the A100 twice as fast as it is and then sent cold 7k prefills to it (shared-system
+        benchmark, 3 of 6 duplicate prefills; decision 0255)."""
+        head = next(iter(self.in_prefill), None)
+        if head is None:
+            return float(self.prefill_tokens)
+        started = max(head.created_at, self.prefill_left_at)
+        done = min(float(head.prompt_tokens), max(0.0, now - started) / self.prefill_fit.s_per_token)
+        return max(0.0, self.prefill_tokens - done)
+
+    def leave_prefill(self, reservation: Reservation, now: float) -> None:
+        """`reservation` left prefill at `now` (monotonic seconds: its first token, or its end).
+        Only the oldest one leaving restarts the credit `prefill_ahead` gives the next: a later
+        request that ends or gets its first token first (a client abort, a short prompt beside a
+        long one, a passthrough) says nothing about how far the oldest has got."""
+        if next(iter(self.in_prefill), None) is reservation:
+            self.prefill_left_at = max(self.prefill_left_at, now)
+        self.in_prefill.pop(reservation, None)
 
     @property
     def unseen(self) -> int:
@@ -191,20 +228,28 @@ class Reservation:
         context_tokens: the request's whole context while it decodes (tokens): its full prompt,
             cached part included, plus half its expected output — what its decode steps make
             every other decode step on the endpoint read.
+        now: when it was routed (`time.monotonic()` seconds; default now).
     """
 
     __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
 
     def __init__(
-        self, store: Datastore, endpoint: Endpoint, blocks: int, prompt_tokens: int, settle_after_s: float, context_tokens: int = 0
+        self,
+        store: Datastore,
+        endpoint: Endpoint,
+        blocks: int,
+        prompt_tokens: int,
+        settle_after_s: float,
+        context_tokens: int = 0,
+        now: float | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.blocks = blocks
         self.prompt_tokens = prompt_tokens
         self.context_tokens = context_tokens
-        self.backlog_tokens = endpoint.prefill_tokens + prompt_tokens
+        self.created_at = time.monotonic() if now is None else now
+        self.backlog_tokens = endpoint.prefill_ahead(self.created_at) + prompt_tokens
         """Prefill tokens ahead of and including this request when it was routed (tokens)."""
-        self.created_at = time.monotonic()
         self.first_token_at: float | None = None
         self.settle_at = self.created_at + settle_after_s
         self.settled = blocks == 0
@@ -231,6 +276,7 @@ class Reservation:
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
         elapsed = self.first_token_at - self.created_at
+        ep.leave_prefill(self, self.first_token_at)
         if learn and elapsed > 0:
             ep.prefill_fit.add(self.backlog_tokens, elapsed, self.first_token_at)
         ep.prefill_inflight -= 1
@@ -259,6 +305,7 @@ class Reservation:
         ep.context_tokens -= self.context_tokens
         if self.in_prefill:
             ep.prefill_inflight -= 1
+            ep.leave_prefill(self, time.monotonic())
             ep.prefill_tokens -= self.prompt_tokens
         else:
             ep.decode_inflight -= 1
@@ -287,6 +334,12 @@ class Datastore:
     Args:
         endpoints: endpoint configurations.
         prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
+        prefill_s_per_token_by_gpu: prefill seconds per token by GPU name (lower case, matched as
+            a substring of the endpoint's `gpu_label` label): an endpoint whose GPU is listed
+            gets that prior `s` (`PrefillPrior.known`). A mixed fleet otherwise started every
+            endpoint at one speed: an idle A100 was predicted as fast as the H100 just observed
+            and took cold 7k-token prefills at 640 ms that an H100 did in 230 (decision 0255).
+        gpu_label: the endpoint label naming its GPU.
 
     Attributes:
         on_added: called with each endpoint `add_endpoint` creates (start its probes, scrapes,
@@ -300,10 +353,18 @@ class Datastore:
             that keeps per-endpoint state (e.g. state shared between replicas).
     """
 
-    def __init__(self, endpoints: Iterable[EndpointConfig], prefill_prior: PrefillPrior | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Iterable[EndpointConfig],
+        prefill_prior: PrefillPrior | None = None,
+        prefill_s_per_token_by_gpu: dict[str, float] | None = None,
+        gpu_label: str = "gpu",
+    ) -> None:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         self._prior = prefill_prior
+        self._s_by_gpu = {k.lower(): v for k, v in (prefill_s_per_token_by_gpu or {}).items()}
+        self._gpu_label = gpu_label
         self._open: set[Reservation] = set()
         self.listener: ReservationListener | None = None
         """Told of every reservation, first token and release (replica sync); None: nobody."""
@@ -312,6 +373,15 @@ class Datastore:
         self.on_removed: list[Callable[[Endpoint], None]] = []
         for cfg in endpoints:
             self.add_endpoint(cfg)
+
+    def _prior_for(self, labels: dict[str, str]) -> PrefillPrior | None:
+        """The TTFT fit's prior for an endpoint with these labels: the configured one, its
+        prefill speed taken from `prefill_s_per_token_by_gpu` when the GPU label names a GPU
+        there (marked `known`)."""
+        s = gpu_value(labels.get(self._gpu_label, ""), self._s_by_gpu)
+        if s is None:
+            return self._prior
+        return replace(self._prior or PrefillPrior(), s_per_token=s, known=True)
 
     def all(self) -> list[Endpoint]:
         """Every endpoint, draining ones included, in the order they were added."""
@@ -356,7 +426,7 @@ class Datastore:
                 for hook in self.on_changed:
                     hook(ep)
             return ep
-        ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior))
+        ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior_for(cfg.labels)))
         ep.agent, ep.kv_events, ep.kv_events_replay = links
         self._by_addr[ep.address] = ep
         self._index(ep)
@@ -434,13 +504,17 @@ class Datastore:
         prompt_tokens: int = 0,
         settle_after_s: float = 2.0,
         context_tokens: int = 0,
+        now: float | None = None,
         notify: bool = True,
     ) -> Reservation:
         """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks, with
-        `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens); release
-        the returned reservation when the request ends, however it ends. `notify=False` does not
-        tell the `listener` (a reservation another replica made, applied here)."""
-        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens)
+        `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens), routed at
+        `now` (`time.monotonic()` seconds; default now); release the returned reservation when
+        the request ends, however it ends. `notify=False` does not tell the `listener` (a
+        reservation another replica made, applied here)."""
+        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens, now)
+        if prompt_tokens > 0:  # no prefill work (a passthrough, a fully cached prompt): never the queue's head
+            endpoint.in_prefill[r] = None
         endpoint.inflight += 1
         endpoint.context_tokens += context_tokens
         endpoint.routed_total += 1

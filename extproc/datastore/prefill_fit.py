@@ -28,10 +28,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PrefillFit", "PrefillPrior", "ROBUST_AFTER"]
+__all__ = ["PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_value"]
 
 ROBUST_AFTER = 5
 """Samples before outliers are down-weighted (count)."""
+
+
+PREFILL_S_PER_TOKEN_BY_GPU: dict[str, float] = {"h100": 2.35e-5, "h200": 2.35e-5, "a100": 6.73e-5}
+"""Prefill seconds per token of an 8B model by GPU (the prior `s` of an endpoint whose GPU label
+names one): the calibration's H100 fit (23.4 µs/token, docs/simulator.md; the simulator's
+`b`), the A100 scaled by its lower tensor throughput (67.3 µs/token, the simulator's A100
+profile), the H200 as the H100 (same compute; prefill is compute-bound). Keys are matched as
+substrings of the GPU label (`gpu_value`)."""
+
+
+def gpu_value(label: str, table: dict[str, float]) -> float | None:
+    """The entry of `table` (lower-case GPU names) whose name `label` contains, case-insensitive,
+    the longest such name winning ("a100" in "NVIDIA-A100-SXM4-80GB"); None when none does."""
+    low = label.lower()
+    names = [n for n in table if n in low] if label else []
+    return table[max(names, key=len)] if names else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +63,9 @@ class PrefillPrior:
         weight: how many samples the prior counts as (samples).
         x_ref: the prompt size at which the slope prior weighs `weight` samples (tokens).
         forget: per-sample decay of older samples, 0 < forget ≤ 1 (0.95 ≈ the last 20 samples).
+        known: `s_per_token` is the endpoint's own GPU's figure (`PREFILL_S_PER_TOKEN_BY_GPU`):
+            until observed the endpoint is predicted with this prior, not with the fastest fit
+            observed elsewhere (`extproc.scheduling.plugins.scorers.ttft_estimate.effective_fits`).
     """
 
     t0_s: float = 0.02
@@ -54,6 +73,7 @@ class PrefillPrior:
     weight: float = 1.0
     x_ref: float = 2048.0
     forget: float = 0.95
+    known: bool = False
 
 
 class PrefillFit:

@@ -147,6 +147,8 @@ class ExtProcApp:
         self.store = Datastore(
             config.endpoints,
             PrefillPrior(t0_s=pm.prior_t0_s, s_per_token=pm.prior_s_per_token, weight=pm.prior_weight, forget=pm.forget),
+            pm.prior_s_per_token_by_gpu,
+            pm.gpu_label,
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
         # A warm-up is prefill work on its endpoint like any request: counted in flight there.

@@ -327,3 +327,21 @@ async def test_ctrl_c_stops_the_run_cleanly(server: tuple[web.Application, str])
     assert run.interrupted and [r.error for r in run.results] == ["cancelled"]
     # The handler is gone again: Ctrl-C means KeyboardInterrupt outside a run.
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+async def test_the_route_debug_header_is_kept_only_when_asked_for() -> None:
+    """`debug_header` keeps the router's explanation of each choice for the per-request lines
+    (`bench_prefix.py --route-debug`); without it nothing is kept."""
+    from extproc.bench.results import LabeledRun, request_rows
+
+    runner, _, port = await _serve({"x-llm-route-debug": "chose 10.0.0.1:8000 total=16.500"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        kept = await LoadGenerator(LoadGenConfig(url, debug_header="x-llm-route-debug")).run([_req(0.0, 2)])
+        plain = await LoadGenerator(LoadGenConfig(url)).run([_req(0.0, 2)])
+    finally:
+        await runner.cleanup()
+    assert kept.results[0].route_debug == "chose 10.0.0.1:8000 total=16.500"
+    assert plain.results[0].route_debug is None
+    rows = list(request_rows([LabeledRun("p", "t", kept), LabeledRun("q", "t", plain)]))
+    assert rows[0]["route_debug"] == "chose 10.0.0.1:8000 total=16.500" and "route_debug" not in rows[1]

@@ -53,14 +53,28 @@ def test_default_config_serves_the_default_model():
         (minimal(scheduling={"profiles": {"p": {"filters": [{"type": "kv-fit-filter", "params": {"headroom_fraction": 2}}]}}}), ["headroom_fraction"]),
         (minimal(admission={"priority": {"default": "vip"}}), ["admission.priority.default", "'vip'"]),
         (minimal(admission={"priority": {"shed_sheddable_at": 1.5, "shed_standard_at": 0.5}}), ["admission.priority", "shed_sheddable_at (1.5)"]),
+        (minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": 0}}}), ["prior_s_per_token_by_gpu", "> 0"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:
         config_from_mapping(raw, env={})
     for needle in needles:
         assert needle in str(info.value)
+
+
+def test_the_server_starts_each_endpoints_fit_at_its_gpus_prefill_speed():
+    """`scheduling.prefill_model.prior_s_per_token_by_gpu` reaches the datastore: a labelled A100
+    starts at its own speed, an unlabelled endpoint at the one prior; `{}` turns it off."""
+    from extproc.server.app import ExtProcApp
+
+    endpoints = [{"address": "10.0.0.1:8000", "models": ["m"], "labels": {"gpu": "A100"}}, {"address": "10.0.0.2:8000", "models": ["m"]}]
+    a100, plain = ExtProcApp(config_from_mapping(minimal(endpoints=endpoints), env={})).store.all()
+    assert (a100.prefill_fit.s_per_token, a100.prefill_fit.prior.known) == (6.73e-5, True)
+    assert (plain.prefill_fit.s_per_token, plain.prefill_fit.prior.known) == (5e-5, False)
+    off = config_from_mapping(minimal(endpoints=endpoints, scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {}}}), env={})
+    assert not any(ep.prefill_fit.prior.known for ep in ExtProcApp(off).store.all())
 
 
 def test_env_overrides_addresses():

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore
+from extproc.datastore.prefill_fit import PrefillPrior
 
 
 def make():
@@ -63,3 +66,90 @@ def test_unseen_counts_requests_since_the_last_scrape_started():
     for r in rs:
         r.release()
     assert ep.unseen == 1  # bounded by what is still in flight
+
+
+def _a100_like() -> tuple[Datastore, object]:
+    """One endpoint whose learned prefill speed starts at an A100's ~77 µs per token."""
+    store = Datastore([EndpointConfig(address="10.0.0.1:8000", models=["m"])], PrefillPrior(t0_s=0.04, s_per_token=77e-6))
+    return store, store.all()[0]
+
+
+def test_prefill_already_computed_is_not_ahead():
+    """A request routed 0.5 s into a cold 7,213-token prefill waits for what is left of it,
+    not for all of it (the shared-system benchmark: predicted 685 ms, observed 259 ms)."""
+    store, ep = _a100_like()
+    t = time.monotonic()
+    cold = store.reserve(ep, prompt_tokens=7213, now=t)
+    assert cold.backlog_tokens == 7213 and ep.prefill_ahead(t) == 7213
+    left = 7213 - 0.5 / 77e-6  # ~719 tokens
+    assert ep.prefill_ahead(t + 0.5) == pytest.approx(left)
+    warm = store.reserve(ep, prompt_tokens=1213, now=t + 0.5)
+    assert warm.backlog_tokens == pytest.approx(left + 1213)  # was 8,426: the whole cold prompt
+    assert ep.prefill_tokens == 8426  # the count of work routed and not past its first token is unchanged
+    cold.mark_first_token(t + 0.6)  # its tokens leave the count; the warm one is computed from now on
+    assert ep.prefill_tokens == 1213 and ep.prefill_ahead(t + 0.6) == 1213
+    assert ep.prefill_ahead(t + 0.65) == pytest.approx(1213 - 0.05 / ep.prefill_fit.s_per_token)  # s as just learned
+    assert ep.prefill_ahead(t + 5) == 0
+    warm.release()  # ended in prefill: nothing left ahead, and a later request starts from zero
+    assert ep.prefill_ahead(t + 5) == 0 and not ep.in_prefill
+    later = store.reserve(ep, prompt_tokens=500, now=t + 6)
+    assert later.backlog_tokens == 500 and ep.prefill_ahead(t + 6) == 500
+    queued = store.reserve(ep, prompt_tokens=300, now=t + 6)  # behind it: only the oldest is credited
+    assert queued.backlog_tokens == 800 and ep.prefill_ahead(t + 60) == 300
+
+
+def test_prefill_fit_learns_an_engines_speed_from_overlapping_requests():
+    """An engine prefilling 77 µs/token, first come first served, gets a cold 7,213-token prompt
+    and then warm 1,213-token ones 0.2 s apart, each arriving while the previous is still in
+    prefill: the fit learns 77 µs/token. Counting every routed prompt in full until its first
+    token, it learned ~40 µs/token (the A100 of the shared-system benchmark) and predicted a
+    cold prefill there at 372 ms that took 659."""
+    store, ep = _a100_like()
+    s, t0 = 77e-6, 0.04
+    t = time.monotonic()
+    arrivals = [(t + 0.2 * i, 7213 if i % 4 == 0 else 1213) for i in range(40)]
+    free_at = t
+    events = []  # (time, order, reservation index or None, tokens)
+    done_at = []
+    for at, tokens in arrivals:
+        free_at = max(free_at, at) + s * tokens
+        done_at.append(free_at + t0)
+    reservations = []
+    for i, (at, tokens) in enumerate(arrivals):
+        events.append((at, 0, i, tokens))
+        events.append((done_at[i], 1, i, tokens))
+    for when, kind, i, tokens in sorted(events):
+        if kind == 0:
+            reservations.append(store.reserve(ep, prompt_tokens=tokens, now=when))
+        else:
+            reservations[i].mark_first_token(when)
+    assert ep.prefill_fit.s_per_token == pytest.approx(s, rel=0.2)
+    assert ep.prefill_fit.predict(7213) == pytest.approx(t0 + s * 7213, rel=0.15)
+
+
+def test_only_the_oldest_leaving_prefill_restarts_the_credit():
+    """A later request that ends, or gets its first token, before the oldest one (a client
+    abort; a short prompt beside a long one under chunked prefill) takes only its own tokens out
+    of the backlog: the oldest keeps the credit for the work done on it so far."""
+    store, ep = _a100_like()
+    t = time.monotonic() - 1.0  # release() reads the real clock: the credit must be in the past
+    store.reserve(ep, prompt_tokens=10_000, now=t)
+    short = store.reserve(ep, prompt_tokens=50, now=t + 0.01)
+    aborted = store.reserve(ep, prompt_tokens=100, now=t + 0.02)
+    before = ep.prefill_ahead(t + 0.4)
+    short.mark_first_token(t + 0.4, learn=False)
+    assert ep.prefill_ahead(t + 0.4) == pytest.approx(before - 50)
+    aborted.release()
+    assert ep.prefill_ahead(t + 0.4) == pytest.approx(before - 150)
+
+
+def test_a_request_with_no_prefill_work_is_never_the_oldest_in_prefill():
+    """A passthrough (GET /v1/models through the gateway) or a fully cached prompt reserves no
+    prefill tokens: at the head of the queue it blocked every credit, and leaving it reset it."""
+    store, ep = _a100_like()
+    t = 1000.0
+    passthrough = store.reserve(ep, now=t)
+    store.reserve(ep, prompt_tokens=10_000, now=t)
+    assert ep.prefill_ahead(t + 0.5) == pytest.approx(10_000 - 0.5 / 77e-6)
+    passthrough.release()
+    assert ep.prefill_ahead(t + 0.5) == pytest.approx(10_000 - 0.5 / 77e-6)

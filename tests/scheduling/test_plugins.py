@@ -490,3 +490,28 @@ def test_ttft_estimate_charges_the_decodes_a_prefill_stalls(store):
     warm = context(prompt=4000, output=0)
     warm.prefix = PrefixMatch(prompt_tokens=4000, matched={a.address: 225}, block_size={a.address: 16})
     assert scorer.score(warm, [a, b])[0] == pytest.approx(1.0)
+
+
+def test_ttft_estimate_predicts_an_unobserved_endpoint_at_its_own_gpus_speed():
+    """An idle A100 not yet observed was predicted with the fastest fit observed elsewhere (an
+    H100's, 7k tokens in 0.22 s) and took the next cold 7k-token prompt, which it prefilled in
+    0.64 s. With the GPU's own prior speed (67.3 µs/token for an A100) the H100 wins; an
+    unlabelled endpoint is still predicted optimistically (decision 0255)."""
+    from extproc.config.schema import EndpointConfig
+    from extproc.datastore.endpoints import Datastore
+    from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU
+
+    gpus = {"10.0.0.1:8000": "h100", "10.0.0.2:8000": "NVIDIA-A100-SXM4-80GB", "10.0.0.3:8000": ""}
+    configs = [EndpointConfig(address=addr, models=["m"], labels={"gpu": g} if g else {}) for addr, g in gpus.items()]
+    store = Datastore(configs, prefill_s_per_token_by_gpu=PREFILL_S_PER_TOKEN_BY_GPU)
+    h100, a100, unlabelled = store.all()
+    assert (h100.prefill_fit.s_per_token, a100.prefill_fit.s_per_token) == (2.35e-5, 6.73e-5)
+    assert unlabelled.prefill_fit.s_per_token == 5e-5 and not unlabelled.prefill_fit.prior.known
+    _observe(store, h100, [(7213, 0.22)])
+    predicted = predicted_ttft_s([h100, a100, unlabelled], [7213] * 3)
+    assert predicted[1] == pytest.approx(0.02 + 6.73e-5 * 7213)  # its prior: ~0.51 s, not the H100's 0.22
+    assert predicted[2] == pytest.approx(predicted[0])  # no GPU known: the fastest observed fit
+    scores = build("ttft-estimate-scorer").score(context(prompt=7213), [h100, a100])
+    assert scores[0] == 1.0 and scores[1] < 0.6
+    blind = Datastore(configs)  # no table: every endpoint starts from the one prior, as before
+    assert not any(ep.prefill_fit.prior.known for ep in blind.all())

@@ -4,7 +4,8 @@ soonest — the one cost in which prefix-cache affinity and queueing trade, in s
     predicted_ttft_i = t0_i + s_i × (prefill backlog_i + uncached_i)
 
 * prefill backlog_i: uncached prompt tokens of the requests we routed to endpoint i that have
-  not produced their first token yet (`Endpoint.prefill_tokens`), counted at pick time;
+  not produced their first token yet, less what the engine has probably computed of them since
+  (`Endpoint.prefill_ahead`: at the endpoint's learned speed, oldest first), at pick time;
 * uncached_i: this request's prompt less the prefix endpoint i is believed to hold
   (`SchedulingContext.prefix`, from the prefix index; the whole prompt without one). A warm
   endpoint wins exactly while the prefill it saves outweighs its longer queue, and loses by
@@ -13,11 +14,16 @@ soonest — the one cost in which prefix-cache affinity and queueing trade, in s
 * t0_i, s_i: the endpoint's learned fit of TTFT against that work (`Endpoint.prefill_fit`, a
   robust ridge fit towards a prior with forgetting; `extproc.datastore.prefill_fit`). It folds
   the GPU's prefill speed, chunked-prefill interference from running decodes and queueing into
-  two numbers, so a mixed H100/A100 fleet sorts itself out without per-GPU configuration.
+  two numbers, so a mixed H100/A100 fleet sorts itself out; a GPU label only sets where each
+  endpoint's fit starts (its prior).
 
 Until an endpoint has been observed it is predicted with the fastest observed fit (or the
 prior): optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic
-on an idle fleet stayed on the first endpoint that looked fast and never learned the others. A
+on an idle fleet stayed on the first endpoint that looked fast and never learned the others. An
+endpoint whose `gpu` label names a GPU of `scheduling.prefill_model.prior_s_per_token_by_gpu` is
+the exception: it is predicted with its own GPU's prefill speed (`PrefillPrior.known`). On a
+mixed fleet the optimism sent the first cold 7k-token prompts to an idle A100, predicted as fast
+as the H100 just observed (220 ms; it took 640; decision 0255). A
 fit last sampled more than `relearn_after_s` ago on an endpoint with nothing in prefill counts
 as unobserved again: one slow first token (a cold start) must not keep an endpoint idle forever.
 
@@ -89,7 +95,7 @@ from collections.abc import Sequence
 from pydantic import Field, field_validator
 
 from extproc.datastore.endpoints import Endpoint
-from extproc.datastore.prefill_fit import PrefillFit
+from extproc.datastore.prefill_fit import PrefillFit, gpu_value
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
@@ -106,14 +112,16 @@ matched as substrings of the endpoint's GPU label."""
 
 def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
     """The fit each endpoint is predicted with: its own once observed (and not forgotten), else
-    the observed fit fastest for its work (`work_tokens`, own prefill tokens per endpoint), else
-    the prior."""
+    its prior when that is its GPU's own figure (`PrefillPrior.known`), else the observed fit
+    fastest for its work (`work_tokens`, own prefill tokens per endpoint), else the prior."""
     learned = [_learned(ep, now, relearn_after_s) for ep in endpoints]
     known = [f for f in learned if f is not None]
     out: list[PrefillFit] = []
     for ep, fit, own in zip(endpoints, learned, work_tokens):
-        if fit is None:
-            x = ep.prefill_tokens + max(1, own)
+        if fit is None and ep.prefill_fit.prior.known:
+            fit = PrefillFit(ep.prefill_fit.prior)  # its GPU's own figure, not another GPU's fit
+        elif fit is None:
+            x = _ahead(ep, now) + max(1, own)
             fit = min(known, key=lambda f: f.predict(x)) if known else ep.prefill_fit
         out.append(fit)
     return out
@@ -132,11 +140,18 @@ def predicted_ttft_s(
         endpoints: the candidates.
         work_tokens: the request's own prefill work on each endpoint (tokens, same order:
             uncached prompt tokens).
-        now: `time.monotonic()` (seconds), to tell an idle endpoint's old fit.
+        now: `time.monotonic()` (seconds), to tell an idle endpoint's old fit and how much of
+            its prefill backlog is done (None: none of it).
         relearn_after_s: a fit older than this on an idle endpoint counts as unobserved (seconds).
     """
     fits = effective_fits(endpoints, work_tokens, now=now, relearn_after_s=relearn_after_s)
-    return [fit.predict(ep.prefill_tokens + max(1, own)) for ep, fit, own in zip(endpoints, fits, work_tokens)]
+    return [fit.predict(_ahead(ep, now) + max(1, own)) for ep, fit, own in zip(endpoints, fits, work_tokens)]
+
+
+def _ahead(ep: Endpoint, now: float | None) -> float:
+    """Prefill work ahead on `ep` (tokens): at `now` (monotonic seconds), less what it has
+    probably computed already; without `now`, all of it."""
+    return ep.prefill_tokens if now is None else ep.prefill_ahead(now)
 
 
 def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> PrefillFit | None:
@@ -173,7 +188,7 @@ class TTFTEstimateScorer(Plugin):
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
         work = [ctx.uncached_tokens(ep) for ep in endpoints]
         fits = effective_fits(endpoints, work, now=ctx.now, relearn_after_s=self.params.relearn_after_s)
-        predicted = [f.predict(ep.prefill_tokens + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
+        predicted = [f.predict(ep.prefill_ahead(ctx.now) + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
         ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
         p = self.params
         per_step = p.decode_weight * ctx.expected_output_tokens
@@ -193,10 +208,9 @@ class TTFTEstimateScorer(Plugin):
         label = ep.labels.get(self.params.gpu_label, "")
         d = self._d_by_label.get(label)
         if d is None:  # looked up once per label value, not per candidate and request
-            d = self.params.decode_s_per_context_token
-            names = [n for n in self.params.decode_s_per_context_token_by_gpu if n in label.lower()] if label else []
-            if names:
-                d = self.params.decode_s_per_context_token_by_gpu[max(names, key=len)]
+            d = gpu_value(label, self.params.decode_s_per_context_token_by_gpu)
+            if d is None:
+                d = self.params.decode_s_per_context_token
             if len(self._d_by_label) < 1024:  # label values are few; bounded against churn
                 self._d_by_label[label] = d
         return d
