@@ -27,7 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from extproc.config.diagnose import undefined_profile, unknown_model
 from extproc.config_base import Strict
 from extproc.config_base import yaml_off
-from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU
+from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
@@ -545,7 +545,7 @@ class PrefillModelConfig(Strict):
         prior_weight: how many samples the prior counts as (samples).
         forget: per-sample decay of older samples (0.95 ≈ the last 20 first tokens).
         prior_s_per_token_by_gpu: the prior prefill seconds per token by GPU name, matched
-            case-insensitively as a substring of the endpoint's `gpu_label` label (the longest
+            case-insensitively as a word of the endpoint's `gpu_label` label (the longest
             name wins); an endpoint whose GPU is listed starts from its own GPU's speed and is
             predicted with it until observed (decision 0255). Default
             `PREFILL_S_PER_TOKEN_BY_GPU` (h100, h200 23.5 µs, a100 67.3 µs: an 8B model; scale
@@ -563,10 +563,7 @@ class PrefillModelConfig(Strict):
     @field_validator("prior_s_per_token_by_gpu")
     @classmethod
     def _positive_speeds(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = {k: x for k, x in v.items() if not x > 0 or not k}
-        if bad:
-            raise ValueError(f"GPU names must be non-empty and seconds per token > 0, got {bad}")
-        return {k.lower(): x for k, x in v.items()}
+        return gpu_table(v, "prefill seconds per token")
 
 
 class HotPrefixConfig(Strict):

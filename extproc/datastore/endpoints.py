@@ -335,7 +335,7 @@ class Datastore:
         endpoints: endpoint configurations.
         prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
         prefill_s_per_token_by_gpu: prefill seconds per token by GPU name (lower case, matched as
-            a substring of the endpoint's `gpu_label` label): an endpoint whose GPU is listed
+            a word of the endpoint's `gpu_label` label): an endpoint whose GPU is listed
             gets that prior `s` (`PrefillPrior.known`). A mixed fleet otherwise started every
             endpoint at one speed: an idle A100 was predicted as fast as the H100 just observed
             and took cold 7k-token prefills at 640 ms that an H100 did in 230 (decision 0255).

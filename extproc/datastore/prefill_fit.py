@@ -26,9 +26,11 @@ Closed form: the 2×2 normal equations (solved directly; O(1) per sample).
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
-__all__ = ["PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_value"]
+__all__ = ["PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_table", "gpu_value"]
 
 ROBUST_AFTER = 5
 """Samples before outliers are down-weighted (count)."""
@@ -39,15 +41,36 @@ PREFILL_S_PER_TOKEN_BY_GPU: dict[str, float] = {"h100": 2.35e-5, "h200": 2.35e-5
 names one): the calibration's H100 fit (23.4 µs/token, docs/simulator.md; the simulator's
 `b`), the A100 scaled by its lower tensor throughput (67.3 µs/token, the simulator's A100
 profile), the H200 as the H100 (same compute; prefill is compute-bound). Keys are matched as
-substrings of the GPU label (`gpu_value`)."""
+words of the GPU label (`gpu_value`)."""
 
 
 def gpu_value(label: str, table: dict[str, float]) -> float | None:
-    """The entry of `table` (lower-case GPU names) whose name `label` contains, case-insensitive,
-    the longest such name winning ("a100" in "NVIDIA-A100-SXM4-80GB"); None when none does."""
+    """The entry of `table` (lower-case GPU names) that `label` names, case-insensitive, as a
+    whole word between non-alphanumerics ("a100" in "NVIDIA-A100-SXM4-80GB", not in "NVIDIA RTX
+    A1000" or "GA100"), the longest such name winning; None when none does."""
     low = label.lower()
-    names = [n for n in table if n in low] if label else []
+    names = [n for n in table if re.search(rf"(?<![a-z0-9]){re.escape(n)}(?![a-z0-9])", low)] if label else []
     return table[max(names, key=len)] if names else None
+
+
+def gpu_table(table: dict[str, float], what: str, *, allow_zero: bool = False) -> dict[str, float]:
+    """A GPU-name → figure table from configuration, keys lower-cased and stripped.
+
+    Raises:
+        ValueError: an empty name, two names equal once lower-cased, or a figure that is not a
+            finite number > 0 (≥ 0 with `allow_zero`); `what` names the figure in the message.
+    """
+    out: dict[str, float] = {}
+    for key, value in table.items():
+        name = key.strip().lower()
+        if not name:
+            raise ValueError(f"GPU names must be non-empty, got {key!r}")
+        if name in out:
+            raise ValueError(f"GPU name {key!r} is listed twice (names are case-insensitive)")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"{what} for {key!r} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
+        out[name] = value
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import pytest
 
 from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore
-from extproc.datastore.prefill_fit import PrefillPrior
+from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, PrefillPrior, gpu_table, gpu_value
 
 
 def make():
@@ -153,3 +153,34 @@ def test_a_request_with_no_prefill_work_is_never_the_oldest_in_prefill():
     assert ep.prefill_ahead(t + 0.5) == pytest.approx(10_000 - 0.5 / 77e-6)
     passthrough.release()
     assert ep.prefill_ahead(t + 0.5) == pytest.approx(10_000 - 0.5 / 77e-6)
+
+
+@pytest.mark.parametrize(
+    ("label", "expected"),
+    [
+        ("NVIDIA-A100-SXM4-80GB", 6.73e-5),  # GPU feature discovery's form
+        ("NVIDIA H100 80GB HBM3", 2.35e-5),
+        ("a100", 6.73e-5),
+        ("NVIDIA RTX A1000", None),  # a workstation card, not an A100
+        ("GA100", None),
+        ("", None),
+    ],
+)
+def test_a_gpu_label_names_a_table_entry_as_a_whole_word(label, expected):
+    assert gpu_value(label, PREFILL_S_PER_TOKEN_BY_GPU) == expected
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"a100": float("inf")}, "finite"),  # an endpoint predicted at inf forever, never learning
+        ({"a100": float("nan")}, "finite"),
+        ({"a100": 0.0}, "> 0"),
+        ({" ": 1e-5}, "non-empty"),  # matched every label with a space
+        ({"H100": 1e-5, "h100": 9e-5}, "listed twice"),  # silently merged
+    ],
+)
+def test_a_gpu_table_refuses_what_would_mislead_the_fit(table, message):
+    with pytest.raises(ValueError, match=message):
+        gpu_table(table, "prefill seconds per token")
+    assert gpu_table({" A100 ": 1e-5}, "x") == {"a100": 1e-5}

@@ -73,7 +73,7 @@ Parameters:
         token per decode step) for an endpoint whose GPU is not in the table below.
     decode_s_per_context_token_by_gpu (dict GPU name → float ≥ 0, default
         `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`: h100 44, h200 31, a100 72 ns): `d` per GPU, the
-        name matched case-insensitively as a substring of the endpoint's `gpu_label` label (the
+        name matched case-insensitively as a word of the endpoint's `gpu_label` label (the
         longest match wins), so "a100" finds "NVIDIA-A100-SXM4-80GB" (the form of GPU feature
         discovery's `nvidia.com/gpu.product` node label); the label comes from the endpoint's
         config or its discovery template (`labels`). One `d` for every GPU charged an H100
@@ -95,7 +95,7 @@ from collections.abc import Sequence
 from pydantic import Field, field_validator
 
 from extproc.datastore.endpoints import Endpoint
-from extproc.datastore.prefill_fit import PrefillFit, gpu_value
+from extproc.datastore.prefill_fit import PrefillFit, gpu_table, gpu_value
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
@@ -107,7 +107,7 @@ DECODE_S_PER_CONTEXT_TOKEN_BY_GPU: dict[str, float] = {"h100": 4.4e-8, "h200": 3
 per token over the GPU's effective HBM bandwidth. H100 43.7 ns measured (vLLM's FP8-KV blog, ITL
 against input length at batch 1); A100 ×3.35/2.04 TB/s = 72 ns, H200 ×3.35/4.8 = 31 ns, both
 scaled by HBM bandwidth (docs/simulator.md, the simulator's profiles). Keys are
-matched as substrings of the endpoint's GPU label."""
+matched as words of the endpoint's GPU label."""
 
 
 def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
@@ -176,10 +176,7 @@ class TTFTEstimateScorer(Plugin):
         @field_validator("decode_s_per_context_token_by_gpu")
         @classmethod
         def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
-            bad = {k: x for k, x in v.items() if not x >= 0 or not k}
-            if bad:
-                raise ValueError(f"GPU names must be non-empty and seconds per context token >= 0, got {bad}")
-            return {k.lower(): x for k, x in v.items()}
+            return gpu_table(v, "decode seconds per context token", allow_zero=True)
 
     def __init__(self, params: Params, *, name: str) -> None:
         super().__init__(params, name=name)
