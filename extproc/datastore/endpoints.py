@@ -231,7 +231,7 @@ class Reservation:
         now: when it was routed (`time.monotonic()` seconds; default now).
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "_store", "_released")
 
     def __init__(
         self,
@@ -254,6 +254,9 @@ class Reservation:
         self.settle_at = self.created_at + settle_after_s
         self.settled = blocks == 0
         self.in_prefill = True
+        self.learns = True
+        """False: its first token teaches the endpoint's prefill fit nothing (a request moved
+        here after its headers came back from another attempt, whose start here is unknown)."""
         self._store = store
         self._released = False
 
@@ -277,7 +280,7 @@ class Reservation:
         ep = self.endpoint
         elapsed = self.first_token_at - self.created_at
         ep.leave_prefill(self, self.first_token_at)
-        if learn and elapsed > 0:
+        if learn and self.learns and elapsed > 0:
             ep.prefill_fit.add(self.backlog_tokens, elapsed, self.first_token_at)
         ep.prefill_inflight -= 1
         ep.prefill_tokens -= self.prompt_tokens

@@ -243,7 +243,12 @@ class EppServicer(ExtProcServicer):
         if reservation is not None:
             reservation.release()
         moved = dataclasses.replace(routed, endpoint=endpoint)
-        return moved, self._pipeline.reserve(moved)
+        held = self._pipeline.reserve(moved)
+        if held is not None:
+            # Reserved as its response headers arrive: a first token marked now would teach
+            # the endpoint a ~0 ms prefill (its t0 fell to 0 after one such request).
+            held.learns = False
+        return moved, held
 
     async def Process(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext

@@ -271,6 +271,8 @@ async def test_response_is_streamed_back_and_the_served_endpoint_takes_the_load(
     assert await call.read() == grpc.aio.EOF
     await wait_until(lambda: epp.store.open_reservations == 0, timeout=5)
     assert inflight(epp, other) == 0
+    # Held on `other` only from its response headers on: its prefill fit learns no ~0 ms sample.
+    assert epp.store.get(other).prefill_fit.samples == 0
 
 
 async def test_an_engine_error_body_is_held_and_answered_in_the_gateway_shape(epp, channel):
