@@ -405,7 +405,7 @@ class Datastore:
     def add_endpoint(self, cfg: EndpointConfig) -> Endpoint:
         """Add the endpoint `cfg` describes, or bring an existing one up to date: its models,
         labels, agent and KV-event sockets follow `cfg`, and a draining one takes new requests
-        again (its learned state kept). Runs the `on_added` hooks for a new endpoint, the
+        again (its learned state kept, except its prefill fit when its GPU label changed). Runs the `on_added` hooks for a new endpoint, the
         `on_changed` hooks for an existing one whose agent or KV-event sockets changed.
 
         Returns:
@@ -421,6 +421,9 @@ class Datastore:
                 ep.draining, ep.draining_since = False, None
             elif ep.models == models and ep.labels == cfg.labels and not relinked:
                 return ep
+            if ep.labels.get(self._gpu_label) != cfg.labels.get(self._gpu_label):
+                # Another GPU (or a mislabelled one fixed): what was learned was of the old one.
+                ep.prefill_fit = PrefillFit(self._prior_for(cfg.labels))
             self._unindex(ep)
             ep.models, ep.labels = models, dict(cfg.labels)
             self._index(ep)

@@ -184,3 +184,16 @@ def test_a_gpu_table_refuses_what_would_mislead_the_fit(table, message):
     with pytest.raises(ValueError, match=message):
         gpu_table(table, "prefill seconds per token")
     assert gpu_table({" A100 ": 1e-5}, "x") == {"a100": 1e-5}
+
+
+def test_a_changed_gpu_label_restarts_the_prefill_fit_at_that_gpus_speed():
+    """A reload that fixes a mislabelled endpoint (or a new GPU behind the address) starts its
+    fit again from the new GPU's prior; other label changes keep what was learned."""
+    store = Datastore([EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "A10O"})], prefill_s_per_token_by_gpu=PREFILL_S_PER_TOKEN_BY_GPU)
+    (ep,) = store.all()
+    assert not ep.prefill_fit.prior.known
+    store.add_endpoint(EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "A100"}))
+    assert ep.prefill_fit.prior.known and ep.prefill_fit.s_per_token == 6.73e-5
+    ep.prefill_fit.add(1000, 0.2, 1.0)
+    store.add_endpoint(EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "A100", "zone": "b"}))
+    assert ep.prefill_fit.samples == 1
