@@ -118,7 +118,7 @@ class DecisionRecord:
         if routed.predicted_ttft_s and ep.address in routed.predicted_ttft_s:
             self.predicted_ttft_s = routed.predicted_ttft_s[ep.address]
         else:
-            self.predicted_ttft_s = predicted_ttft_s([ep], [routed.prefill_tokens])[0]
+            self.predicted_ttft_s = predicted_ttft_s([ep], [routed.prefill_tokens], now=time.monotonic())[0]
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON line's fields."""
