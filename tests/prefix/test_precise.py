@@ -371,19 +371,25 @@ async def test_a_large_batch_is_decoded_off_the_loop_and_applied_in_slices() -> 
     assert idx.metrics.batches.labels(EP)._value.get() == 1  # one batch, however many slices
 
 
+def _bound_on_ipv6_loopback(kind: int) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket, str]:
+    """A new context and a socket of `kind` with `zmq.IPV6` bound on `tcp://[::1]:*`, and the
+    endpoint it got; the test is skipped where the machine has no IPv6 loopback."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.bind("tcp://[::1]:*")
+    except zmq.ZMQError:
+        ctx.destroy(linger=0)
+        pytest.skip("no IPv6 loopback here")
+    return ctx, sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
 async def test_an_ipv6_publisher_is_heard() -> None:
     """A discovered IPv6 endpoint's KV-event socket is rendered as `tcp://[addr]:port`
     (docs/discovery.md): ZMQ leaves IPv6 off unless `zmq.IPV6` is set, and the connect is then
     accepted while nothing ever arrives."""
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.IPV6, 1)
-    try:
-        pub.bind("tcp://[::1]:*")
-    except zmq.ZMQError:
-        ctx.destroy(linger=0)
-        pytest.skip("no IPv6 loopback here")
-    endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    ctx, pub, endpoint = _bound_on_ipv6_loopback(zmq.PUB)
     tracker = PrefixTracker(PrefixConfig())
     source = PreciseSource(tracker, [(EP, endpoint, None)], registry=CollectorRegistry())
     await source.start()
@@ -426,14 +432,7 @@ async def test_a_batch_of_the_replaced_publisher_does_not_reach_the_new_mirror()
 async def test_a_gap_is_replayed_from_an_ipv6_replay_socket() -> None:
     """The replay DEALER needs `zmq.IPV6` as the SUB does: a replay socket rendered as
     `tcp://[addr]:port` would otherwise time out and every gap reset the mirror."""
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.IPV6, 1)
-    try:
-        router.bind("tcp://[::1]:*")
-    except zmq.ZMQError:
-        ctx.destroy(linger=0)
-        pytest.skip("no IPv6 loopback here")
+    ctx, router, replay = _bound_on_ipv6_loopback(zmq.ROUTER)
     events = [[stored([901], None, PROMPT[:BS])], [stored([902], 901, PROMPT[BS : 2 * BS])], [stored([903], 902, PROMPT[2 * BS : 3 * BS])]]
 
     async def serve_one_replay() -> None:
@@ -445,7 +444,6 @@ async def test_a_gap_is_replayed_from_an_ipv6_replay_socket() -> None:
     tracker = PrefixTracker(PrefixConfig())
     idx = PreciseIndexer(tracker)
     idx.register(EP)
-    replay = router.getsockopt(zmq.LAST_ENDPOINT).decode()
     sub = KVEventSubscriber(EP, "tcp://127.0.0.1:1", replay, idx, ctx)
     server = asyncio.create_task(serve_one_replay())
     try:
