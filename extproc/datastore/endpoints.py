@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior, gpu_value
+from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior, gpu_table, gpu_value
 from extproc.types import EndpointAddress
 
 if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
@@ -337,12 +337,16 @@ class Datastore:
     Args:
         endpoints: endpoint configurations.
         prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
-        prefill_s_per_token_by_gpu: prefill seconds per token by GPU name (lower case, matched as
+        prefill_s_per_token_by_gpu: prefill seconds per token by GPU name (any case; checked by `gpu_table`, matched as
             a word of the endpoint's `gpu_label` label): an endpoint whose GPU is listed
             gets that prior `s` (`PrefillPrior.known`). A mixed fleet otherwise started every
             endpoint at one speed: an idle A100 was predicted as fast as the H100 just observed
             and took cold 7k-token prefills at 640 ms that an H100 did in 230 (decision 0255).
         gpu_label: the endpoint label naming its GPU.
+
+    Raises:
+        ValueError: `prefill_s_per_token_by_gpu` has a blank name, a name twice, or a speed
+            that is not finite and > 0 (`gpu_table`).
 
     Attributes:
         on_added: called with each endpoint `add_endpoint` creates (start its probes, scrapes,
@@ -366,7 +370,7 @@ class Datastore:
         self._by_addr: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         self._prior = prefill_prior
-        self._s_by_gpu = {k.lower(): v for k, v in (prefill_s_per_token_by_gpu or {}).items()}
+        self._s_by_gpu = gpu_table(prefill_s_per_token_by_gpu or {}, "prefill seconds per token")
         self._gpu_label = gpu_label
         self._open: set[Reservation] = set()
         self.listener: ReservationListener | None = None
