@@ -399,7 +399,14 @@ class Datastore:
         return [ep for ep in self._by_addr.values() if not ep.draining]
 
     def get(self, address: str) -> Endpoint | None:
-        return self._by_addr.get(address)
+        """The endpoint at `address` ("host:port"), or None. An IPv6 address written otherwise
+        than the endpoint's (upper case, zeros not compressed: "[2001:DB8:0::1]:8000") finds it
+        too: a gateway or a replica reports an address in its own text."""
+        found = self._by_addr.get(address)
+        if found is not None or "[" not in address:
+            return found
+        want = canonical_address(address)
+        return next((ep for ep in self._by_addr.values() if canonical_address(ep.address) == want), None)
 
     def for_model(self, model: str) -> list[Endpoint]:
         """Endpoints serving a canonical model name (healthy or not; never draining ones)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
-from extproc.datastore.endpoints import Datastore, Endpoint, Reservation, canonical_address
+from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
 from extproc.errors import (
     ContextLengthError,
     NoEndpointError,
@@ -702,14 +702,9 @@ class RequestPipeline:
         return claim.priority
 
     def endpoint(self, address: str) -> Endpoint | None:
-        """The configured endpoint at `address` ("host:port"), or None. An IPv6 address written
-        otherwise than the endpoint's (upper case, zeros not compressed: "[2001:DB8:0::1]:8000")
-        finds it too: a gateway reports the address it connected to in its own text."""
-        found = self._store.get(address)
-        if found is not None or "[" not in address:
-            return found
-        want = canonical_address(address)
-        return next((ep for ep in self._store.all() if canonical_address(ep.address) == want), None)
+        """The configured endpoint at `address` ("host:port"; an IPv6 host in any spelling:
+        `Datastore.get`), or None."""
+        return self._store.get(address)
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation:
         """Hold an in-flight slot for a request that is not a generation (no KV)."""

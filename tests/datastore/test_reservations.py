@@ -197,3 +197,9 @@ def test_a_changed_gpu_label_restarts_the_prefill_fit_at_that_gpus_speed():
     ep.prefill_fit.add(1000, 0.2, 1.0)
     store.add_endpoint(EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "A100", "zone": "b"}))
     assert ep.prefill_fit.samples == 1
+
+
+def test_an_ipv6_endpoint_is_found_in_any_spelling_of_its_address():
+    store = Datastore([EndpointConfig(address="[2001:db8::1]:8000", models=["m"])])
+    (ep,) = store.all()
+    assert store.get("[2001:DB8:0::1]:8000") is ep and store.get("[2001:db8::1]:8001") is None
