@@ -35,8 +35,9 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._by_label: dict[int, dict[str, Any]] = {}
+        self._children: dict[int, dict[str | tuple[str, ...], Any]] = {}
+        """Memoised children per metric (`id`), keyed by the label value (one label) or the
+        tuple of values (several)."""
         self.requests = Counter(
             "llm_extproc_requests_total",
             "Requests seen by the ext_proc server, by outcome (routed, rejected, passthrough) and reason.",
@@ -208,24 +209,28 @@ class Metrics:
             registry=registry,
         )
 
+    def _children_of(self, metric: Any) -> dict[str | tuple[str, ...], Any]:
+        children = self._children.get(id(metric))
+        if children is None:
+            children = self._children[id(metric)] = {}
+        return children
+
     def child(self, metric: Any, *values: str) -> Any:
         """`metric.labels(*values)`, memoised. prometheus_client validates and locks on every
         `labels()` call (a few microseconds; a decision touches ~15 children), and every label
         value here comes from a bounded set (phases, plugins, endpoints, models, reasons)."""
-        key = (id(metric), values)
-        found = self._children.get(key)
+        children = self._children_of(metric)
+        key = values[0] if len(values) == 1 else values
+        found = children.get(key)
         if found is None:
-            found = self._children[key] = metric.labels(*values)
+            found = children[key] = metric.labels(*values)
         return found
 
     def observe_each(self, metric: Any, values: Mapping[str, float]) -> None:
-        """`metric.labels(label).observe(value)` for each (label, value) of `values`, on a
+        """`child(metric, label).observe(value)` for each (label, value) of `values`, on a
         histogram with one label (the decision's phases, the scheduling plugins: a decision
-        observes ~20). Its children are memoised per label value, looked up without building a
-        key per value as `child` does."""
-        children = self._by_label.get(id(metric))
-        if children is None:
-            children = self._by_label[id(metric)] = {}
+        observes ~20), with one lookup of the metric's children for all of them."""
+        children = self._children_of(metric)
         for label, value in values.items():
             found = children.get(label)
             if found is None:
@@ -237,10 +242,9 @@ class Metrics:
         endpoint label (`endpoint`, or the OpenTelemetry GenAI `server_address` of the telemetry
         histograms) is `address` goes, and so do the memoised children. Returns how many series
         were removed."""
-        for key in [k for k in self._children if address in k[1]]:
-            del self._children[key]
-        for children in self._by_label.values():
-            children.pop(address, None)
+        for children in self._children.values():
+            for key in [k for k in children if k == address or (isinstance(k, tuple) and address in k)]:
+                del children[key]
         return sum(remove_label_value(self.registry, label, address) for label in ENDPOINT_LABELS)
 
 
