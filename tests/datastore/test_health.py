@@ -23,12 +23,12 @@ async def test_timeouts_flip_after_timeout_threshold_refusals_after_unhealthy_th
     runner, port = await serve_get("/health", health)
     store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"]), EndpointConfig(address=f"127.0.0.1:{free_port()}", models=["m"])])
     slow, dead = store.all()
-    checker = HealthChecker(store, HealthCheckConfig(interval_s=60, timeout_s=0.05, unhealthy_threshold=2, timeout_threshold=4))
+    checker = HealthChecker(store, HealthCheckConfig(interval_s=60, timeout_s=0.3, unhealthy_threshold=2, timeout_threshold=4))
     try:
         await checker.start()  # first probe decides outright
         assert slow.healthy and not dead.healthy
         dead.healthy, dead.consecutive_failures = True, 0  # as if it had been up: two refusals take it down
-        delay["s"] = 0.2
+        delay["s"] = 1.0  # well past the 0.3 s timeout; the 0.3 s leaves a loaded machine room to answer in time
         results = []
         for _ in range(4):
             await checker.probe_all()
