@@ -160,6 +160,17 @@ class ListenConfig(Strict):
         parse_host_port(v)
         return v
 
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ListenConfig:
+        # Both bind with SO_REUSEPORT: on one port the kernel split connections between the
+        # gRPC and HTTP servers and no gRPC call got through, with nothing logged.
+        (ghost, gport), (ahost, aport) = parse_host_port(self.grpc), parse_host_port(self.admin)
+        wildcards = {"0.0.0.0", "::", "*", ""}
+        overlap = ghost == ahost or ghost in wildcards or ahost in wildcards or (is_loopback(ghost) and is_loopback(ahost))
+        if gport != 0 and gport == aport and overlap:
+            raise ValueError(f"listen.grpc ({self.grpc}) and listen.admin ({self.admin}) must use different ports")
+        return self
+
 
 class AdminConfig(Strict):
     """Admin HTTP server options."""

@@ -54,8 +54,9 @@ def test_default_config_serves_the_default_model():
         (minimal(admission={"priority": {"default": "vip"}}), ["admission.priority.default", "'vip'"]),
         (minimal(admission={"priority": {"shed_sheddable_at": 1.5, "shed_standard_at": 0.5}}), ["admission.priority", "shed_sheddable_at (1.5)"]),
         (minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": 0}}}), ["prior_s_per_token_by_gpu", "> 0"]),
+        (minimal(listen={"grpc": "0.0.0.0:5000", "admin": "127.0.0.1:5000"}), ["listen.grpc", "different ports"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed", "grpc-admin-one-port"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:
