@@ -45,17 +45,21 @@ async def start_site(app: web.Application, host: str, port: int, *, reuse_port: 
 
 async def listener_at(host: str, port: int, timeout_s: float = 0.2) -> bool:
     """Whether something accepts a TCP connection at host:port within `timeout_s` seconds (a
-    wildcard host, 0.0.0.0 or ::, is tried on its loopback). False for port 0 and on any error."""
+    wildcard host, 0.0.0.0 or ::, is tried on both loopbacks: a dual-stack bind shares an IPv4
+    listener's port too). False for port 0, on any error, and on a timeout (a listener whose
+    accept queue is full reads as none)."""
     if port == 0:
         return False
-    target = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "*": "127.0.0.1"}.get(host, host)
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    try:
-        await writer.wait_closed()
-    except OSError:
-        pass
-    return True
+    targets = ["127.0.0.1", "::1"] if host in ("0.0.0.0", "", "::", "*") else [host]
+    for target in targets:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(target, port), timeout_s)
+        except (OSError, TimeoutError):
+            continue
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return True
+    return False

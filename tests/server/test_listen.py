@@ -112,3 +112,20 @@ def test_tls_files_must_be_a_pem_chain_its_key_and_a_ca(tmp_path: Path):
     ):
         with pytest.raises(ValueError, match=what):
             ListenConfig(grpc_tls=bad)
+
+
+async def test_a_wildcard_listen_address_sees_an_ipv4_listener_from_either_family():
+    """`[::]` binds dual-stack beside an IPv4 `0.0.0.0` listener with SO_REUSEPORT: probing only
+    ::1 missed it, the split the start-up warning is there to catch."""
+    from extproc.aio import listener_at
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("0.0.0.0", 0))
+    sock.listen()
+    try:
+        port = sock.getsockname()[1]
+        assert await listener_at("::", port) and await listener_at("0.0.0.0", port)
+    finally:
+        sock.close()
+    assert not await listener_at("::", port)
