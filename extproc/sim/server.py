@@ -171,8 +171,8 @@ class SimServer:
         kv_events_replay: str | None = None,
     ) -> None:
         self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
-        if speed <= 0:
-            raise ValueError(f"speed must be positive, got {speed}")
+        if not (0 < speed < float("inf")):  # NaN and inf started, then hung every request
+            raise ValueError(f"speed must be a finite number > 0, got {speed}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be ≥ 1, got {stream_interval}")
         if queue_full_status not in (429, 503):
