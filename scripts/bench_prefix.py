@@ -161,7 +161,7 @@ def run(prepared: Prepared, policies: list[str], scale: float, args: argparse.Na
         policies=parse_policies(policies), workload=workload, rate_scales=[1.0], duration_s=None,
         stack=StackSettings(
             profiles=DEFAULT_FLEET, speed=speed, seed=args.seed,
-            server_overrides={"scheduling": {"explain_header": True}} if args.route_debug else None,
+            server_overrides=_overrides(args),
         ),
         replay=dataclasses.replace(prepared.replay, speed=speed),
         outputs=Outputs(json_path=out / f"{stem}.json", requests_path=out / f"{stem}-requests.jsonl"),
@@ -178,6 +178,18 @@ def run(prepared: Prepared, policies: list[str], scale: float, args: argparse.Na
         dup = duplicate_prefills(ordered, served.get(r["policy"], []), args.counter, _block_size())
         r["duplicate_prefills"] = None if dup is None else dataclasses.asdict(dup)
     return runs
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    """llm-extproc's config overrides for the llm-extproc policies: `--extproc-config`'s YAML
+    (checked as `bench --extproc-config` checks it), with the route-debug header on top."""
+    from extproc.bench.cli import _server_overrides
+    from extproc.bench.stacks import merge_config
+
+    out: dict[str, Any] = _server_overrides(Path(args.extproc_config), DEFAULT_FLEET) if args.extproc_config else {}
+    if args.route_debug:
+        out = merge_config(out, {"scheduling": {"explain_header": True}})
+    return out or None
 
 
 def _served(path: Path) -> dict[str, list[tuple[int, float, str | None]]]:
@@ -294,6 +306,7 @@ def main() -> None:
     ap.add_argument("--capacity-multiples", default="0.5,1.5,2.0", help="mooncake-conv loads besides 1× (the lowest is the light load)")
     ap.add_argument("--route-debug", action="store_true",
                     help="llm-extproc policies explain each decision (x-llm-route-debug) in the per-request lines")
+    ap.add_argument("--extproc-config", default="", help="YAML merged into llm-extproc's config for the llm-extproc policies (a variant of the default profile)")
     ap.add_argument("--capacity-from", default="", help="only recompute the capacity table from these prefix.json files (comma-separated)")
     args = ap.parse_args()
     if args.capacity_from:

@@ -519,8 +519,9 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("weight-override-scorer"),
         ],
         # On a request whose prefix an endpoint holds, the balancers choose only among the
-        # endpoints the TTFT cost rates within a quarter of the best prefill cost (decision 0240).
-        picker=_p("max-score-picker", lead_scorer="ttft-estimate-scorer"),
+        # endpoints the TTFT cost rates within a quarter of the best prefill cost (decision 0240);
+        # on any other request, within one whole prefill cost (decision 0265).
+        picker=_p("max-score-picker", lead_scorer="ttft-estimate-scorer", lead_min_score_unmatched=0.5),
     ),
     # GIE-style weighted prefix affinity (the inference extension's default shape: prefix 3,
     # queue 1, KV utilisation 1), for comparison and for users who want it; the default profile
@@ -561,7 +562,8 @@ class PrefillModelConfig(Strict):
             predicted with it until observed (decision 0255). Default
             `PREFILL_S_PER_TOKEN_BY_GPU` (h100, h200 23.5 µs, a100 67.3 µs: an 8B model; scale
             for others). `{}` turns it off.
-        gpu_label: the endpoint label naming its GPU.
+        gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`): the one setting for
+            every per-GPU table, this prior's and `ttft-estimate-scorer`'s decode model.
     """
 
     prior_t0_s: float = Field(default=0.02, ge=0)

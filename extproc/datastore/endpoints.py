@@ -77,6 +77,9 @@ class Endpoint:
         address: `ip:port`.
         models: canonical model names served.
         labels: configured labels.
+        gpu: the value of its GPU label (`scheduling.prefill_model.gpu_label`, "gpu" by
+            default; "" without one), e.g. "NVIDIA-A100-SXM4-80GB": what the per-GPU tables
+            (the fit's prior, the decode model) are matched against. Set by the `Datastore`.
         healthy: result of the latest probes (True until probed otherwise when probing is off).
         inflight: requests routed here and not yet ended (count).
         prefill_inflight / decode_inflight: of those, before / after their first token (count).
@@ -120,6 +123,7 @@ class Endpoint:
     address: EndpointAddress
     models: frozenset[str]
     labels: dict[str, str] = field(default_factory=dict)
+    gpu: str = ""
     healthy: bool = True
     inflight: int = 0
     prefill_inflight: int = 0
@@ -342,7 +346,7 @@ class Datastore:
             gets that prior `s` (`PrefillPrior.known`). A mixed fleet otherwise started every
             endpoint at one speed: an idle A100 was predicted as fast as the H100 just observed
             and took cold 7k-token prefills at 640 ms that an H100 did in 230 (decision 0255).
-        gpu_label: the endpoint label naming its GPU.
+        gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`), for every per-GPU table.
 
     Raises:
         ValueError: `prefill_s_per_token_by_gpu` has a blank name, a name twice, or a speed
@@ -432,18 +436,22 @@ class Datastore:
                 ep.draining, ep.draining_since = False, None
             elif ep.models == models and ep.labels == cfg.labels and not relinked:
                 return ep
-            if ep.labels.get(self._gpu_label) != cfg.labels.get(self._gpu_label):
+            gpu = cfg.labels.get(self._gpu_label, "")
+            if ep.gpu != gpu:
                 # Another GPU (or a mislabelled one fixed): what was learned was of the old one.
                 ep.prefill_fit = PrefillFit(self._prior_for(cfg.labels))
             self._unindex(ep)
-            ep.models, ep.labels = models, dict(cfg.labels)
+            ep.models, ep.labels, ep.gpu = models, dict(cfg.labels), gpu
             self._index(ep)
             if relinked:
                 ep.agent, ep.kv_events, ep.kv_events_replay = links
                 for hook in self.on_changed:
                     hook(ep)
             return ep
-        ep = Endpoint(EndpointAddress(cfg.address), models, dict(cfg.labels), prefill_fit=PrefillFit(self._prior_for(cfg.labels)))
+        ep = Endpoint(
+            EndpointAddress(cfg.address), models, dict(cfg.labels), gpu=cfg.labels.get(self._gpu_label, ""),
+            prefill_fit=PrefillFit(self._prior_for(cfg.labels)),
+        )
         ep.agent, ep.kv_events, ep.kv_events_replay = links
         self._by_addr[ep.address] = ep
         self._index(ep)

@@ -444,6 +444,25 @@ def test_max_score_picker_lead_keeps_every_candidate_in_the_fallbacks(store):
         build("max-score-picker", {"lead_min_score": 0})
 
 
+def test_max_score_picker_floor_for_prefix_free_requests(store):
+    """`lead_min_score_unmatched`: on a request no endpoint holds a prefix of, the balancers choose
+    among the endpoints the cost rates at least that floor; a near-tie is still theirs, and
+    without the setting the total alone decides (decision 0265)."""
+    from extproc.scheduling.framework import ScoredEndpoint
+
+    a, b, c = store.all()
+    scored = [ScoredEndpoint(a, 5.0, {"cost": 0.4}), ScoredEndpoint(b, 4.0, {"cost": 1.0}), ScoredEndpoint(c, 4.5, {"cost": 0.6})]
+    ctx = context(prompt=7200)
+    assert build("max-score-picker", {"lead_scorer": "cost"}).pick(ctx, scored).primary.endpoint is a
+    picker = build("max-score-picker", {"lead_scorer": "cost", "lead_min_score_unmatched": 0.5})
+    result = picker.pick(ctx, scored)
+    assert result.primary.endpoint is c  # a is more than a whole prefill behind; c within it, and ahead by total
+    assert [s.endpoint for s in result.fallbacks] == [a, b]  # every candidate stays a fallback, by total
+    assert picker.pick(ctx, scored[:1]).primary.endpoint is a  # nothing above the floor: every candidate counts
+    with pytest.raises(PluginConfigError, match="lead_min_score_unmatched"):
+        build("max-score-picker", {"lead_min_score_unmatched": 1.5})
+
+
 def test_ttft_estimate_charges_decode_per_gpu():
     """An A100 reads KV ~1.6× slower than an H100 (72 against 44 ns per context token): an H100
     decoding 1.5× the A100's context is the cheaper decode, which the one constant for every GPU
@@ -464,10 +483,53 @@ def test_ttft_estimate_charges_decode_per_gpu():
     store.reserve(a100, prompt_tokens=0, context_tokens=100_000)
     scores = scorer.score(context(prompt=2000, output=1000), [h100, a100])
     assert scores[0] == pytest.approx(1.0) and scores[1] < 0.99
-    flat = build("ttft-estimate-scorer", {"decode_s_per_context_token_by_gpu": {}})
+    flat = build("ttft-estimate-scorer", {"decode_s_per_context_token_by_gpu": {}, "decode_step_s_by_gpu": {}})
     assert flat.score(context(prompt=2000, output=1000), [h100, a100])[0] < 0.99  # one d: the A100 looked cheaper
     with pytest.raises(PluginConfigError, match="finite number >= 0"):
         build("ttft-estimate-scorer", {"decode_s_per_context_token_by_gpu": {"h100": -1.0}})
+
+
+def test_ttft_estimate_charges_each_gpus_decode_step_floor():
+    """A decode step reads the weights once whatever the batch: 6.4 ms on an H100, 10.5 on an
+    A100 (8B model). An H100 decoding 60k tokens more context than an idle A100 still decodes a
+    long answer faster (6.4 + 0.044 × 60 = 9.0 ms a step against 10.5); charged per context token
+    alone, the A100 looked 2.6 ms a step cheaper and took the request (decision 0265)."""
+    from extproc.config.schema import EndpointConfig
+    from extproc.datastore.endpoints import Datastore
+
+    gpus = {"10.0.0.1:8000": "h100", "10.0.0.2:8000": "NVIDIA-A100-SXM4-80GB", "10.0.0.3:8000": ""}
+    store = Datastore([EndpointConfig(address=addr, models=["m"], labels={"gpu": g} if g else {}) for addr, g in gpus.items()])
+    h100, a100, unlabelled = store.all()
+    scorer = build("ttft-estimate-scorer")
+    assert [scorer.decode_model(ep)[1] for ep in (h100, a100, unlabelled)] == [6.4e-3, 10.5e-3, 6.4e-3]
+    for ep in (h100, a100):  # the same prefill speed: only the decode side differs
+        _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
+    store.reserve(h100, prompt_tokens=0, context_tokens=60_000)
+    ask = context(prompt=500, output=1000)
+    scores = scorer.score(ask, [h100, a100])
+    assert scores[0] == 1.0 and scores[1] < 0.99
+    no_floor = build("ttft-estimate-scorer", {"decode_step_s_by_gpu": {}})
+    assert no_floor.score(ask, [h100, a100])[1] == 1.0  # the context read alone favoured the A100
+    with pytest.raises(PluginConfigError, match="finite number >= 0"):
+        build("ttft-estimate-scorer", {"decode_step_s_by_gpu": {"a100": float("nan")}})
+    with pytest.raises(PluginConfigError, match="prefill_model.gpu_label"):  # one setting names the GPU label
+        build("ttft-estimate-scorer", {"gpu_label": "accelerator"})
+
+
+def test_one_gpu_label_setting_names_the_gpu_for_every_table():
+    """`scheduling.prefill_model.gpu_label` picks the label for the fit's prior and for the
+    scorer's decode model alike: two settings could name two labels and disagree about a GPU."""
+    from extproc.config.schema import EndpointConfig
+    from extproc.datastore.endpoints import Datastore
+    from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU
+
+    cfgs = [EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"accelerator": "NVIDIA-A100-SXM4-80GB", "gpu": "h100"})]
+    store = Datastore(cfgs, prefill_s_per_token_by_gpu=PREFILL_S_PER_TOKEN_BY_GPU, gpu_label="accelerator")
+    (ep,) = store.all()
+    assert ep.gpu == "NVIDIA-A100-SXM4-80GB" and ep.prefill_fit.s_per_token == 6.73e-5
+    assert build("ttft-estimate-scorer").decode_model(ep) == (7.2e-8, 10.5e-3)
+    store.add_endpoint(EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"accelerator": "H100"}))
+    assert ep.gpu == "H100" and build("ttft-estimate-scorer").decode_model(ep) == (4.4e-8, 6.4e-3)
 
 
 def test_ttft_estimate_charges_the_decodes_a_prefill_stalls(store):

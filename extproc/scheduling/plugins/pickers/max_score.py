@@ -14,8 +14,13 @@ prompt again (decisions 0180, 0240). This is sglang-router's `cache_aware` shape
 holds unless the load is clearly unbalanced) with "clearly" measured by the cost in seconds,
 which already counts the warm engine's queue and decode batch, so affinity still breaks by
 itself once the warm engine is saturated. Requests no candidate holds a prefix of (no shared
-prefix, or shorter than `prefix.min_match_tokens`) are picked on the total alone, as before.
-Every candidate stays in the fallbacks, by total.
+prefix, or shorter than `prefix.min_match_tokens`) are picked on the total alone, unless
+`lead_min_score_unmatched` is set: then the same restriction applies with that (lower) floor.
+At 0.5 (the default profile's) a prefix-free request may not go to an endpoint costing more
+than one whole prefill cost `P` above the cheapest: the balancers still spread short prompts,
+whose costs differ by tens of milliseconds, but can no longer send a cold 7k-token prompt to an
+A100 predicted at 0.7 s while an H100 is predicted at 0.2 s, which was the shared-system
+benchmark's p99 (decision 0265). Every candidate stays in the fallbacks, by total.
 
 Parameters:
     tie_epsilon (float ≥ 0, default 1e-9): totals this close count as equal.
@@ -23,6 +28,8 @@ Parameters:
         overturn on prefix-matched requests; "" for none.
     lead_min_score (float in (0, 1], default 0.8): the least `lead_scorer` value a candidate
         needs to stay in the running on such a request.
+    lead_min_score_unmatched (float in (0, 1] or None, default None): the same floor for a
+        request no candidate holds a prefix of; None leaves those to the total alone.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class MaxScorePicker(Plugin):
         tie_epsilon: float = Field(default=1e-9, ge=0)
         lead_scorer: str = ""
         lead_min_score: float = Field(default=0.8, gt=0, le=1)
+        lead_min_score_unmatched: float | None = Field(default=None, gt=0, le=1)
 
     def pick(self, ctx: SchedulingContext, scored: Sequence[ScoredEndpoint]) -> PickResult:
         if not scored:
@@ -54,12 +62,19 @@ class MaxScorePicker(Plugin):
         return PickResult(chosen, [s for s in order if s is not chosen])
 
     def _in_the_running(self, ctx: SchedulingContext, order: list[ScoredEndpoint]) -> list[ScoredEndpoint]:
-        """The candidates the primary is chosen from (by total, best first): all of them, or on
-        a prefix-matched request those `lead_scorer` rates at least `lead_min_score` (never none:
-        an endpoint an operator override zeroes does not count)."""
-        name = self.params.lead_scorer
-        prefix = ctx.prefix
-        if not name or prefix is None or not any(prefix.cached_tokens(s.endpoint.address) > 0 for s in order):
+        """The candidates the primary is chosen from (by total, best first): those `lead_scorer`
+        rates at least `lead_min_score` on a prefix-matched request, at least
+        `lead_min_score_unmatched` on another one, or all of them (no lead scorer, or no floor
+        for an unmatched request). Never none: an endpoint an operator override zeroes does not
+        count for its lead, and if nothing is left every candidate is."""
+        p = self.params
+        name = p.lead_scorer
+        if not name:
             return order
-        kept = [s for s in order if s.parts.get(name, 1.0) >= self.params.lead_min_score and s.total > 0]
+        prefix = ctx.prefix
+        matched = prefix is not None and any(prefix.cached_tokens(s.endpoint.address) > 0 for s in order)
+        floor = p.lead_min_score if matched else p.lead_min_score_unmatched
+        if floor is None:
+            return order
+        kept = [s for s in order if s.parts.get(name, 1.0) >= floor and s.total > 0]
         return kept or order

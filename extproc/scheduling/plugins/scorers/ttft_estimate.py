@@ -45,6 +45,14 @@ engine dying must not take most of the fleet's streams with it) and stops a burs
 prompts piling onto the endpoint that holds their prefix once its decode batch costs more than a
 cold prefill elsewhere.
 
+A decode step also has a floor, reading the weights once (the calibration's `a`: H100 6.4 ms,
+A100 10.5 ms for an 8B model; `DECODE_STEP_S_BY_GPU`), paid by every request whatever the
+batch: `decode_weight × expected_output × step_i` adds it, so that a busy H100 is not priced as
+if moving a long decode to an idle A100 saved the whole of the H100's context read. Without it
+the decode term counted about twice what the move really saves (6.7 against 3.3 ms a step in
+the near-ties traced in decision 0255). On a fleet of one GPU type it is the same everywhere
+and says nothing (only differences of cost count).
+
 The decode side runs both ways: the request's prefill also stalls every sequence decoding on
 the endpoint (with chunked prefill each prefill step is a step of the running decodes too), by
 about its own prefill time each, `decode_weight × decode_inflight_i × s_i × uncached_i`
@@ -73,14 +81,20 @@ Parameters:
         token per decode step) for an endpoint whose GPU is not in the table below.
     decode_s_per_context_token_by_gpu (dict GPU name → float ≥ 0, default
         `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`: h100 44, h200 31, a100 72 ns): `d` per GPU, the
-        name matched case-insensitively as a word of the endpoint's `gpu_label` label (the
-        longest match wins), so "a100" finds "NVIDIA-A100-SXM4-80GB" (the form of GPU feature
+        name matched case-insensitively as a word of the endpoint's GPU label (`Endpoint.gpu`,
+        the label `scheduling.prefill_model.gpu_label` names; the longest match wins), so "a100" finds "NVIDIA-A100-SXM4-80GB" (the form of GPU feature
         discovery's `nvidia.com/gpu.product` node label); the label comes from the endpoint's
         config or its discovery template (`labels`). One `d` for every GPU charged an H100
         decoding 1.5× an A100's context as the slower decode, and sent requests to the A100
         without their cached system prompt (decision 0240). Scale the table for other models
         (d is proportional to KV bytes per token).
-    gpu_label (str, default "gpu"): the endpoint label naming its GPU.
+    decode_step_s (float ≥ 0, default 6.4e-3): a decode step's floor (seconds) for an endpoint
+        whose GPU is not in the table below.
+    decode_step_s_by_gpu (dict GPU name → float ≥ 0, default `DECODE_STEP_S_BY_GPU`: h100
+        6.4, h200 4.5, a100 10.5 ms): the floor per GPU, matched like `d`'s table.
+    gpu_label: moved to `scheduling.prefill_model.gpu_label`, the one setting naming the GPU
+        label for every per-GPU table (`Endpoint.gpu`); set here it is a configuration error
+        saying so.
     decode_weight (float ≥ 0, default 0.25): weight of the decode terms (0: TTFT alone). At 1
         (a request's whole decode slowdown against its TTFT) the term outweighed every prefix
         saving on the shared-system-prompt benchmark (hit rate 53 % of 73 % possible); at 0 a
@@ -100,7 +114,7 @@ from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["DECODE_S_PER_CONTEXT_TOKEN_BY_GPU", "TTFTEstimateScorer", "cost_scores", "effective_fits", "predicted_ttft_s"]
+__all__ = ["DECODE_STEP_S_BY_GPU", "DECODE_S_PER_CONTEXT_TOKEN_BY_GPU", "TTFTEstimateScorer", "cost_scores", "effective_fits", "predicted_ttft_s"]
 
 DECODE_S_PER_CONTEXT_TOKEN_BY_GPU: dict[str, float] = {"h100": 4.4e-8, "h200": 3.1e-8, "a100": 7.2e-8}
 """`d` per GPU for an 8B model with 16-bit KV (seconds per context token per decode step): KV bytes
@@ -108,6 +122,13 @@ per token over the GPU's effective HBM bandwidth. H100 43.7 ns measured (vLLM's 
 against input length at batch 1); A100 ×3.35/2.04 TB/s = 72 ns, H200 ×3.35/4.8 = 31 ns, both
 scaled by HBM bandwidth (docs/simulator.md, the simulator's profiles). Keys are
 matched as words of the endpoint's GPU label."""
+
+
+DECODE_STEP_S_BY_GPU: dict[str, float] = {"h100": 6.4e-3, "h200": 4.5e-3, "a100": 10.5e-3}
+"""A decode step's floor per GPU for an 8B model (seconds): the weights read once per step. H100
+6.4 ms and A100 10.5 ms are the calibration's `a` (docs/simulator.md, `extproc.sim.profiles`);
+H200 is the H100's scaled by HBM bandwidth (3.35/4.8 TB/s). Scale for other models (the floor
+is proportional to weight bytes per GPU)."""
 
 
 def effective_fits(endpoints: Sequence[Endpoint], work_tokens: Sequence[int], *, now: float | None = None, relearn_after_s: float = float("inf")) -> list[PrefillFit]:
@@ -170,7 +191,9 @@ class TTFTEstimateScorer(Plugin):
         work_weight: float = Field(default=1.0, ge=0)
         decode_s_per_context_token: float = Field(default=4.4e-8, ge=0)
         decode_s_per_context_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(DECODE_S_PER_CONTEXT_TOKEN_BY_GPU))
-        gpu_label: str = "gpu"
+        decode_step_s: float = Field(default=6.4e-3, ge=0)
+        decode_step_s_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(DECODE_STEP_S_BY_GPU))
+        gpu_label: str | None = None
         decode_weight: float = Field(default=0.25, ge=0)
 
         @field_validator("decode_s_per_context_token_by_gpu")
@@ -178,9 +201,24 @@ class TTFTEstimateScorer(Plugin):
         def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
             return gpu_table(v, "decode seconds per context token", allow_zero=True)
 
+        @field_validator("gpu_label")
+        @classmethod
+        def _moved(cls, v: str | None) -> None:
+            if v is not None:
+                raise ValueError(
+                    "the scorer no longer has its own GPU label: set scheduling.prefill_model.gpu_label "
+                    f"(to {v!r}), which names the GPU label for every per-GPU table"
+                )
+            return None
+
+        @field_validator("decode_step_s_by_gpu")
+        @classmethod
+        def _step_non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+            return gpu_table(v, "decode step seconds", allow_zero=True)
+
     def __init__(self, params: Params, *, name: str) -> None:
         super().__init__(params, name=name)
-        self._d_by_label: dict[str, float] = {}
+        self._decode_by_label: dict[str, tuple[float, float]] = {}
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
         work = [ctx.uncached_tokens(ep) for ep in endpoints]
@@ -190,27 +228,33 @@ class TTFTEstimateScorer(Plugin):
         p = self.params
         per_step = p.decode_weight * ctx.expected_output_tokens
         prefill = [t + p.work_weight * f.s_per_token * w for f, t, w in zip(fits, predicted, work)]
-        cost = [
-            c + per_step * self.decode_s_per_context_token(ep) * ep.context_tokens
-            + p.decode_weight * ep.decode_inflight * f.s_per_token * w
-            for c, ep, f, w in zip(prefill, endpoints, fits, work)
-        ]  # fmt: skip
+        cost = []
+        for c, ep, f, w in zip(prefill, endpoints, fits, work):
+            d, step = self.decode_model(ep)
+            cost.append(c + per_step * (step + d * ep.context_tokens) + p.decode_weight * ep.decode_inflight * f.s_per_token * w)
         return cost_scores(prefill, cost)
 
     def decode_s_per_context_token(self, ep: Endpoint) -> float:
         """`d` for the endpoint's GPU (seconds per context token per decode step): the entry of
-        `decode_s_per_context_token_by_gpu` whose name the endpoint's `gpu_label` label contains
+        `decode_s_per_context_token_by_gpu` whose name the endpoint's GPU label (`Endpoint.gpu`) contains
         (case-insensitive, the longest such name: "a100" in "NVIDIA-A100-SXM4-80GB"), else
         `decode_s_per_context_token`."""
-        label = ep.labels.get(self.params.gpu_label, "")
-        d = self._d_by_label.get(label)
-        if d is None:  # looked up once per label value, not per candidate and request
-            d = gpu_value(label, self.params.decode_s_per_context_token_by_gpu)
-            if d is None:
-                d = self.params.decode_s_per_context_token
-            if len(self._d_by_label) < 1024:  # label values are few; bounded against churn
-                self._d_by_label[label] = d
-        return d
+        return self.decode_model(ep)[0]
+
+    def decode_model(self, ep: Endpoint) -> tuple[float, float]:
+        """`(d, step floor)` for the endpoint's GPU (seconds per context token per decode step,
+        seconds per decode step): each from its `_by_gpu` table by the endpoint's GPU label
+        (`Endpoint.gpu`; the longest whole-word name), else the plain setting."""
+        label = ep.gpu
+        model = self._decode_by_label.get(label)
+        if model is None:  # looked up once per label value, not per candidate and request
+            p = self.params
+            d = gpu_value(label, p.decode_s_per_context_token_by_gpu)
+            step = gpu_value(label, p.decode_step_s_by_gpu)
+            model = (p.decode_s_per_context_token if d is None else d, p.decode_step_s if step is None else step)
+            if len(self._decode_by_label) < 1024:  # label values are few; bounded against churn
+                self._decode_by_label[label] = model
+        return model
 
 
 def cost_scores(prefill_s: Sequence[float], cost_s: Sequence[float]) -> list[float]:
@@ -229,4 +273,4 @@ def cost_scores(prefill_s: Sequence[float], cost_s: Sequence[float]) -> list[flo
     scale = min(prefill_s)
     if scale <= 0:
         return [1.0 if c <= best else 0.0 for c in cost_s]
-    return [scale / (scale + c - best) for c in cost_s]
+    return [scale / (scale + (c - best)) for c in cost_s]
