@@ -301,8 +301,14 @@ class Reservation:
         ep.reserved_blocks -= self.blocks
         ep.unsettled.discard(self)
 
-    def release(self) -> None:
-        """Return everything still counted; safe to call more than once."""
+    def release(self, now: float | None = None) -> None:
+        """Return everything still counted; safe to call more than once.
+
+        Args:
+            now: when (`time.monotonic()` seconds; default now): a request released still in
+                prefill (aborted, failed) restarts `prefill_ahead`'s credit at this time if it
+                was the oldest there, on the same clock as `mark_first_token`'s.
+        """
         if self._released:
             return
         self.settle()
@@ -312,7 +318,7 @@ class Reservation:
         ep.context_tokens -= self.context_tokens
         if self.in_prefill:
             ep.prefill_inflight -= 1
-            ep.leave_prefill(self, time.monotonic())
+            ep.leave_prefill(self, time.monotonic() if now is None else now)
             ep.prefill_tokens -= self.prompt_tokens
         else:
             ep.decode_inflight -= 1

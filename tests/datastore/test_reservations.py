@@ -132,15 +132,26 @@ def test_only_the_oldest_leaving_prefill_restarts_the_credit():
     abort; a short prompt beside a long one under chunked prefill) takes only its own tokens out
     of the backlog: the oldest keeps the credit for the work done on it so far."""
     store, ep = _a100_like()
-    t = time.monotonic() - 1.0  # release() reads the real clock: the credit must be in the past
+    t = 1000.0
     store.reserve(ep, prompt_tokens=10_000, now=t)
     short = store.reserve(ep, prompt_tokens=50, now=t + 0.01)
     aborted = store.reserve(ep, prompt_tokens=100, now=t + 0.02)
     before = ep.prefill_ahead(t + 0.4)
     short.mark_first_token(t + 0.4, learn=False)
     assert ep.prefill_ahead(t + 0.4) == pytest.approx(before - 50)
-    aborted.release()
+    aborted.release(t + 0.4)
     assert ep.prefill_ahead(t + 0.4) == pytest.approx(before - 150)
+
+
+def test_the_oldest_released_in_prefill_restarts_the_credit_at_its_release_time():
+    """An aborted oldest request leaves prefill when it is released: the next one is credited
+    from then, on the caller's clock (a synthetic one in replays and tests)."""
+    store, ep = _a100_like()
+    t = 1000.0
+    oldest = store.reserve(ep, prompt_tokens=10_000, now=t)
+    store.reserve(ep, prompt_tokens=5_000, now=t + 0.1)
+    oldest.release(t + 0.3)
+    assert ep.prefill_ahead(t + 0.5) == pytest.approx(5_000 - 0.2 / 77e-6)
 
 
 def test_a_request_with_no_prefill_work_is_never_the_oldest_in_prefill():

@@ -82,8 +82,9 @@ Parameters:
     decode_s_per_context_token_by_gpu (dict GPU name → float ≥ 0, default
         `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`: h100 44, h200 31, a100 72 ns): `d` per GPU, the
         name matched case-insensitively as a word of the endpoint's GPU label (`Endpoint.gpu`,
-        the label `scheduling.prefill_model.gpu_label` names; the longest match wins), so "a100" finds "NVIDIA-A100-SXM4-80GB" (the form of GPU feature
-        discovery's `nvidia.com/gpu.product` node label); the label comes from the endpoint's
+        the label `scheduling.prefill_model.gpu_label` names; the longest match wins), so
+        "a100" finds "NVIDIA-A100-SXM4-80GB" (the form of GPU feature discovery's
+        `nvidia.com/gpu.product` node label); the label comes from the endpoint's
         config or its discovery template (`labels`). One `d` for every GPU charged an H100
         decoding 1.5× an A100's context as the slower decode, and sent requests to the A100
         without their cached system prompt (decision 0240). Scale the table for other models
@@ -236,8 +237,8 @@ class TTFTEstimateScorer(Plugin):
 
     def decode_s_per_context_token(self, ep: Endpoint) -> float:
         """`d` for the endpoint's GPU (seconds per context token per decode step): the entry of
-        `decode_s_per_context_token_by_gpu` whose name the endpoint's GPU label (`Endpoint.gpu`) contains
-        (case-insensitive, the longest such name: "a100" in "NVIDIA-A100-SXM4-80GB"), else
+        `decode_s_per_context_token_by_gpu` whose name the endpoint's GPU label (`Endpoint.gpu`)
+        contains (case-insensitive, the longest such name: "a100" in "NVIDIA-A100-SXM4-80GB"), else
         `decode_s_per_context_token`."""
         return self.decode_model(ep)[0]
 
