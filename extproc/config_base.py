@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Strict", "yaml_off"]
+__all__ = ["ConfigProblem", "Strict", "yaml_off"]
 
 
 class Strict(BaseModel):
@@ -26,3 +26,16 @@ def yaml_off(value: Any) -> Any:
     """`"off"` for False, anything else unchanged: YAML 1.1 reads a bare `off` as false, so a
     field whose choices include "off" takes this as a `mode="before"` field validator."""
     return "off" if value is False else value
+
+
+class ConfigProblem(ValueError):
+    """A section's cross-check that found a problem below the section: `where` is its path
+    relative to the section (`"scorers[0].type"`; "" for the section itself), `message` the
+    problem. `str()` reads `"where: message"`; the configuration loader (which finds the
+    exception in pydantic's error) joins `where` to the section's own path instead, so the line
+    reads exactly like the same problem found by `extproc.config.diagnose.late_problems`."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}" if where else message)
+        self.where = where
+        self.message = message

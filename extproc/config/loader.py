@@ -16,6 +16,7 @@ import yaml
 
 from extproc.config.diagnose import did_you_mean, known_keys_at, late_problems
 from extproc.config.schema import Config
+from extproc.config_base import ConfigProblem
 from extproc.models import DEFAULT_MODEL
 
 __all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "worker_index", "ENV_OVERRIDES", "WORKER_ENV"]
@@ -47,32 +48,42 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names each offending key and value."""
 
 
+def _join(path: str, where: str) -> str:
+    """`where` (relative: `"models"`, `"[0].type"`) below `path`."""
+    if not path or not where:
+        return path or where
+    return path + where if where.startswith("[") else f"{path}.{where}"
+
+
+def _problem(err: Any) -> tuple[str, str]:
+    """One pydantic error as `(path, text)`; path "" for a whole-config check whose text names
+    the keys itself."""
+    loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]).replace(".[", "[")
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigProblem):  # a section's cross-check, below the section
+        return _join(loc, cause.where), cause.message
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else None
+    if shown is not None and len(shown) > 80:
+        shown = shown[:77] + "..."
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return loc or "<root>", f"required key is missing{MISSING_HINTS.get(loc, '')}"
+    if err["type"] == "extra_forbidden":
+        hint = did_you_mean(err["loc"][-1], known_keys_at(Config, err["loc"]))
+        return loc, f"unknown key{hint} (value {shown if shown is not None else type(value).__name__})"
+    if not loc or shown is None or shown in msg:
+        return loc, msg
+    return loc, f"{msg} (got {shown})"
+
+
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
+    problems = [_problem(err) for err in exc.errors(include_url=False)]
+    # The cross-checks pydantic skipped because their section had other errors; one it ran
+    # reads the same (path, message) and is not said twice.
+    problems += [(where, message) for where, _, message in late_problems(raw) if (where, message) not in problems]
     lines = [f"invalid configuration in {source}:"]
-    for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]).replace(".[", "[")
-        value = err.get("input")
-        shown = repr(value) if not isinstance(value, (dict, list)) else None
-        if shown is not None and len(shown) > 80:
-            shown = shown[:77] + "..."
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            lines.append(f"  {loc or '<root>'}: required key is missing{MISSING_HINTS.get(loc, '')}")
-        elif err["type"] == "extra_forbidden":
-            hint = did_you_mean(err["loc"][-1], known_keys_at(Config, err["loc"]))
-            lines.append(f"  {loc}: unknown key{hint} (value {shown if shown is not None else type(value).__name__})")
-        elif not loc:  # a whole-config cross-check: its message names the keys itself
-            lines.append(f"  {msg}")
-        elif shown is None or shown in msg:
-            lines.append(f"  {loc}: {msg}")
-        else:
-            lines.append(f"  {loc}: {msg} (got {shown})")
-    # The cross-checks pydantic skipped because their section had other errors (or reported
-    # already, naming the same value: not twice).
-    reported = "\n".join(lines)
-    for where, bad, message in late_problems(raw):
-        if repr(bad) not in reported:
-            lines.append(f"  {where}: {message}")
+    lines += [f"  {path}: {text}" if path else f"  {text}" for path, text in problems]
     return "\n".join(lines)
 
 

@@ -185,6 +185,37 @@ def test_a_lone_late_problem_is_reported_once_with_its_suggestion():
     assert str(info.value).count("least-inflite") == 1 and "did you mean 'least-inflight'?" in str(info.value)
 
 
+def test_a_late_problem_is_not_hidden_by_another_line_naming_its_value():
+    """The late cross-checks were deduplicated by searching for the value's text in the lines
+    already written: an unknown model 'mm' vanished beside an unknown key whose value was 'mm'.
+    Two distinct problems are both reported now; one found by both pydantic and the late checks
+    (a lone unknown profile, plugin type or model) still once."""
+    raw = minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}], ratelimit={"tenant_headr": "mm"})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "ratelimit.tenant_headr: unknown key; did you mean 'tenant_header'? (value 'mm')",
+        "endpoints[0].models: 'mm' is not a configured model name; did you mean 'm'? (configured: m)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raw", "line"),
+    [
+        pytest.param(minimal(scheduling={"profile": "least-inflite"}), "scheduling.profile: profile 'least-inflite' is not defined", id="profile"),
+        pytest.param(minimal(scheduling={"profiles": {"p": {"filters": [{"type": "nope-filter"}]}}}), "scheduling.profiles.p.filters[0].type: unknown plugin type 'nope-filter'", id="filter"),
+        pytest.param(minimal(scheduling={"profiles": {"p": {"picker": {"type": "nope-picker"}}}}), "scheduling.profiles.p.picker.type: unknown plugin type 'nope-picker'", id="picker"),
+        pytest.param(minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}]), "endpoints[0].models: 'mm' is not a configured model name", id="model"),
+    ],
+)
+def test_a_problem_both_checks_find_is_one_line(raw, line):
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 1 and problems[0].strip().startswith(line), problems
+
+
 def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():
     # `serve --workers` sets each worker's listen addresses in its environment; a config error
     # in a worker named them as "environment overrides" the user never set.
