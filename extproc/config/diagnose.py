@@ -1,7 +1,8 @@
 """Configuration diagnostics: every problem at once, each with the nearest valid name.
 
 pydantic stops checking a section at its first field error: a model's own cross-checks (an
-unknown `scheduling.profile`, an endpoint naming an unknown model, an unknown plugin type) only
+unknown `scheduling.profile`, an endpoint, discovery source or rate-limit tenant naming an
+unknown model, an unknown plugin type) only
 run once all of its fields are valid, so a typo in one key used to hide a wrong profile name
 beside it until the next try. `late_problems` runs those checks on the raw mapping, whatever
 else is wrong, so `extproc.config.loader` reports all of them in one message; `did_you_mean`
@@ -106,7 +107,8 @@ def unknown_plugin_type(name: object, known: Iterable[str]) -> str:
 def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
     """The cross-checks pydantic skips while a section has other errors, run on the raw
     mapping: `(location, offending value, message)` for an unknown `scheduling.profile`, an
-    unknown plugin type in a configured profile, and an endpoint naming an unknown model.
+    unknown plugin type in a configured profile, and a model name that is not configured in
+    a discovery source's, an endpoint's or a rate-limit tenant's `models`.
     Malformed shapes are skipped here (pydantic reports them)."""
     from extproc.config.schema import BUILTIN_PROFILES
     from extproc.scheduling.registry import registered
@@ -130,11 +132,17 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
                         out.append((where, t, unknown_plugin_type(t, types_known)))
     models = data.get("models")
     names = {m["name"] for m in models if isinstance(m, Mapping) and isinstance(m.get("name"), str)} if isinstance(models, list) else set()
+    if not names:
+        return out
+    named: list[tuple[str, Any]] = []  # (where, the names there: a list, or a mapping's keys)
+    sources = _get(data, "discovery", "sources")
+    named += [(f"discovery.sources[{i}].models", _get(src, "models")) for i, src in enumerate(sources if isinstance(sources, list) else [])]
     endpoints = data.get("endpoints")
-    if names and isinstance(endpoints, list):
-        for i, ep in enumerate(endpoints):
-            served = _get(ep, "models")
-            for m in served if isinstance(served, list) else []:
-                if isinstance(m, str) and m not in names:
-                    out.append((f"endpoints[{i}].models", m, unknown_model(m, names)))
+    named += [(f"endpoints[{i}].models", _get(ep, "models")) for i, ep in enumerate(endpoints if isinstance(endpoints, list) else [])]
+    tenants = _get(data, "ratelimit", "tenants")
+    named += [(f"ratelimit.tenants.{name}.models", _get(t, "models")) for name, t in (tenants.items() if isinstance(tenants, Mapping) else [])]
+    for where, served in named:
+        for m in served if isinstance(served, (list, Mapping)) else []:
+            if isinstance(m, str) and m not in names:
+                out.append((where, m, unknown_model(m, names)))
     return out

@@ -179,6 +179,24 @@ def test_an_unknown_model_reads_the_same_wherever_it_is_named(raw, where):
     assert f"{where}: 'mm' is not a configured model name; did you mean 'm'? (configured: m)" in str(info.value)
 
 
+def test_unknown_models_of_tenants_and_discovery_sources_come_with_the_other_problems():
+    """A tenant's or a discovery source's unknown model was checked only once everything else
+    was valid: beside a typo elsewhere it went unsaid until the next try."""
+    raw = minimal(
+        scheduling={"metrics": {"intervl_s": 0.1}},
+        discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "vllm.svc", "port": 8000, "models": ["llama"]}]},
+        ratelimit={"enabled": True, "tenants": {"a": {"api_key_sha256": ["0" * 64], "models": {"mistral": {"tokens_per_minute": 5}}}}},
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "scheduling.metrics.intervl_s: unknown key; did you mean 'interval_s'? (value 0.1)",
+        "discovery.sources[1].models: 'llama' is not a configured model name (configured: m)",
+        "ratelimit.tenants.a.models: 'mistral' is not a configured model name (configured: m)",
+    ]
+
+
 def test_a_lone_late_problem_is_reported_once_with_its_suggestion():
     with pytest.raises(ConfigError) as info:
         config_from_mapping(minimal(scheduling={"profile": "least-inflite"}), env={})
@@ -207,6 +225,16 @@ def test_a_late_problem_is_not_hidden_by_another_line_naming_its_value():
         pytest.param(minimal(scheduling={"profiles": {"p": {"filters": [{"type": "nope-filter"}]}}}), "scheduling.profiles.p.filters[0].type: unknown plugin type 'nope-filter'", id="filter"),
         pytest.param(minimal(scheduling={"profiles": {"p": {"picker": {"type": "nope-picker"}}}}), "scheduling.profiles.p.picker.type: unknown plugin type 'nope-picker'", id="picker"),
         pytest.param(minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}]), "endpoints[0].models: 'mm' is not a configured model name", id="model"),
+        pytest.param(
+            minimal(ratelimit={"tenants": {"a": {"api_key_sha256": ["0" * 64], "models": {"mm": {}}}}}),
+            "ratelimit.tenants.a.models: 'mm' is not a configured model name",
+            id="tenant-model",
+        ),
+        pytest.param(
+            minimal(discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "vllm.svc", "port": 8000, "models": ["mm"]}]}),
+            "discovery.sources[1].models: 'mm' is not a configured model name",
+            id="source-model",
+        ),
     ],
 )
 def test_a_problem_both_checks_find_is_one_line(raw, line):
