@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from extproc.config_base import key_text
+
 __all__ = ["did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
 
 
@@ -128,7 +130,7 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
                 for i, spec in enumerate(specs):
                     t = _get(spec, "type")
                     if isinstance(t, str) and t not in types_known:
-                        where = f"scheduling.profiles.{name}.{kind}" + ("" if kind == "picker" else f"[{i}]") + ".type"
+                        where = f"scheduling.profiles{key_text(name)}.{kind}" + ("" if kind == "picker" else f"[{i}]") + ".type"
                         out.append((where, t, unknown_plugin_type(t, types_known)))
     models = data.get("models")
     names = {m["name"] for m in models if isinstance(m, Mapping) and isinstance(m.get("name"), str)} if isinstance(models, list) else set()
@@ -140,7 +142,7 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
     endpoints = data.get("endpoints")
     named += [(f"endpoints[{i}].models", _get(ep, "models")) for i, ep in enumerate(endpoints if isinstance(endpoints, list) else [])]
     tenants = _get(data, "ratelimit", "tenants")
-    named += [(f"ratelimit.tenants.{name}.models", _get(t, "models")) for name, t in (tenants.items() if isinstance(tenants, Mapping) else [])]
+    named += [(f"ratelimit.tenants{key_text(name)}.models", _get(t, "models")) for name, t in (tenants.items() if isinstance(tenants, Mapping) else [])]
     for where, served in named:
         for m in served if isinstance(served, (list, Mapping)) else []:
             if isinstance(m, str) and m not in names:

@@ -16,7 +16,7 @@ import yaml
 
 from extproc.config.diagnose import did_you_mean, known_keys_at, late_problems
 from extproc.config.schema import Config
-from extproc.config_base import ConfigProblem
+from extproc.config_base import ConfigProblem, path_text
 from extproc.models import DEFAULT_MODEL
 
 __all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "worker_index", "ENV_OVERRIDES", "WORKER_ENV"]
@@ -51,14 +51,17 @@ class ConfigError(ValueError):
 def _join(path: str, where: str) -> str:
     """`where` (relative: `"models"`, `"[0].type"`) below `path`."""
     if not path or not where:
-        return path or where
+        return path or where.removeprefix(".")
     return path + where if where.startswith("[") else f"{path}.{where}"
 
 
-def _problem(err: Any) -> tuple[str, str]:
+def _problem(err: Any, raw: Mapping[str, Any]) -> tuple[str, str]:
     """One pydantic error as `(path, text)`; path "" for a whole-config check whose text names
     the keys itself."""
-    loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]).replace(".[", "[")
+    if err["loc"][-1:] == ("[key]",):  # a mapping's key itself is wrong: name the mapping and the key
+        key = err["loc"][-2]
+        return path_text(err["loc"][:-2], raw), f"key {key!r}: {err['msg']}"
+    loc = path_text(err["loc"], raw)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigProblem):  # a section's cross-check, below the section
         return _join(loc, cause.where), cause.message
@@ -78,7 +81,7 @@ def _problem(err: Any) -> tuple[str, str]:
 
 
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
-    problems = [_problem(err) for err in exc.errors(include_url=False)]
+    problems = [_problem(err, raw) for err in exc.errors(include_url=False)]
     # The cross-checks pydantic skipped because their section had other errors; one it ran
     # reads the same (path, message) and is not said twice.
     problems += [(where, message) for where, _, message in late_problems(raw) if (where, message) not in problems]

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from extproc.config.diagnose import undefined_profile, unknown_model
-from extproc.config_base import ConfigProblem, Strict
+from extproc.config_base import ConfigProblem, Strict, key_text
 from extproc.config_base import yaml_off
 from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
 from extproc.ratelimit.config import RateLimitConfig
@@ -872,7 +872,7 @@ class DiscoveryConfig(Strict):
             try:
                 out.append(parse_params(spec))
             except ValueError as exc:
-                raise ValueError(f"sources[{i}]: {exc}") from None
+                raise ConfigProblem(f"[{i}]", str(exc)) from None
         if sum(1 for p in out if p.type == "static") > 1:
             raise ValueError("the static source may be listed once")
         return out
@@ -955,5 +955,5 @@ class Config(Strict):
         for name, tenant in self.ratelimit.tenants.items():
             for m in tenant.models:
                 if m not in canonical:
-                    raise ConfigProblem(f"ratelimit.tenants.{name}.models", unknown_model(m, canonical))
+                    raise ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))
         return self

@@ -15,6 +15,7 @@ from typing import Any
 import pydantic
 
 from extproc.config.diagnose import did_you_mean
+from extproc.config_base import path_text
 
 __all__ = ["SOURCES", "build_source", "parse_params"]
 
@@ -47,7 +48,7 @@ def parse_params(spec: Any) -> pydantic.BaseModel:
         return params_cls.model_validate(dict(spec))
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<source>'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)
+            f"{path_text(e['loc'], spec) or '<source>'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)
         )
         raise ValueError(f"{spec['type']} source: {problems}") from None
 

@@ -244,6 +244,37 @@ def test_a_problem_both_checks_find_is_one_line(raw, line):
     assert len(problems) == 1 and problems[0].strip().startswith(line), problems
 
 
+def test_mapping_keys_in_error_paths_read_as_names_or_quoted_keys():
+    """A mapping's key used to print as `.a b` or, when the key itself was wrong, `[1][key]`
+    (a list index, to the eye). Now `.name` for a name, `["a b"]` for any other key, and a
+    wrong key named as the key of its mapping."""
+    endpoint = {"address": "10.0.0.1:8000", "models": ["m"], "labels": {1: "x", "rack zone": 3, "gpu-kind": 4}}
+    raw = minimal(
+        endpoints=[endpoint],
+        scheduling={"profiles": {"my profile": {"scorers": [{"type": "inflight-scorr"}]}}},
+        ratelimit={"tenants": {"team a": {"api_key_sha256": ["0" * 64], "models": {"Qwen/Qwen3-8B": {}}}}},
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    paths = [line.strip().split(": ")[0] for line in str(info.value).splitlines()[1:]]
+    assert paths == [
+        "endpoints[0].labels",  # key 1: ...
+        'endpoints[0].labels["rack zone"]',
+        "endpoints[0].labels.gpu-kind",
+        'scheduling.profiles["my profile"].scorers[0].type',
+        'ratelimit.tenants["team a"].models',
+    ]
+    assert "endpoints[0].labels: key 1: Input should be a valid string" in str(info.value)
+
+
+def test_path_text_without_the_input_reads_ints_as_indexes():
+    from extproc.config_base import path_text
+
+    assert path_text(("models", 1, "name")) == "models[1].name"
+    assert path_text(("labels", "a.b", "[key]")) == 'labels["a.b"] (the key)'
+    assert path_text(("tenants", "Qwen/Qwen3-8B")) == 'tenants["Qwen/Qwen3-8B"]'
+
+
 def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():
     # `serve --workers` sets each worker's listen addresses in its environment; a config error
     # in a worker named them as "environment overrides" the user never set.
