@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from extproc.config_base import key_text
+from extproc.config_base import ConfigProblem, key_text, path_text
 
-__all__ = ["did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
+__all__ = ["describe_error", "describe_errors", "did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
 
 
 def did_you_mean(word: object, choices: Iterable[str]) -> str:
@@ -77,6 +77,48 @@ def known_keys_at(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         annotation = field.annotation
     model = _model_in(annotation)
     return list(model.model_fields) if model is not None else []
+
+
+def _join(path: str, where: str) -> str:
+    """`where` (relative: `"models"`, `"[0].type"`) below `path`."""
+    if not path or not where:
+        return path or where.removeprefix(".")
+    return path + where if where.startswith("[") else f"{path}.{where}"
+
+
+def describe_error(err: Mapping[str, Any], root: type[BaseModel], data: Any, missing_hints: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """One of pydantic's errors (`ValidationError.errors()`) validating `data` as `root`, as
+    `(path, text)`: the path by `path_text` ("" for a check of the whole input whose text
+    names the keys itself), an unknown key with the nearest known one (`did_you_mean`), a
+    required key with its `missing_hints` entry (by path), a section's `ConfigProblem` at its
+    own path below the section, and the offending value when the message does not show it."""
+    if err["loc"][-1:] == ("[key]",):  # a mapping's key itself is wrong: name the mapping and the key
+        key = err["loc"][-2]
+        return path_text(err["loc"][:-2], data), f"key {key!r}: {err['msg']}"
+    loc = path_text(err["loc"], data)
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigProblem):  # a section's cross-check, below the section
+        return _join(loc, cause.where), cause.message
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else None
+    if shown is not None and len(shown) > 80:
+        shown = shown[:77] + "..."
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return loc or "<root>", f"required key is missing{(missing_hints or {}).get(loc, '')}"
+    if err["type"] == "extra_forbidden":
+        hint = did_you_mean(err["loc"][-1], known_keys_at(root, err["loc"]))
+        return loc, f"unknown key{hint} (value {shown if shown is not None else type(value).__name__})"
+    if not loc or shown is None or shown in msg:
+        return loc, msg
+    return loc, f"{msg} (got {shown})"
+
+
+def describe_errors(exc: Any, root: type[BaseModel], data: Any) -> str:
+    """Every error of the pydantic ValidationError `exc` (validating `data` as `root`: a
+    plugin's or a discovery source's parameters) by `describe_error`, joined with "; "."""
+    lines = (describe_error(err, root, data) for err in exc.errors(include_url=False))
+    return "; ".join(f"{path}: {text}" if path else text for path, text in lines)
 
 
 def _get(data: Any, *keys: str) -> Any:

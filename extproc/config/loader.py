@@ -14,9 +14,8 @@ from typing import Any
 import pydantic
 import yaml
 
-from extproc.config.diagnose import did_you_mean, known_keys_at, late_problems
+from extproc.config.diagnose import describe_error, late_problems
 from extproc.config.schema import Config
-from extproc.config_base import ConfigProblem, path_text
 from extproc.models import DEFAULT_MODEL
 
 __all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "worker_index", "ENV_OVERRIDES", "WORKER_ENV"]
@@ -48,40 +47,8 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names each offending key and value."""
 
 
-def _join(path: str, where: str) -> str:
-    """`where` (relative: `"models"`, `"[0].type"`) below `path`."""
-    if not path or not where:
-        return path or where.removeprefix(".")
-    return path + where if where.startswith("[") else f"{path}.{where}"
-
-
-def _problem(err: Any, raw: Mapping[str, Any]) -> tuple[str, str]:
-    """One pydantic error as `(path, text)`; path "" for a whole-config check whose text names
-    the keys itself."""
-    if err["loc"][-1:] == ("[key]",):  # a mapping's key itself is wrong: name the mapping and the key
-        key = err["loc"][-2]
-        return path_text(err["loc"][:-2], raw), f"key {key!r}: {err['msg']}"
-    loc = path_text(err["loc"], raw)
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, ConfigProblem):  # a section's cross-check, below the section
-        return _join(loc, cause.where), cause.message
-    value = err.get("input")
-    shown = repr(value) if not isinstance(value, (dict, list)) else None
-    if shown is not None and len(shown) > 80:
-        shown = shown[:77] + "..."
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "missing":
-        return loc or "<root>", f"required key is missing{MISSING_HINTS.get(loc, '')}"
-    if err["type"] == "extra_forbidden":
-        hint = did_you_mean(err["loc"][-1], known_keys_at(Config, err["loc"]))
-        return loc, f"unknown key{hint} (value {shown if shown is not None else type(value).__name__})"
-    if not loc or shown is None or shown in msg:
-        return loc, msg
-    return loc, f"{msg} (got {shown})"
-
-
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
-    problems = [_problem(err, raw) for err in exc.errors(include_url=False)]
+    problems = [describe_error(err, Config, raw, MISSING_HINTS) for err in exc.errors(include_url=False)]
     # The cross-checks pydantic skipped because their section had other errors; one it ran
     # reads the same (path, message) and is not said twice.
     problems += [(where, message) for where, _, message in late_problems(raw) if (where, message) not in problems]

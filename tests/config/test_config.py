@@ -275,6 +275,30 @@ def test_path_text_without_the_input_reads_ints_as_indexes():
     assert path_text(("tenants", "Qwen/Qwen3-8B")) == 'tenants["Qwen/Qwen3-8B"]'
 
 
+@pytest.mark.parametrize(
+    ("raw", "line"),
+    [
+        pytest.param(
+            minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "ttft-estimate-scorer", "params": {"decode_s_per_contxt_token_by_gpu": {}}}]}}}),
+            "scheduling.profiles.p.scorers[0]: plugin 'ttft-estimate-scorer': invalid parameters: "
+            "decode_s_per_contxt_token_by_gpu: unknown key; did you mean 'decode_s_per_context_token_by_gpu'?",
+            id="plugin-params",
+        ),
+        pytest.param(
+            minimal(discovery={"sources": [{"type": "static"}, {"type": "dns", "nmae": "vllm.svc", "name": "vllm.svc", "port": 8000, "models": ["m"]}]}),
+            "discovery.sources[1]: dns source: nmae: unknown key; did you mean 'name'?",
+            id="source-params",
+        ),
+    ],
+)
+def test_a_misspelt_parameter_gets_the_nearest_name(raw, line):
+    """A plugin's or a discovery source's parameters are checked by their own schema, whose
+    errors came without the suggestion the rest of the configuration gets."""
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert line in str(info.value)
+
+
 def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():
     # `serve --workers` sets each worker's listen addresses in its environment; a config error
     # in a worker named them as "environment overrides" the user never set.
