@@ -576,9 +576,9 @@ class PrefillModelConfig(Strict):
     prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
     gpu_label: str = "gpu"
 
-    @field_validator("prior_s_per_token_by_gpu")
+    @field_validator("prior_s_per_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
     @classmethod
-    def _positive_speeds(cls, v: dict[str, float]) -> dict[str, float]:
+    def _positive_speeds(cls, v: Any) -> dict[str, float]:
         return gpu_table(v, "prefill seconds per token")
 
 

@@ -78,6 +78,20 @@ def test_the_server_starts_each_endpoints_fit_at_its_gpus_prefill_speed():
     assert not any(ep.prefill_fit.prior.known for ep in ExtProcApp(off).store.all())
 
 
+@pytest.mark.parametrize("value", [True, "6.7e-5"], ids=["bool", "numeric-string"])
+def test_gpu_tables_take_numbers_only(value):
+    """pydantic coerced `True` to 1.0 s per token and `"6.7e-5"` to a number in the GPU tables
+    (the prefill prior's and the TTFT scorer's decode table): both are refused, an int is not."""
+    prefill = minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": value}}})
+    with pytest.raises(ConfigError, match=rf"prior_s_per_token_by_gpu: prefill seconds per token for 'a100' must be a number > 0, got {value!r}"):
+        config_from_mapping(prefill, env={})
+    decode = minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "ttft-estimate-scorer", "params": {"decode_s_per_context_token_by_gpu": {"a100": value}}}]}}})
+    with pytest.raises(ConfigError, match=rf"decode seconds per context token for 'a100' must be a number >= 0, got {value!r}"):
+        config_from_mapping(decode, env={})
+    cfg = config_from_mapping(minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": 1}}}), env={})
+    assert cfg.scheduling.prefill_model.prior_s_per_token_by_gpu == {"a100": 1.0}
+
+
 def test_env_overrides_addresses():
     cfg = config_from_mapping(minimal(), env={"LLM_EXTPROC_GRPC_ADDRESS": "127.0.0.1:7000", "LLM_EXTPROC_ADMIN_ADDRESS": "127.0.0.1:7001"})
     assert (cfg.listen.grpc, cfg.listen.admin) == ("127.0.0.1:7000", "127.0.0.1:7001")
