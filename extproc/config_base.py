@@ -8,11 +8,14 @@ package whose `__init__` imports the schema.
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Strict", "yaml_off"]
+__all__ = ["ConfigProblem", "Strict", "key_text", "path_text", "yaml_off"]
 
 
 class Strict(BaseModel):
@@ -26,3 +29,48 @@ def yaml_off(value: Any) -> Any:
     """`"off"` for False, anything else unchanged: YAML 1.1 reads a bare `off` as false, so a
     field whose choices include "off" takes this as a `mode="before"` field validator."""
     return "off" if value is False else value
+
+
+class ConfigProblem(ValueError):
+    """A section's cross-check that found a problem below the section: `where` is its path
+    relative to the section (`"scorers[0].type"`; "" for the section itself), `message` the
+    problem. `str()` reads `"where: message"`; the configuration loader (which finds the
+    exception in pydantic's error) joins `where` to the section's own path instead, so the line
+    reads exactly like the same problem found by `extproc.config.diagnose.late_problems`."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}" if where else message)
+        self.where = where
+        self.message = message
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def key_text(key: object) -> str:
+    """A mapping key as a step of a configuration path: `.name` for a name (letters, digits,
+    `_` and `-`, not starting with a digit: `.load-aware`), else in brackets, a string
+    JSON-quoted (`["team a"]`, `["Qwen/Qwen3-8B"]`) and any other key as Python writes it
+    (`[1]`: YAML reads a bare `1:` as an int)."""
+    if isinstance(key, str):
+        return f".{key}" if _NAME.fullmatch(key) else f"[{json.dumps(key, ensure_ascii=False)}]"
+    return f"[{key!r}]"
+
+
+def path_text(loc: Iterable[object], data: Any = None) -> str:
+    """A pydantic error location as a configuration path, `models[1].name`: a list index in
+    brackets, a mapping key by `key_text`. `data` is the input the location points into; with
+    it, an int step into a mapping reads as a key, without it every int is an index. A wrong
+    key itself (pydantic's `[key]` step) reads `labels[1] (the key)`."""
+    out = ""
+    for part in loc:
+        if part == "[key]":  # pydantic's mark after a mapping key that is itself wrong
+            out += " (the key)"
+            continue
+        index = isinstance(part, int) and not isinstance(data, Mapping)
+        out += f"[{part}]" if index else key_text(part)
+        try:
+            data = data[part] if data is not None else None  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            data = None
+    return out.removeprefix(".")

@@ -7,21 +7,53 @@ progress, a summary at the end; exit 0 when at least one request succeeded.
 
 from __future__ import annotations
 
+import urllib.parse
+
 import typer
 
 __all__ = ["gateway_base", "load"]
 
 
+_API_PATHS = (("v1", "chat", "completions"), ("v1", "completions"), ("v1",))
+"""The OpenAI paths a pasted URL may end with (any case): the generator adds its own."""
+
+
 def gateway_base(url: str) -> str:
-    """The gateway's base URL without a trailing slash or the OpenAI `/v1` (the generator adds
-    `/v1/...` itself); `up` and `demo` print the API URL with `/v1`, and pasting that doubled it
-    into `/v1/v1/chat/completions` and a 404 for every request."""
-    base = url.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
+    """The gateway's base URL for the load generator, which adds `/v1/...` itself: `url`
+    without a trailing slash and without a trailing `/v1`, `/v1/chat/completions` or
+    `/v1/completions` (`v1` in any case). `up` and `demo` print the API URL with `/v1`, and
+    pasting that doubled it into `/v1/v1/chat/completions` and a 404 for every request. A path
+    before those (a gateway mounted under `/gw`) is kept.
+
+    Raises:
+        ValueError: not an http(s) URL with a host, an invalid port, a query string or a
+            fragment, or another OpenAI path (`/v1/models`, `/v1/v1`, `/chat/completions`):
+            the message names `--url`.
+    """
+    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        parts.port  # noqa: B018 - urllib checks the port only when it is read
+    except ValueError:
+        raise ValueError(f"--url has an invalid port: {url!r}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--url must be an http:// or https:// URL with a host (http://127.0.0.1:8080), got {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"--url takes the gateway's base URL, without a query string or fragment, got {url!r}")
+    segments = [s for s in parts.path.split("/") if s]
+    for api in _API_PATHS:
+        if tuple(s.lower() for s in segments[-len(api) :]) == api:
+            segments = segments[: -len(api)]
+            break
+    if any(s.lower() in {"v1", "chat", "completions"} for s in segments):
+        raise ValueError(
+            f"--url path {parts.path!r} is not a gateway base path: give the base URL, with or without /v1, /v1/chat/completions"
+            f" or /v1/completions, got {url!r}"
+        )
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/".join(["", *segments]) if segments else "", "", ""))
 
 
 def load(
-    url: str = typer.Option("http://127.0.0.1:8080", "--url", help="the gateway's URL (Envoy's listener), with or without the /v1 that `up` prints"),
+    url: str = typer.Option("http://127.0.0.1:8080", "--url", help="the gateway's URL (Envoy's listener), with or without the /v1 that `up` prints (or a full /v1/chat/completions)"),
     rate: float = typer.Option(2.0, "--rate", help="mean arrival rate (requests/s, Poisson)"),
     requests: int = typer.Option(600, "--requests", min=1, help="requests to send"),
     model: str = typer.Option("Qwen/Qwen3-8B", "--model", help="the model field sent"),

@@ -1,7 +1,8 @@
 """Configuration diagnostics: every problem at once, each with the nearest valid name.
 
 pydantic stops checking a section at its first field error: a model's own cross-checks (an
-unknown `scheduling.profile`, an endpoint naming an unknown model, an unknown plugin type) only
+unknown `scheduling.profile`, an endpoint, discovery source or rate-limit tenant naming an
+unknown model, an unknown plugin type) only
 run once all of its fields are valid, so a typo in one key used to hide a wrong profile name
 beside it until the next try. `late_problems` runs those checks on the raw mapping, whatever
 else is wrong, so `extproc.config.loader` reports all of them in one message; `did_you_mean`
@@ -18,7 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
+from extproc.config_base import ConfigProblem, key_text, path_text
+
+__all__ = ["describe_error", "describe_errors", "did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
 
 
 def did_you_mean(word: object, choices: Iterable[str]) -> str:
@@ -76,6 +79,48 @@ def known_keys_at(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields) if model is not None else []
 
 
+def _join(path: str, where: str) -> str:
+    """`where` (relative: `"models"`, `"[0].type"`) below `path`."""
+    if not path or not where:
+        return path or where.removeprefix(".")
+    return path + where if where.startswith("[") else f"{path}.{where}"
+
+
+def describe_error(err: Mapping[str, Any], root: type[BaseModel], data: Any, missing_hints: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """One of pydantic's errors (`ValidationError.errors()`) validating `data` as `root`, as
+    `(path, text)`: the path by `path_text` ("" for a check of the whole input whose text
+    names the keys itself), an unknown key with the nearest known one (`did_you_mean`), a
+    required key with its `missing_hints` entry (by path), a section's `ConfigProblem` at its
+    own path below the section, and the offending value when the message does not show it."""
+    if err["loc"][-1:] == ("[key]",):  # a mapping's key itself is wrong: name the mapping and the key
+        key = err["loc"][-2]
+        return path_text(err["loc"][:-2], data), f"key {key!r}: {err['msg']}"
+    loc = path_text(err["loc"], data)
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigProblem):  # a section's cross-check, below the section
+        return _join(loc, cause.where), cause.message
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else None
+    if shown is not None and len(shown) > 80:
+        shown = shown[:77] + "..."
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return loc or "<root>", f"required key is missing{(missing_hints or {}).get(loc, '')}"
+    if err["type"] == "extra_forbidden":
+        hint = did_you_mean(err["loc"][-1], known_keys_at(root, err["loc"]))
+        return loc, f"unknown key{hint} (value {shown if shown is not None else type(value).__name__})"
+    if not loc or shown is None or shown in msg:
+        return loc, msg
+    return loc, f"{msg} (got {shown})"
+
+
+def describe_errors(exc: Any, root: type[BaseModel], data: Any) -> str:
+    """Every error of the pydantic ValidationError `exc` (validating `data` as `root`: a
+    plugin's or a discovery source's parameters) by `describe_error`, joined with "; "."""
+    lines = (describe_error(err, root, data) for err in exc.errors(include_url=False))
+    return "; ".join(f"{path}: {text}" if path else text for path, text in lines)
+
+
 def _get(data: Any, *keys: str) -> Any:
     for k in keys:
         if not isinstance(data, Mapping):
@@ -106,7 +151,8 @@ def unknown_plugin_type(name: object, known: Iterable[str]) -> str:
 def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
     """The cross-checks pydantic skips while a section has other errors, run on the raw
     mapping: `(location, offending value, message)` for an unknown `scheduling.profile`, an
-    unknown plugin type in a configured profile, and an endpoint naming an unknown model.
+    unknown plugin type in a configured profile, and a model name that is not configured in
+    a discovery source's, an endpoint's or a rate-limit tenant's `models`.
     Malformed shapes are skipped here (pydantic reports them)."""
     from extproc.config.schema import BUILTIN_PROFILES
     from extproc.scheduling.registry import registered
@@ -126,15 +172,21 @@ def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
                 for i, spec in enumerate(specs):
                     t = _get(spec, "type")
                     if isinstance(t, str) and t not in types_known:
-                        where = f"scheduling.profiles.{name}.{kind}" + ("" if kind == "picker" else f"[{i}]") + ".type"
+                        where = f"scheduling.profiles{key_text(name)}.{kind}" + ("" if kind == "picker" else f"[{i}]") + ".type"
                         out.append((where, t, unknown_plugin_type(t, types_known)))
     models = data.get("models")
     names = {m["name"] for m in models if isinstance(m, Mapping) and isinstance(m.get("name"), str)} if isinstance(models, list) else set()
+    if not names:
+        return out
+    named: list[tuple[str, Any]] = []  # (where, the names there: a list, or a mapping's keys)
+    sources = _get(data, "discovery", "sources")
+    named += [(f"discovery.sources[{i}].models", _get(src, "models")) for i, src in enumerate(sources if isinstance(sources, list) else [])]
     endpoints = data.get("endpoints")
-    if names and isinstance(endpoints, list):
-        for i, ep in enumerate(endpoints):
-            served = _get(ep, "models")
-            for m in served if isinstance(served, list) else []:
-                if isinstance(m, str) and m not in names:
-                    out.append((f"endpoints[{i}].models", m, unknown_model(m, names)))
+    named += [(f"endpoints[{i}].models", _get(ep, "models")) for i, ep in enumerate(endpoints if isinstance(endpoints, list) else [])]
+    tenants = _get(data, "ratelimit", "tenants")
+    named += [(f"ratelimit.tenants{key_text(name)}.models", _get(t, "models")) for name, t in (tenants.items() if isinstance(tenants, Mapping) else [])]
+    for where, served in named:
+        for m in served if isinstance(served, (list, Mapping)) else []:
+            if isinstance(m, str) and m not in names:
+                out.append((where, m, unknown_model(m, names)))
     return out

@@ -14,7 +14,7 @@ from typing import Any
 import pydantic
 import yaml
 
-from extproc.config.diagnose import did_you_mean, known_keys_at, late_problems
+from extproc.config.diagnose import describe_error, late_problems
 from extproc.config.schema import Config
 from extproc.models import DEFAULT_MODEL
 
@@ -48,31 +48,12 @@ class ConfigError(ValueError):
 
 
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
+    problems = [describe_error(err, Config, raw, MISSING_HINTS) for err in exc.errors(include_url=False)]
+    # The cross-checks pydantic skipped because their section had other errors; one it ran
+    # reads the same (path, message) and is not said twice.
+    problems += [(where, message) for where, _, message in late_problems(raw) if (where, message) not in problems]
     lines = [f"invalid configuration in {source}:"]
-    for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]).replace(".[", "[")
-        value = err.get("input")
-        shown = repr(value) if not isinstance(value, (dict, list)) else None
-        if shown is not None and len(shown) > 80:
-            shown = shown[:77] + "..."
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            lines.append(f"  {loc or '<root>'}: required key is missing{MISSING_HINTS.get(loc, '')}")
-        elif err["type"] == "extra_forbidden":
-            hint = did_you_mean(err["loc"][-1], known_keys_at(Config, err["loc"]))
-            lines.append(f"  {loc}: unknown key{hint} (value {shown if shown is not None else type(value).__name__})")
-        elif not loc:  # a whole-config cross-check: its message names the keys itself
-            lines.append(f"  {msg}")
-        elif shown is None or shown in msg:
-            lines.append(f"  {loc}: {msg}")
-        else:
-            lines.append(f"  {loc}: {msg} (got {shown})")
-    # The cross-checks pydantic skipped because their section had other errors (or reported
-    # already, naming the same value: not twice).
-    reported = "\n".join(lines)
-    for where, bad, message in late_problems(raw):
-        if repr(bad) not in reported:
-            lines.append(f"  {where}: {message}")
+    lines += [f"  {path}: {text}" if path else f"  {text}" for path, text in problems]
     return "\n".join(lines)
 
 

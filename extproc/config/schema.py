@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from extproc.config.diagnose import undefined_profile, unknown_model
-from extproc.config_base import Strict
+from extproc.config_base import ConfigProblem, Strict, key_text
 from extproc.config_base import yaml_off
 from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
 from extproc.ratelimit.config import RateLimitConfig
@@ -470,17 +470,22 @@ class ProfileConfig(Strict):
 
     @model_validator(mode="after")
     def _plugins_exist(self) -> ProfileConfig:
-        from extproc.scheduling.registry import PluginConfigError, build
+        from extproc.config.diagnose import unknown_plugin_type
+        from extproc.scheduling.registry import PluginConfigError, build, registered
 
+        types_known = registered()
         for kind, specs in (("filters", self.filters), ("scorers", self.scorers), ("picker", [self.picker])):
             for i, spec in enumerate(specs):
+                where = "picker" if kind == "picker" else f"{kind}[{i}]"
+                if spec.type not in types_known:  # the same line as diagnose.late_problems'
+                    raise ConfigProblem(f"{where}.type", unknown_plugin_type(spec.type, types_known))
                 try:
                     plugin = build(spec.type, spec.params, name=spec.name)
                 except PluginConfigError as exc:
-                    raise ValueError(f"{kind}[{i}]: {exc}") from None
+                    raise ConfigProblem(where, str(exc)) from None
                 method, noun = {"filters": ("filter", "filter"), "scorers": ("score", "scorer"), "picker": ("pick", "picker")}[kind]
                 if not callable(getattr(plugin, method, None)):
-                    raise ValueError(f"{kind}[{i}]: {spec.type!r} is not a {noun}")
+                    raise ConfigProblem(where, f"{spec.type!r} is not a {noun}")
         return self
 
 
@@ -573,9 +578,9 @@ class PrefillModelConfig(Strict):
     prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
     gpu_label: str = "gpu"
 
-    @field_validator("prior_s_per_token_by_gpu")
+    @field_validator("prior_s_per_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
     @classmethod
-    def _positive_speeds(cls, v: dict[str, float]) -> dict[str, float]:
+    def _positive_speeds(cls, v: Any) -> dict[str, float]:
         return gpu_table(v, "prefill seconds per token")
 
 
@@ -699,7 +704,7 @@ class SchedulingConfig(Strict):
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
         if self.profile not in self.all_profiles():
-            raise ValueError(undefined_profile(self.profile, self.all_profiles()))
+            raise ConfigProblem("profile", undefined_profile(self.profile, self.all_profiles()))
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:
@@ -869,7 +874,7 @@ class DiscoveryConfig(Strict):
             try:
                 out.append(parse_params(spec))
             except ValueError as exc:
-                raise ValueError(f"sources[{i}]: {exc}") from None
+                raise ConfigProblem(f"[{i}]", str(exc)) from None
         if sum(1 for p in out if p.type == "static") > 1:
             raise ValueError("the static source may be listed once")
         return out
@@ -925,32 +930,32 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         if self.protocol.mode == "epp" and self.scheduling.mode != "endpoint":
-            raise ValueError("protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
+            raise ConfigProblem("protocol.mode", "epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
         names: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for n in [m.name, *m.aliases]:
                 if n in names:
-                    raise ValueError(f"models[{i}]: name or alias {n!r} already used by model {names[n]!r}")
+                    raise ConfigProblem(f"models[{i}]", f"name or alias {n!r} already used by model {names[n]!r}")
                 names[n] = m.name
         canonical = {m.name for m in self.models}
         if self.discovery.has_static() and not self.endpoints:
-            raise ValueError("endpoints: at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
+            raise ConfigProblem("endpoints", "at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
         if self.endpoints and not self.discovery.has_static():
             raise ValueError("endpoints are the static source's list: add {type: static} to discovery.sources, or remove them")
         for i, src in enumerate(self.discovery.sources):
             for m in getattr(src, "models", ()):
                 if m not in canonical:
-                    raise ValueError(f"discovery.sources[{i}].models: {unknown_model(m, canonical)}")
+                    raise ConfigProblem(f"discovery.sources[{i}].models", unknown_model(m, canonical))
         seen: set[str] = set()
         for i, e in enumerate(self.endpoints):
             if e.address in seen:
-                raise ValueError(f"endpoints[{i}].address: {e.address!r} is listed twice")
+                raise ConfigProblem(f"endpoints[{i}].address", f"{e.address!r} is listed twice")
             seen.add(e.address)
             for m in e.models:
                 if m not in canonical:
-                    raise ValueError(f"endpoints[{i}].models: {unknown_model(m, canonical)}")
+                    raise ConfigProblem(f"endpoints[{i}].models", unknown_model(m, canonical))
         for name, tenant in self.ratelimit.tenants.items():
             for m in tenant.models:
                 if m not in canonical:
-                    raise ValueError(f"ratelimit.tenants.{name}.models: {unknown_model(m, canonical)}")
+                    raise ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))
         return self

@@ -356,7 +356,7 @@ class Datastore:
 
     Raises:
         ValueError: `prefill_s_per_token_by_gpu` has a blank name, a name twice, or a speed
-            that is not finite and > 0 (`gpu_table`).
+            that is not a finite number > 0 (a bool or a string is not a number; `gpu_table`).
 
     Attributes:
         on_added: called with each endpoint `add_endpoint` creates (start its probes, scrapes,

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_table", "gpu_value"]
 
@@ -53,23 +55,34 @@ def gpu_value(label: str, table: dict[str, float]) -> float | None:
     return table[max(names, key=len)] if names else None
 
 
-def gpu_table(table: dict[str, float], what: str, *, allow_zero: bool = False) -> dict[str, float]:
-    """A GPU-name → figure table from configuration, keys lower-cased and stripped.
+def gpu_table(table: Any, what: str, *, allow_zero: bool = False) -> dict[str, float]:
+    """A GPU-name → figure table from configuration, keys lower-cased and stripped, figures as
+    floats. Strict about types, so it serves as a pydantic `mode="before"` validator: a figure
+    is an int or a float, never a bool (YAML's `yes`) or a string (`"3e-5"`), which pydantic
+    would coerce to 1.0 or a number.
 
     Raises:
-        ValueError: an empty name, two names equal once lower-cased, or a figure that is not a
-            finite number > 0 (≥ 0 with `allow_zero`); `what` names the figure in the message.
+        ValueError: not a mapping, a name that is not a string or is empty, two names equal once
+            lower-cased, or a figure that is not a finite number > 0 (≥ 0 with `allow_zero`);
+            `what` names the figure in the message.
     """
+    if not isinstance(table, Mapping):
+        raise ValueError(f"must be a mapping of GPU name → {what}, got {type(table).__name__}")
     out: dict[str, float] = {}
+    bound = ">=" if allow_zero else ">"
     for key, value in table.items():
+        if not isinstance(key, str):
+            raise ValueError(f"GPU names must be strings, got {key!r}")
         name = key.strip().lower()
         if not name:
             raise ValueError(f"GPU names must be non-empty, got {key!r}")
         if name in out:
             raise ValueError(f"GPU name {key!r} is listed twice (names are case-insensitive)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{what} for {key!r} must be a number {bound} 0, got {value!r} ({type(value).__name__})")
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"{what} for {key!r} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
-        out[name] = value
+            raise ValueError(f"{what} for {key!r} must be a finite number {bound} 0, got {value!r}")
+        out[name] = float(value)
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pydantic
 
-from extproc.config.diagnose import did_you_mean
+from extproc.config.diagnose import describe_errors, did_you_mean
 
 __all__ = ["SOURCES", "build_source", "parse_params"]
 
@@ -46,9 +46,7 @@ def parse_params(spec: Any) -> pydantic.BaseModel:
     try:
         return params_cls.model_validate(dict(spec))
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<source>'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)
-        )
+        problems = describe_errors(exc, params_cls, spec)
         raise ValueError(f"{spec['type']} source: {problems}") from None
 
 

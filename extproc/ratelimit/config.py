@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from extproc.config_base import Strict
+from extproc.config_base import ConfigProblem, Strict, key_text
 
 __all__ = ["LimitValues", "TenantConfig", "RedisConfig", "RateLimitConfig", "WINDOW_S"]
 
@@ -180,6 +180,6 @@ class RateLimitConfig(Strict):
         for name, t in self.tenants.items():
             for h in t.api_key_sha256:
                 if h in seen:
-                    raise ValueError(f"tenants.{name}.api_key_sha256: key digest already listed by tenant {seen[h]!r}")
+                    raise ConfigProblem(f"tenants{key_text(name)}.api_key_sha256", f"key digest already listed by tenant {seen[h]!r}")
                 seen[h] = name
         return self

@@ -63,6 +63,7 @@ def build(type_name: str, params: dict[str, Any] | None = None, *, name: str | N
     try:
         p = cls.Params.model_validate(params or {})
     except pydantic.ValidationError as exc:
-        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise PluginConfigError(f"plugin {type_name!r}: invalid parameters: {details}") from None
+        from extproc.config.diagnose import describe_errors
+
+        raise PluginConfigError(f"plugin {type_name!r}: invalid parameters: {describe_errors(exc, cls.Params, params or {})}") from None
     return cls(p, name=name or type_name)

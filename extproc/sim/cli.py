@@ -12,6 +12,8 @@ from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES
 __all__ = ["sim"]
 
 _PROFILE_HELP = "engine profile (GPU × model); one of: " + ", ".join(PROFILES)
+_OPTION_OF = {"kv_events_replay": "kv-events-replay-endpoint"}
+"""`SimServer` arguments whose option is not the argument's name with dashes."""
 
 
 def sim(
@@ -53,7 +55,7 @@ def sim(
 
     from extproc.clitools import fail, skip_final_collection, stop_on_signals
     from extproc.sim.faults import Faults
-    from extproc.sim.server import SimServer
+    from extproc.sim.server import SimOptionError, SimServer
 
     if kv_events_port is not None and kv_events_endpoint is not None:
         raise fail("give --kv-events-port or --kv-events-endpoint, not both")
@@ -68,6 +70,10 @@ def sim(
             refuse_connections=fault_refuse_connections,
             jitter_ms=fault_jitter_ms,
         )
+    except ValidationError as exc:  # one line naming the option, not pydantic's dump
+        first = exc.errors(include_url=False)[0]
+        raise fail(f"--fault-{str(first['loc'][0]).replace('_', '-')} {first['msg'].replace('Input should be', 'must be')}, got {first['input']!r}") from None
+    try:
         server = SimServer(
             host=host, port=port, profile=profile, model=model, speed=speed, stream_interval=stream_interval,
             num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -76,8 +82,9 @@ def sim(
             load_shape=load_shape, faults=faults, seed=seed,
             kv_events_endpoint=kv_events_endpoint, kv_events_replay=kv_events_replay_endpoint,
         )
-    except (KeyError, ValueError, ValidationError) as exc:
-        raise fail(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
+    except SimOptionError as exc:
+        option = _OPTION_OF.get(exc.option, exc.option.replace("_", "-"))
+        raise fail(f"--{option} {exc.problem}".replace("needs kv_events_endpoint", "needs --kv-events-endpoint or --kv-events-port")) from None
 
     async def main() -> None:
         stop = stop_on_signals()

@@ -13,7 +13,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["Faults", "FaultUpdate", "parse_fault_update"]
+__all__ = ["MAX_JITTER_MS", "Faults", "FaultUpdate", "parse_fault_update"]
+
+MAX_JITTER_MS = 60_000.0
+"""Most jitter per chunk (simulated ms): a minute between chunks is already a dead stream
+(`die_after_chunks` and `metrics_hang` say so directly); inf or 1e308 hung every stream."""
 
 
 class Faults(BaseModel):
@@ -29,18 +33,18 @@ class Faults(BaseModel):
         health_fail: `/health` answers 503.
         refuse_connections: the server stops listening; open keep-alive connections still work.
         jitter_ms: extra random delay before each streamed chunk, uniform in [0, jitter_ms]
-            simulated milliseconds.
+            simulated milliseconds; at most `MAX_JITTER_MS`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    error_rate: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     error_body: bool = True
     die_after_chunks: int | None = Field(default=None, ge=0)
     metrics_hang: bool = False
     health_fail: bool = False
     refuse_connections: bool = False
-    jitter_ms: float = Field(default=0.0, ge=0.0)
+    jitter_ms: float = Field(default=0.0, ge=0.0, le=MAX_JITTER_MS, allow_inf_nan=False)
 
     def merged(self, update: FaultUpdate) -> Faults:
         """These faults with the fields set in `update` replaced."""
@@ -59,15 +63,15 @@ class FaultUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    error_rate: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     error_body: bool | None = None
     die_after_chunks: int | None = Field(default=None, ge=0)
     metrics_hang: bool | None = None
     health_fail: bool | None = None
     refuse_connections: bool | None = None
-    jitter_ms: float | None = Field(default=None, ge=0.0)
+    jitter_ms: float | None = Field(default=None, ge=0.0, le=MAX_JITTER_MS, allow_inf_nan=False)
     restart: bool = False
-    for_s: float | None = Field(default=None, gt=0.0)
+    for_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
 
 def parse_fault_update(data: object) -> FaultUpdate:

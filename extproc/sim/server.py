@@ -75,11 +75,31 @@ from extproc.sim.metrics import register_metrics
 from extproc.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from extproc.sim.workload import choose_output_len
 
-__all__ = ["SimServer", "shared_token_counter", "LOAD_SHAPES"]
+__all__ = ["MAX_GPU_BLOCKS", "MAX_SPEED", "SimOptionError", "SimServer", "shared_token_counter", "LOAD_SHAPES"]
 
 log = logging.getLogger(__name__)
 
 LOAD_SHAPES = ("sglang", "vllm-router")
+MAX_SPEED = 1e6
+"""Most simulated seconds per wall second: at a million, a day's run keeps the simulated clock
+(a float of wall time × speed) to ~20 µs, under the engine's millisecond steps; at 1e12 a step
+vanished in the rounding within seconds, and at 1e308 the clock overflowed to inf and every
+request after the second one hung."""
+MAX_GPU_BLOCKS = 1 << 22
+"""Most KV blocks in the pool (4,194,304): over twice the largest profile's pool at block size 1
+(a100-llama-3.1-70b-tp8, 1.5 M tokens). The pool keeps one entry per block (~120 B), so 1e14
+blocks exhausted memory at start instead of failing."""
+
+
+class SimOptionError(ValueError):
+    """A `SimServer` argument out of range: `option` is the keyword (`"speed"`), `problem` says
+    what is wrong with the value (`"must be a finite number > 0, got nan"`); `str()` is both.
+    `llm-extproc sim` names its own option (`--speed`) instead."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option} {problem}")
+        self.option = option
+        self.problem = problem
 _MIN_TICK_S = 0.005  # wall seconds a multi-step decode plan may cover at least
 _MAX_PLAN_STEPS = 256
 _NEVER = 1 << 62
@@ -108,6 +128,45 @@ async def _fastapi_errors(request: web.Request, handler: Any) -> web.StreamRespo
         return await handler(request)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
         return web.json_response({"detail": exc.reason}, status=exc.status)
+
+
+def _check_options(
+    *, host: str, model: str | None, speed: float, stream_interval: int, num_gpu_blocks: int | None, max_num_seqs: int | None,
+    max_num_batched_tokens: int | None, block_size: int | None, max_model_len: int | None,
+    gpu_memory_utilization: float | None, max_waiting: int | None, queue_full_status: int, load_shape: str,
+) -> None:
+    """`SimServer`'s arguments that need no profile, checked.
+
+    Raises:
+        SimOptionError: the first argument out of range. A zero for an optional size used to
+            mean "the default" (Python's `or`), a NaN or inf speed hung every request, a
+            memory fraction of 2 sized the pool for twice the GPU's memory.
+    """
+    if not host:
+        raise SimOptionError("host", "must be an address to listen on (127.0.0.1, 0.0.0.0, ::), got ''")
+    if model is not None and not model.strip():
+        raise SimOptionError("model", f"must be a model name, got {model!r}")
+    if not (0 < speed <= MAX_SPEED):  # also refuses NaN
+        raise SimOptionError("speed", f"must be a finite number > 0 and ≤ {MAX_SPEED:g}, got {speed}")
+    for name, value, least in (
+        ("stream_interval", stream_interval, 1),
+        ("num_gpu_blocks", num_gpu_blocks, 1),
+        ("max_num_seqs", max_num_seqs, 1),
+        ("max_num_batched_tokens", max_num_batched_tokens, 1),
+        ("block_size", block_size, 1),
+        ("max_model_len", max_model_len, 1),
+        ("max_waiting", max_waiting, 0),
+    ):
+        if value is not None and value < least:
+            raise SimOptionError(name, f"must be ≥ {least}, got {value}")
+    if num_gpu_blocks is not None and num_gpu_blocks > MAX_GPU_BLOCKS:
+        raise SimOptionError("num_gpu_blocks", f"must be ≤ {MAX_GPU_BLOCKS}, got {num_gpu_blocks}")
+    if gpu_memory_utilization is not None and not (0 < gpu_memory_utilization <= 1):  # also refuses NaN
+        raise SimOptionError("gpu_memory_utilization", f"must be a fraction in (0, 1], got {gpu_memory_utilization}")
+    if queue_full_status not in (429, 503):
+        raise SimOptionError("queue_full_status", f"must be 429 or 503, got {queue_full_status}")
+    if load_shape not in LOAD_SHAPES:
+        raise SimOptionError("load_shape", f"must be one of {', '.join(LOAD_SHAPES)}, got {load_shape!r}")
 
 
 def _prompt_tokens(reqs: list[SimRequest], n: int) -> int:
@@ -141,7 +200,8 @@ class SimServer:
         kv_events_replay: bind vLLM's replay ROUTER socket here, or None.
 
     Raises:
-        KeyError: unknown profile. ValueError: a size or setting out of range.
+        SimOptionError: (a ValueError) an unknown profile, an empty model or host, or a size or
+            setting out of range, naming the argument.
     """
 
     def __init__(
@@ -170,20 +230,29 @@ class SimServer:
         kv_events_endpoint: str | None = None,
         kv_events_replay: str | None = None,
     ) -> None:
-        self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
-        if not (0 < speed < float("inf")):  # NaN and inf started, then hung every request
-            raise ValueError(f"speed must be a finite number > 0, got {speed}")
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be ≥ 1, got {stream_interval}")
-        if queue_full_status not in (429, 503):
-            raise ValueError(f"queue_full_status must be 429 or 503, got {queue_full_status}")
-        if load_shape not in LOAD_SHAPES:
-            raise ValueError(f"load_shape must be one of {LOAD_SHAPES}, got {load_shape!r}")
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be ≥ 0, got {max_waiting}")
+        try:
+            self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
+        except KeyError as exc:
+            raise SimOptionError("profile", f"names an {exc.args[0]}") from None
+        _check_options(
+            host=host, model=model, speed=speed, stream_interval=stream_interval, num_gpu_blocks=num_gpu_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, max_waiting=max_waiting,
+            queue_full_status=queue_full_status, load_shape=load_shape,
+        )
+        if kv_events_replay is not None and kv_events_endpoint is None:
+            raise SimOptionError("kv_events_replay", "needs kv_events_endpoint")
         p = self.profile
         bs = block_size or p.block_size
-        blocks = num_gpu_blocks or p.num_gpu_blocks(bs, gpu_memory_utilization)
+        try:
+            capacity = p.kv_capacity_tokens(gpu_memory_utilization)
+        except ValueError as exc:  # the weights do not fit
+            raise SimOptionError("gpu_memory_utilization", f"{gpu_memory_utilization or p.gpu_memory_utilization} leaves no KV cache: {exc}") from None
+        blocks = num_gpu_blocks or capacity // bs
+        if blocks < 1:
+            raise SimOptionError("block_size", f"must be at most the KV pool's {capacity} tokens, got {bs}")
+        if blocks > MAX_GPU_BLOCKS:
+            raise SimOptionError("block_size", f"{bs} makes {blocks} KV blocks, more than the {MAX_GPU_BLOCKS} the simulator holds")
         self.config = EngineConfig(
             num_gpu_blocks=blocks,
             block_size=bs,
@@ -219,8 +288,6 @@ class SimServer:
         self._wall0 = 0.0
         self._sim0 = 0.0
         self._started_unix = int(time.time())
-        if kv_events_replay is not None and kv_events_endpoint is None:
-            raise ValueError("kv_events_replay needs kv_events_endpoint")
         self.kv_events = KVEventPublisher(kv_events_endpoint, kv_events_replay) if kv_events_endpoint else None
 
     # -- lifecycle --------------------------------------------------------------------------

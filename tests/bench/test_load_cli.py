@@ -28,7 +28,7 @@ async def test_load_sends_the_workload_and_reports(tmp_path: Path):
     assert "sent 6 in" in done.stdout and "ok 6" in done.stdout
 
 
-@pytest.mark.parametrize("args", [["--url", "localhost:8080"], ["--rate", "0"]])
+@pytest.mark.parametrize("args", [["--url", "localhost:8080"], ["--url", "http://127.0.0.1:9/v1?x=1"], ["--rate", "0"]])
 def test_bad_arguments_are_clear_errors(args: list[str]):
     done = _load(*args, "--requests", "1")
     assert done.returncode != 0
@@ -40,3 +40,30 @@ def test_the_gateway_base_drops_one_trailing_v1_only():
     assert gateway_base("http://gw:8080/") == "http://gw:8080"
     assert gateway_base("http://gw:8080/prefix/v1") == "http://gw:8080/prefix"
     assert gateway_base("http://gw:8080/v1x") == "http://gw:8080/v1x"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://gw:8080/V1", "http://gw:8080/v1/chat/completions", "http://gw:8080/v1/completions/", "http://gw:8080/V1/Chat/Completions"],
+)
+def test_the_gateway_base_drops_the_openai_path_in_any_case(url: str):
+    """`/V1` and a full endpoint path were kept and doubled into `/V1/v1/chat/completions`."""
+    assert gateway_base(url) == "http://gw:8080"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://gw:8080/v1?x=1", "without a query string or fragment"),  # was kept: '/v1?x=1/v1/chat/completions'
+        ("http://gw:8080/#top", "without a query string or fragment"),
+        ("http://gw:8080/v1/models", "is not a gateway base path"),
+        ("http://gw:8080/v1/v1", "is not a gateway base path"),
+        ("http://gw:8080/chat/completions", "is not a gateway base path"),
+        ("localhost:8080", "http:// or https:// URL with a host"),
+        ("http://gw:80x/", "invalid port"),
+    ],
+)
+def test_a_url_that_is_not_a_gateway_base_is_refused_naming_the_option(url: str, message: str):
+    with pytest.raises(ValueError, match=message) as info:
+        gateway_base(url)
+    assert str(info.value).startswith("--url")

@@ -78,6 +78,20 @@ def test_the_server_starts_each_endpoints_fit_at_its_gpus_prefill_speed():
     assert not any(ep.prefill_fit.prior.known for ep in ExtProcApp(off).store.all())
 
 
+@pytest.mark.parametrize("value", [True, "6.7e-5"], ids=["bool", "numeric-string"])
+def test_gpu_tables_take_numbers_only(value):
+    """pydantic coerced `True` to 1.0 s per token and `"6.7e-5"` to a number in the GPU tables
+    (the prefill prior's and the TTFT scorer's decode table): both are refused, an int is not."""
+    prefill = minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": value}}})
+    with pytest.raises(ConfigError, match=rf"prior_s_per_token_by_gpu: prefill seconds per token for 'a100' must be a number > 0, got {value!r}"):
+        config_from_mapping(prefill, env={})
+    decode = minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "ttft-estimate-scorer", "params": {"decode_s_per_context_token_by_gpu": {"a100": value}}}]}}})
+    with pytest.raises(ConfigError, match=rf"decode seconds per context token for 'a100' must be a number >= 0, got {value!r}"):
+        config_from_mapping(decode, env={})
+    cfg = config_from_mapping(minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": 1}}}), env={})
+    assert cfg.scheduling.prefill_model.prior_s_per_token_by_gpu == {"a100": 1.0}
+
+
 def test_env_overrides_addresses():
     cfg = config_from_mapping(minimal(), env={"LLM_EXTPROC_GRPC_ADDRESS": "127.0.0.1:7000", "LLM_EXTPROC_ADMIN_ADDRESS": "127.0.0.1:7001"})
     assert (cfg.listen.grpc, cfg.listen.admin) == ("127.0.0.1:7000", "127.0.0.1:7001")
@@ -179,10 +193,124 @@ def test_an_unknown_model_reads_the_same_wherever_it_is_named(raw, where):
     assert f"{where}: 'mm' is not a configured model name; did you mean 'm'? (configured: m)" in str(info.value)
 
 
+def test_unknown_models_of_tenants_and_discovery_sources_come_with_the_other_problems():
+    """A tenant's or a discovery source's unknown model was checked only once everything else
+    was valid: beside a typo elsewhere it went unsaid until the next try."""
+    raw = minimal(
+        scheduling={"metrics": {"intervl_s": 0.1}},
+        discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "vllm.svc", "port": 8000, "models": ["llama"]}]},
+        ratelimit={"enabled": True, "tenants": {"a": {"api_key_sha256": ["0" * 64], "models": {"mistral": {"tokens_per_minute": 5}}}}},
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "scheduling.metrics.intervl_s: unknown key; did you mean 'interval_s'? (value 0.1)",
+        "discovery.sources[1].models: 'llama' is not a configured model name (configured: m)",
+        "ratelimit.tenants.a.models: 'mistral' is not a configured model name (configured: m)",
+    ]
+
+
 def test_a_lone_late_problem_is_reported_once_with_its_suggestion():
     with pytest.raises(ConfigError) as info:
         config_from_mapping(minimal(scheduling={"profile": "least-inflite"}), env={})
     assert str(info.value).count("least-inflite") == 1 and "did you mean 'least-inflight'?" in str(info.value)
+
+
+def test_a_late_problem_is_not_hidden_by_another_line_naming_its_value():
+    """The late cross-checks were deduplicated by searching for the value's text in the lines
+    already written: an unknown model 'mm' vanished beside an unknown key whose value was 'mm'.
+    Two distinct problems are both reported now; one found by both pydantic and the late checks
+    (a lone unknown profile, plugin type or model) still once."""
+    raw = minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}], ratelimit={"tenant_headr": "mm"})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "ratelimit.tenant_headr: unknown key; did you mean 'tenant_header'? (value 'mm')",
+        "endpoints[0].models: 'mm' is not a configured model name; did you mean 'm'? (configured: m)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raw", "line"),
+    [
+        pytest.param(minimal(scheduling={"profile": "least-inflite"}), "scheduling.profile: profile 'least-inflite' is not defined", id="profile"),
+        pytest.param(minimal(scheduling={"profiles": {"p": {"filters": [{"type": "nope-filter"}]}}}), "scheduling.profiles.p.filters[0].type: unknown plugin type 'nope-filter'", id="filter"),
+        pytest.param(minimal(scheduling={"profiles": {"p": {"picker": {"type": "nope-picker"}}}}), "scheduling.profiles.p.picker.type: unknown plugin type 'nope-picker'", id="picker"),
+        pytest.param(minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}]), "endpoints[0].models: 'mm' is not a configured model name", id="model"),
+        pytest.param(
+            minimal(ratelimit={"tenants": {"a": {"api_key_sha256": ["0" * 64], "models": {"mm": {}}}}}),
+            "ratelimit.tenants.a.models: 'mm' is not a configured model name",
+            id="tenant-model",
+        ),
+        pytest.param(
+            minimal(discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "vllm.svc", "port": 8000, "models": ["mm"]}]}),
+            "discovery.sources[1].models: 'mm' is not a configured model name",
+            id="source-model",
+        ),
+    ],
+)
+def test_a_problem_both_checks_find_is_one_line(raw, line):
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 1 and problems[0].strip().startswith(line), problems
+
+
+def test_mapping_keys_in_error_paths_read_as_names_or_quoted_keys():
+    """A mapping's key used to print as `.a b` or, when the key itself was wrong, `[1][key]`
+    (a list index, to the eye). Now `.name` for a name, `["a b"]` for any other key, and a
+    wrong key named as the key of its mapping."""
+    endpoint = {"address": "10.0.0.1:8000", "models": ["m"], "labels": {1: "x", "rack zone": 3, "gpu-kind": 4}}
+    raw = minimal(
+        endpoints=[endpoint],
+        scheduling={"profiles": {"my profile": {"scorers": [{"type": "inflight-scorr"}]}}},
+        ratelimit={"tenants": {"team a": {"api_key_sha256": ["0" * 64], "models": {"Qwen/Qwen3-8B": {}}}}},
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    paths = [line.strip().split(": ")[0] for line in str(info.value).splitlines()[1:]]
+    assert paths == [
+        "endpoints[0].labels",  # key 1: ...
+        'endpoints[0].labels["rack zone"]',
+        "endpoints[0].labels.gpu-kind",
+        'scheduling.profiles["my profile"].scorers[0].type',
+        'ratelimit.tenants["team a"].models',
+    ]
+    assert "endpoints[0].labels: key 1: Input should be a valid string" in str(info.value)
+
+
+def test_path_text_without_the_input_reads_ints_as_indexes():
+    from extproc.config_base import path_text
+
+    assert path_text(("models", 1, "name")) == "models[1].name"
+    assert path_text(("labels", "a.b", "[key]")) == 'labels["a.b"] (the key)'
+    assert path_text(("tenants", "Qwen/Qwen3-8B")) == 'tenants["Qwen/Qwen3-8B"]'
+
+
+@pytest.mark.parametrize(
+    ("raw", "line"),
+    [
+        pytest.param(
+            minimal(scheduling={"profiles": {"p": {"scorers": [{"type": "ttft-estimate-scorer", "params": {"decode_s_per_contxt_token_by_gpu": {}}}]}}}),
+            "scheduling.profiles.p.scorers[0]: plugin 'ttft-estimate-scorer': invalid parameters: "
+            "decode_s_per_contxt_token_by_gpu: unknown key; did you mean 'decode_s_per_context_token_by_gpu'?",
+            id="plugin-params",
+        ),
+        pytest.param(
+            minimal(discovery={"sources": [{"type": "static"}, {"type": "dns", "nmae": "vllm.svc", "name": "vllm.svc", "port": 8000, "models": ["m"]}]}),
+            "discovery.sources[1]: dns source: nmae: unknown key; did you mean 'name'?",
+            id="source-params",
+        ),
+    ],
+)
+def test_a_misspelt_parameter_gets_the_nearest_name(raw, line):
+    """A plugin's or a discovery source's parameters are checked by their own schema, whose
+    errors came without the suggestion the rest of the configuration gets."""
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert line in str(info.value)
 
 
 def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():

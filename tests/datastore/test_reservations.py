@@ -189,12 +189,22 @@ def test_a_gpu_label_names_a_table_entry_as_a_whole_word(label, expected):
         ({"a100": 0.0}, "> 0"),
         ({" ": 1e-5}, "non-empty"),  # matched every label with a space
         ({"H100": 1e-5, "h100": 9e-5}, "listed twice"),  # silently merged
+        ({"a100": True}, "must be a number > 0, got True"),  # YAML `yes`: was 1.0 s per token
+        ({"a100": "6.7e-5"}, "must be a number > 0, got '6.7e-5'"),  # was coerced to a number
+        ({"a100": None}, "must be a number > 0, got None"),
+        ({1: 1e-5}, "GPU names must be strings"),
+        ([("a100", 1e-5)], "must be a mapping"),
     ],
 )
 def test_a_gpu_table_refuses_what_would_mislead_the_fit(table, message):
     with pytest.raises(ValueError, match=message):
         gpu_table(table, "prefill seconds per token")
     assert gpu_table({" A100 ": 1e-5}, "x") == {"a100": 1e-5}
+
+
+def test_a_gpu_table_takes_an_int_as_a_float():
+    table = gpu_table({"a100": 1}, "x")
+    assert table == {"a100": 1.0} and type(table["a100"]) is float
 
 
 def test_a_changed_gpu_label_restarts_the_prefill_fit_at_that_gpus_speed():

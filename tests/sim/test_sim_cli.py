@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
 import urllib.request
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -28,7 +30,7 @@ def test_help_lists_the_profiles() -> None:
 
 def test_unknown_profile_is_a_clear_error() -> None:
     result = CliRunner().invoke(app, ["sim", "--profile", "tpu-giant"])
-    assert result.exit_code == 2 and "unknown profile 'tpu-giant'" in result.output
+    assert result.exit_code == 2 and "--profile names an unknown profile 'tpu-giant'" in result.output
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
@@ -73,3 +75,47 @@ def test_bad_options_exit_2_with_a_message_not_a_traceback(args: list[str], mess
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        # accepted: a pool sized for twice the GPU's memory
+        ("--gpu-memory-utilization", "2", "must be a fraction in (0, 1], got 2.0"),
+        ("--gpu-memory-utilization", "0", "must be a fraction in (0, 1], got 0.0"),  # was the profile's error, no option named
+        ("--gpu-memory-utilization", "nan", "must be a fraction in (0, 1], got nan"),  # was 'cannot convert float NaN to integer'
+        ("--speed", "1e308", "≤ 1e+06, got 1e+308"),  # the simulated clock overflowed; requests after it hung
+        ("--num-gpu-blocks", "99999999999999", "must be ≤ 4194304"),  # exhausted memory at start
+        ("--block-size", "99999999999", "must be at most the KV pool's"),  # was 'num_gpu_blocks must be positive, got 0'
+        ("--model", "", "must be a model name"),  # was the profile's model
+        ("--host", "", "must be an address to listen on"),
+        ("--kv-events-replay-endpoint", "tcp://127.0.0.1:1", "needs --kv-events-endpoint or --kv-events-port"),
+        # pydantic's four-line dump with a URL, naming error_rate, not the option:
+        ("--fault-error-rate", "2", "must be less than or equal to 1, got 2.0"),
+        ("--fault-error-rate", "nan", "must be a finite number, got nan"),  # was 'less than or equal to 1'
+        ("--fault-die-after-chunks", "-1", "must be greater than or equal to 0, got -1"),
+        ("--fault-jitter-ms", "inf", "must be a finite number, got inf"),  # accepted: every stream hung
+        ("--fault-jitter-ms", "1e308", "must be less than or equal to 60000"),  # accepted: every stream hung
+    ],
+)
+def test_a_bad_sim_option_is_one_line_naming_the_option(option: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def started(coro: Any) -> None:  # an accepted value would serve until killed: fail instead
+        coro.close()
+        raise AssertionError(f"sim started with {option} {value!r}")
+
+    monkeypatch.setattr(asyncio, "run", started)
+    result = CliRunner().invoke(app, ["sim", option, value])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {option} ") and message in lines[0], result.output
+
+
+def test_the_sim_server_and_fault_updates_refuse_the_same_values_without_the_cli() -> None:
+    from extproc.sim.faults import parse_fault_update
+    from extproc.sim.server import SimOptionError, SimServer
+
+    with pytest.raises(SimOptionError, match=r"gpu_memory_utilization must be a fraction in \(0, 1\]") as info:
+        SimServer(gpu_memory_utilization=1.5)
+    assert info.value.option == "gpu_memory_utilization"
+    with pytest.raises(ValueError, match="jitter_ms: Input should be less than or equal to 60000"):
+        parse_fault_update({"jitter_ms": 1e308})  # POST /sim/faults

@@ -197,7 +197,7 @@ class TTFTEstimateScorer(Plugin):
         gpu_label: str | None = None
         decode_weight: float = Field(default=0.25, ge=0)
 
-        @field_validator("decode_s_per_context_token_by_gpu")
+        @field_validator("decode_s_per_context_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
         @classmethod
         def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
             return gpu_table(v, "decode seconds per context token", allow_zero=True)
