@@ -106,8 +106,9 @@ Parameters:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from extproc.datastore.endpoints import Endpoint
 from extproc.datastore.prefill_fit import PrefillFit, gpu_table, gpu_value
@@ -197,10 +198,11 @@ class TTFTEstimateScorer(Plugin):
         gpu_label: str | None = None
         decode_weight: float = Field(default=0.25, ge=0)
 
-        @field_validator("decode_s_per_context_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
+        @field_validator("decode_s_per_context_token_by_gpu", "decode_step_s_by_gpu", mode="before")  # strict: no True, no "3e-5"
         @classmethod
-        def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
-            return gpu_table(v, "decode seconds per context token", allow_zero=True)
+        def _non_negative(cls, v: Any, info: ValidationInfo) -> dict[str, float]:
+            what = "decode step seconds" if info.field_name == "decode_step_s_by_gpu" else "decode seconds per context token"
+            return gpu_table(v, what, allow_zero=True)
 
         @field_validator("gpu_label")
         @classmethod
@@ -211,11 +213,6 @@ class TTFTEstimateScorer(Plugin):
                     f"(to {v!r}), which names the GPU label for every per-GPU table"
                 )
             return None
-
-        @field_validator("decode_step_s_by_gpu")
-        @classmethod
-        def _step_non_negative(cls, v: dict[str, float]) -> dict[str, float]:
-            return gpu_table(v, "decode step seconds", allow_zero=True)
 
     def __init__(self, params: Params, *, name: str) -> None:
         super().__init__(params, name=name)
