@@ -27,7 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from extproc.config.diagnose import undefined_profile, unknown_model
 from extproc.config_base import ConfigProblem, Strict, key_text
 from extproc.config_base import yaml_off
-from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
@@ -569,6 +569,10 @@ class PrefillModelConfig(Strict):
             for others). `{}` turns it off.
         gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`): the one setting for
             every per-GPU table, this prior's and `ttft-estimate-scorer`'s decode model.
+        attention_ratio: prefill attention's cost per pair of tokens relative to one token's
+            linear cost (1/tokens; `extproc.datastore.prefill_fit.prefill_work`): the fit's x
+            and every prefill backlog count `m + ratio · m · (2p + m)` for m new tokens after p
+            cached. Default `PREFILL_ATTENTION_RATIO` (2e-5, an 8B model); 0 counts tokens only.
     """
 
     prior_t0_s: float = Field(default=0.02, ge=0)
@@ -577,6 +581,7 @@ class PrefillModelConfig(Strict):
     forget: float = Field(default=0.95, gt=0, le=1)
     prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
     gpu_label: str = "gpu"
+    attention_ratio: float = Field(default=PREFILL_ATTENTION_RATIO, ge=0, allow_inf_nan=False)
 
     @field_validator("prior_s_per_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
     @classmethod

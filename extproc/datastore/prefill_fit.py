@@ -32,7 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_table", "gpu_value"]
+__all__ = [
+    "PREFILL_ATTENTION_RATIO", "PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_table", "gpu_value",
+    "prefill_work",
+]  # fmt: skip
 
 ROBUST_AFTER = 5
 """Samples before outliers are down-weighted (count)."""
@@ -44,6 +47,30 @@ names one): the calibration's H100 fit (23.4 µs/token, docs/simulator.md; the s
 `b`), the A100 scaled by its lower tensor throughput (67.3 µs/token, the simulator's A100
 profile), the H200 as the H100 (same compute; prefill is compute-bound). Keys are matched as
 words of the GPU label (`gpu_value`)."""
+
+
+PREFILL_ATTENTION_RATIO = 2.0e-5
+"""Prefill attention's cost per pair of tokens, relative to one token's linear (weights) cost
+(1/tokens), for an 8B model: the simulator's calibrated step model charges `b` per batched token
+and `q · m · (2p + m)` for a chunk of m new tokens after p already in the KV cache, and q/b is
+1.97e-5 on the H100 (0.453 ns / 23 µs) and 2.12e-5 on the A100 (1.4 ns / 66 µs): both scale with
+the GPU's compute, so one ratio serves every GPU (docs/simulator.md, `extproc.sim.profiles`).
+Proportional to the model's attention width × layers over its parameter count; scale it for
+other models."""
+
+
+def prefill_work(uncached: int, cached: int = 0, attention_ratio: float = PREFILL_ATTENTION_RATIO) -> int:
+    """A prefill's work in linear-token equivalents (tokens): `uncached` new tokens after
+    `cached` ones already in the KV cache cost `uncached + ratio · uncached · (2·cached +
+    uncached)`, the attention of each new token over everything before it counted at
+    `attention_ratio` (`PREFILL_ATTENTION_RATIO`) of a token's linear cost. The TTFT fit
+    (`PrefillFit`) is linear in this work: in prompt tokens alone it read a 41k-token prompt
+    as 41k tokens of work when the engine spends about 75k tokens' worth on it (attention
+    grows with the square of the length), predicted it on an A100 at 2.8 s and it took 5.6
+    (Mooncake conversation; decision 0265). At 1k tokens the attention adds 2 %, at 8k 16 %.
+    Negative inputs count as 0."""
+    m = max(0, uncached)
+    return m + round(attention_ratio * m * (2 * max(0, cached) + m))
 
 
 def gpu_value(label: str, table: dict[str, float]) -> float | None:

@@ -25,6 +25,7 @@ from typing import Any
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
+from extproc.datastore.prefill_fit import prefill_work
 from extproc.errors import (
     ContextLengthError,
     NoEndpointError,
@@ -152,6 +153,8 @@ class Routed:
             profile has a TTFT estimate).
         body: the body to send instead of the client's (a truncated prompt), or None.
         truncation: what truncation did, or None when the prompt was not cut.
+        attention_ratio: `scheduling.prefill_model.attention_ratio` (1/tokens), for
+            `prefill_tokens`.
     """
 
     request: LLMRequest
@@ -166,14 +169,18 @@ class Routed:
     predicted_ttft_s: dict[str, float] | None = None
     body: bytes | None = None
     truncation: Truncation | None = None
+    attention_ratio: float = 0.0
 
     @property
     def prefill_tokens(self) -> int:
-        """The request's prefill work on its endpoint (tokens): its prompt less the prefix
-        believed cached there."""
+        """The request's prefill work on its endpoint (tokens, linear-token equivalents): its
+        prompt less the prefix believed cached there, with the attention of those tokens
+        (`extproc.datastore.prefill_fit.prefill_work` at `attention_ratio`)."""
+        prompt = self.request.prompt_tokens
         if self.prefix is None or self.endpoint is None:
-            return self.request.prompt_tokens
-        return self.prefix.uncached_tokens(self.endpoint.address)
+            return prefill_work(prompt, 0, self.attention_ratio)
+        uncached = self.prefix.uncached_tokens(self.endpoint.address)
+        return prefill_work(uncached, max(0, prompt - uncached), self.attention_ratio)
 
     def explain(self) -> str:
         """The route-debug line: the profile's scores for the chosen endpoint and the runner-up,
@@ -543,6 +550,7 @@ class RequestPipeline:
             priority=priority,
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
             panic_threshold=cfg.scheduling.health_check.panic_threshold,
+            attention_ratio=cfg.scheduling.prefill_model.attention_ratio,
         )
         session = None
         if self.prefix is not None:
@@ -571,6 +579,7 @@ class RequestPipeline:
             prefix=ctx.prefix,
             session=session,
             predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
+            attention_ratio=ctx.attention_ratio,
         )
         return self._routed(routed, cut, t_cut)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from extproc.datastore.endpoints import Endpoint
+from extproc.datastore.prefill_fit import prefill_work
 from extproc.prefix.match import PrefixMatch
 from extproc.types import LLMRequest
 
@@ -55,6 +56,8 @@ class SchedulingContext:
         session_endpoint: the endpoint the request's session was last routed to, or None.
         panic_threshold: below this share of healthy endpoints `healthy-filter` keeps every
             live one (0..1; `scheduling.health_check.panic_threshold`).
+        attention_ratio: prefill attention per token pair relative to a token's linear cost
+            (1/tokens; `scheduling.prefill_model.attention_ratio`), for `prefill_work`.
         data: per-cycle scratch space shared by plugins (e.g. predicted TTFT per endpoint).
     """
 
@@ -68,6 +71,7 @@ class SchedulingContext:
     prefix: PrefixMatch | None = None
     session_endpoint: str | None = None
     panic_threshold: float = 0.5
+    attention_ratio: float = 0.0
     data: dict[str, object] = field(default_factory=dict)
 
     def uncached_tokens(self, ep: Endpoint) -> int:
@@ -76,6 +80,13 @@ class SchedulingContext:
         if self.prefix is None:
             return max(1, self.request.prompt_tokens)
         return self.prefix.uncached_tokens(ep.address)
+
+    def prefill_work(self, ep: Endpoint) -> int:
+        """The request's prefill work on `ep` in linear-token equivalents (tokens, ≥ 1): its
+        uncached tokens, their attention over the cached prefix and each other included
+        (`extproc.datastore.prefill_fit.prefill_work`, at `attention_ratio`)."""
+        uncached = self.uncached_tokens(ep)
+        return max(1, prefill_work(uncached, max(0, self.request.prompt_tokens - uncached), self.attention_ratio))
 
     def block_size(self, ep: Endpoint) -> int:
         """The endpoint's KV block size (tokens): from its metrics, else the configured default."""

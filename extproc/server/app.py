@@ -21,7 +21,7 @@ from extproc.config.schema import Config, TLSConfig, is_loopback, parse_host_por
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore, Endpoint
 from extproc.datastore.health import HealthChecker
-from extproc.datastore.prefill_fit import PrefillPrior
+from extproc.datastore.prefill_fit import PrefillPrior, prefill_work
 from extproc.datastore.outliers import OutlierDetector
 from extproc.datastore.scraper import MetricsScraper
 from extproc.discovery.base import SourceContext
@@ -152,7 +152,9 @@ class ExtProcApp:
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
         # A warm-up is prefill work on its endpoint like any request: counted in flight there.
-        self.prefix.warmer.reserve = lambda ep, tokens: self.store.reserve(ep, prompt_tokens=tokens, context_tokens=tokens)
+        self.prefix.warmer.reserve = lambda ep, tokens: self.store.reserve(
+            ep, prompt_tokens=prefill_work(tokens, 0, self.config.scheduling.prefill_model.attention_ratio), context_tokens=tokens
+        )
         # Subscribed per endpoint by _endpoint_added / _endpoint_changed, configured or discovered.
         self.kv_events = PreciseSource(
             self.prefix,

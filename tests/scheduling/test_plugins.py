@@ -516,6 +516,31 @@ def test_ttft_estimate_charges_each_gpus_decode_step_floor():
         build("ttft-estimate-scorer", {"gpu_label": "accelerator"})
 
 
+def test_ttft_estimate_counts_a_long_prompts_attention():
+    """Prefill attention grows with the square of the prompt: a 41k-token prompt costs an engine
+    ~75k tokens' worth of work. Counted in tokens alone, an idle A100 (67 µs/token) looked faster
+    than an H100 (23.5 µs/token) with 200k tokens queued, and took 5.6 s (Mooncake conversation,
+    decision 0265); counted with its attention, the H100 is the faster choice."""
+    from extproc.config.schema import EndpointConfig
+    from extproc.datastore.endpoints import Datastore
+    from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU
+
+    gpus = {"10.0.0.1:8000": "h100", "10.0.0.2:8000": "a100"}
+    store = Datastore(
+        [EndpointConfig(address=addr, models=["m"], labels={"gpu": g}) for addr, g in gpus.items()],
+        prefill_s_per_token_by_gpu=PREFILL_S_PER_TOKEN_BY_GPU,
+    )
+    h100, a100 = store.all()
+    store.reserve(h100, prompt_tokens=200_000)  # long prompts queued, their work in the same units
+    scorer = build("ttft-estimate-scorer", {"decode_weight": 0})
+    ask = context(prompt=41_000, output=3)
+    assert scorer.score(ask, [h100, a100])[1] == 1.0  # tokens alone: the idle A100
+    ask.attention_ratio = 2e-5
+    scores = scorer.score(ask, [h100, a100])
+    assert scores[0] == 1.0 and scores[1] < 0.9
+    assert ask.data["predicted_ttft_s"][a100.address] == pytest.approx(0.02 + 6.73e-5 * 74_620, rel=0.01)
+
+
 def test_one_gpu_label_setting_names_the_gpu_for_every_table():
     """`scheduling.prefill_model.gpu_label` picks the label for the fit's prior and for the
     scorer's decode model alike: two settings could name two labels and disagree about a GPU."""

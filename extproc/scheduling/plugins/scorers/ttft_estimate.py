@@ -219,7 +219,7 @@ class TTFTEstimateScorer(Plugin):
         self._decode_by_label: dict[str, tuple[float, float]] = {}
 
     def score(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint]) -> list[float]:
-        work = [ctx.uncached_tokens(ep) for ep in endpoints]
+        work = [ctx.prefill_work(ep) for ep in endpoints]
         fits = effective_fits(endpoints, work, now=ctx.now, relearn_after_s=self.params.relearn_after_s)
         predicted = [f.predict(ep.prefill_ahead(ctx.now) + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
         ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
