@@ -48,10 +48,12 @@ class ConfigError(ValueError):
 
 
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
-    problems = [describe_error(err, Config, raw, MISSING_HINTS) for err in exc.errors(include_url=False)]
+    found = [describe_error(err, Config, raw, MISSING_HINTS) for err in exc.errors(include_url=False)]
     # The cross-checks pydantic skipped because their section had other errors; one it ran
-    # reads the same (path, message) and is not said twice.
-    problems += [(where, message) for where, _, message in late_problems(raw) if (where, message) not in problems]
+    # reads the same (path, message) and is not said twice, nor is one the late checks find
+    # twice (a model listed twice in one endpoint's `models`).
+    found += [(where, message) for where, _, message in late_problems(raw)]
+    problems = list(dict.fromkeys(found))
     lines = [f"invalid configuration in {source}:"]
     lines += [f"  {path}: {text}" if path else f"  {text}" for path, text in problems]
     return "\n".join(lines)

@@ -324,3 +324,17 @@ def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():
     with pytest.raises(ConfigError) as user:
         config_from_mapping(bad, env=own)
     assert "LLM_EXTPROC_GRPC_ADDRESS" in str(user.value)  # set by the user: still said
+
+
+def test_a_late_problem_found_twice_is_one_line():
+    """A model named twice in one endpoint's `models` gave its late cross-check line twice when
+    another section's error kept pydantic's own cross-check from running (only the lines
+    pydantic wrote were checked for repeats, not the late checks' own)."""
+    raw = minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["zz", "zz"]}], scheduling={"bogus": 1})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "scheduling.bogus: unknown key (value 1)",
+        "endpoints[0].models: 'zz' is not a configured model name (configured: m)",
+    ]
