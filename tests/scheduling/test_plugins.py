@@ -516,6 +516,16 @@ def test_ttft_estimate_charges_each_gpus_decode_step_floor():
         build("ttft-estimate-scorer", {"gpu_label": "accelerator"})
 
 
+@pytest.mark.parametrize("param", ["work_weight", "decode_s_per_context_token", "decode_step_s", "decode_weight"])
+def test_ttft_estimate_refuses_an_infinite_weight_or_figure(param):
+    """The GPU tables refused inf, the plain settings took it: `decode_step_s: .inf` on a fleet
+    without GPU labels made every cost inf, every score NaN (zero once clamped) and the TTFT
+    scorer silently nothing. Refused like the tables' entries."""
+    with pytest.raises(PluginConfigError, match=param):
+        build("ttft-estimate-scorer", {param: float("inf")})
+    assert build("ttft-estimate-scorer", {param: 0.5}).params.model_dump()[param] == 0.5
+
+
 def test_one_gpu_label_setting_names_the_gpu_for_every_table():
     """`scheduling.prefill_model.gpu_label` picks the label for the fit's prior and for the
     scorer's decode model alike: two settings could name two labels and disagree about a GPU."""
