@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from extproc.config.diagnose import undefined_profile, unknown_model
+from extproc.config.diagnose import did_you_mean, undefined_profile, unknown_model
 from extproc.config_base import ConfigProblem, Strict, key_text
 from extproc.config_base import yaml_off
 from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
@@ -489,6 +489,25 @@ class ProfileConfig(Strict):
         return self
 
 
+def _check_lead_scorer(name: str, profile: ProfileConfig) -> None:
+    """A configured picker's `lead_scorer` (max-score-picker's) names one of the profile's
+    scorers (by instance name: its `name`, else its type). A name matching none restricted
+    nothing, silently: a typo, or the TTFT scorer renamed (`name: cost`). (A built-in's picker
+    kept while its scorers are replaced is not checked: without its lead scorer it restricts
+    nothing, which is what replacing the scorers asks for.)
+
+    Raises:
+        ConfigProblem: at `profiles.<name>.picker.params.lead_scorer`, naming the profile's scorers.
+    """
+    lead = profile.picker.params.get("lead_scorer") or ""
+    scorers = [s.name or s.type for s in profile.scorers]
+    if lead and lead not in scorers:
+        raise ConfigProblem(
+            f"profiles{key_text(name)}.picker.params.lead_scorer",
+            f"{lead!r} is not a scorer of this profile{did_you_mean(lead, scorers)} (scorers: {', '.join(scorers) or 'none'}); \"\" for none",
+        )
+
+
 SAFE_FILTERS: tuple[str, ...] = ("healthy-filter", "stale-metrics-filter", "kv-fit-filter")
 """Filters of a configured profile that lists none: never a dead endpoint, one whose metrics
 went stale, or one whose KV cache cannot hold the request."""
@@ -703,8 +722,12 @@ class SchedulingConfig(Strict):
 
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
-        if self.profile not in self.all_profiles():
-            raise ConfigProblem("profile", undefined_profile(self.profile, self.all_profiles()))
+        profiles = self.all_profiles()
+        if self.profile not in profiles:
+            raise ConfigProblem("profile", undefined_profile(self.profile, profiles))
+        for name, configured in self.profiles.items():
+            if "picker" in configured.model_fields_set:
+                _check_lead_scorer(name, profiles[name])
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:

@@ -338,3 +338,34 @@ def test_a_late_problem_found_twice_is_one_line():
         "scheduling.bogus: unknown key (value 1)",
         "endpoints[0].models: 'zz' is not a configured model name (configured: m)",
     ]
+
+
+@pytest.mark.parametrize(
+    ("profiles", "line"),
+    [
+        pytest.param(
+            {"p": {"scorers": [{"type": "ttft-estimate-scorer", "name": "cost"}], "picker": {"type": "max-score-picker", "params": {"lead_scorer": "ttft-estimate-scorer"}}}},
+            "scheduling.profiles.p.picker.params.lead_scorer: 'ttft-estimate-scorer' is not a scorer of this profile (scorers: cost); \"\" for none",
+            id="renamed-scorer",
+        ),
+        pytest.param(
+            {"p": {"scorers": [{"type": "ttft-estimate-scorer"}], "picker": {"type": "max-score-picker", "params": {"lead_min_score_unmatched": 0.5}}}},
+            "scheduling.profiles.p.picker: plugin 'max-score-picker': invalid parameters: lead_min_score_unmatched needs lead_scorer",
+            id="floor-without-lead",
+        ),
+    ],
+)
+def test_a_picker_lead_that_names_no_scorer_is_refused(profiles, line):
+    """The picker's lead restriction looked the lead scorer up by name and, finding none, kept
+    every candidate: a typo or a renamed TTFT scorer silently turned the lead off, as did a
+    floor set without a lead scorer. load-aware's scorers replaced without its TTFT scorer (its
+    picker kept) is still a profile without the lead, as asked."""
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(minimal(scheduling={"profiles": profiles}), env={})
+    assert line in str(info.value)
+    fine = {"p": {"scorers": [{"type": "ttft-estimate-scorer", "name": "cost"}], "picker": {"type": "max-score-picker", "params": {"lead_scorer": "cost"}}}}
+    config_from_mapping(minimal(scheduling={"profiles": fine}), env={})
+    config_from_mapping(minimal(scheduling={"profiles": {"load-aware": {"scorers": [{"type": "queue-depth-scorer"}]}}}), env={})
+    typo = {"load-aware": {"picker": {"type": "max-score-picker", "params": {"lead_scorer": "ttft-estimate"}}}}
+    with pytest.raises(ConfigError, match="'ttft-estimate' is not a scorer of this profile; did you mean 'ttft-estimate-scorer'"):
+        config_from_mapping(minimal(scheduling={"profiles": typo}), env={})

@@ -461,6 +461,9 @@ def test_max_score_picker_floor_for_prefix_free_requests(store):
     assert picker.pick(ctx, scored[:1]).primary.endpoint is a  # nothing above the floor: every candidate counts
     with pytest.raises(PluginConfigError, match="lead_min_score_unmatched"):
         build("max-score-picker", {"lead_min_score_unmatched": 1.5})
+    with pytest.raises(PluginConfigError, match="lead_min_score_unmatched needs lead_scorer"):  # it would bound nothing
+        build("max-score-picker", {"lead_min_score_unmatched": 0.5})
+    assert build("max-score-picker", {"lead_min_score_unmatched": None}).params.lead_min_score_unmatched is None  # YAML null: the default
 
 
 def test_ttft_estimate_charges_decode_per_gpu():
