@@ -14,8 +14,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+from pydantic_core import InitErrorDetails, ValidationError
 
-__all__ = ["ConfigProblem", "Strict", "key_text", "path_text", "yaml_off"]
+__all__ = ["ConfigProblem", "Strict", "key_text", "path_text", "raise_problems", "yaml_off"]
 
 
 class Strict(BaseModel):
@@ -42,6 +43,22 @@ class ConfigProblem(ValueError):
         super().__init__(f"{where}: {message}" if where else message)
         self.where = where
         self.message = message
+
+
+def raise_problems(title: str, problems: Iterable[ConfigProblem]) -> None:
+    """Raise every problem a section's cross-check found, not only the first: one is raised
+    as it is, several as a pydantic `ValidationError` holding each as a `value_error` at the
+    section (pydantic places it below the section's path, as it does a raised `ConfigProblem`).
+    Returns when there is none. `title` names the section's model (pydantic's error title).
+
+    A cross-check that stopped at its first problem hid the others until the next try (a
+    model's duplicate name hid a duplicate endpoint address; a discovery source's bad
+    parameters hid the next source's)."""
+    found = list(problems)
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        raise ValidationError.from_exception_data(title, [InitErrorDetails(type="value_error", loc=(), input=None, ctx={"error": p}) for p in found])
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")

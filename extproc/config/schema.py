@@ -20,12 +20,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from extproc.config.diagnose import did_you_mean, undefined_profile, unknown_model
-from extproc.config_base import ConfigProblem, Strict, key_text
+from extproc.config_base import ConfigProblem, Strict, key_text, raise_problems
 from extproc.config_base import yaml_off
 from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
 from extproc.ratelimit.config import RateLimitConfig
@@ -474,18 +475,22 @@ class ProfileConfig(Strict):
         from extproc.scheduling.registry import PluginConfigError, build, registered
 
         types_known = registered()
+        problems: list[ConfigProblem] = []  # every plugin's, not only the first's
         for kind, specs in (("filters", self.filters), ("scorers", self.scorers), ("picker", [self.picker])):
             for i, spec in enumerate(specs):
                 where = "picker" if kind == "picker" else f"{kind}[{i}]"
                 if spec.type not in types_known:  # the same line as diagnose.late_problems'
-                    raise ConfigProblem(f"{where}.type", unknown_plugin_type(spec.type, types_known))
+                    problems.append(ConfigProblem(f"{where}.type", unknown_plugin_type(spec.type, types_known)))
+                    continue
                 try:
                     plugin = build(spec.type, spec.params, name=spec.name)
                 except PluginConfigError as exc:
-                    raise ConfigProblem(where, str(exc)) from None
+                    problems.append(ConfigProblem(where, str(exc)))
+                    continue
                 method, noun = {"filters": ("filter", "filter"), "scorers": ("score", "scorer"), "picker": ("pick", "picker")}[kind]
                 if not callable(getattr(plugin, method, None)):
-                    raise ConfigProblem(where, f"{spec.type!r} is not a {noun}")
+                    problems.append(ConfigProblem(where, f"{spec.type!r} is not a {noun}"))
+        raise_problems("ProfileConfig", problems)
         return self
 
 
@@ -893,11 +898,13 @@ class DiscoveryConfig(Strict):
         from extproc.discovery.registry import parse_params
 
         out = []
+        problems: list[ConfigProblem] = []  # every source's, not only the first's
         for i, spec in enumerate(v):
             try:
                 out.append(parse_params(spec))
             except ValueError as exc:
-                raise ConfigProblem(f"[{i}]", str(exc)) from None
+                problems.append(ConfigProblem(f"[{i}]", str(exc)))
+        raise_problems("DiscoveryConfig", problems)
         if sum(1 for p in out if p.type == "static") > 1:
             raise ValueError("the static source may be listed once")
         return out
@@ -952,33 +959,38 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        raise_problems("Config", self._cross_problems())
+        return self
+
+    def _cross_problems(self) -> Iterator[ConfigProblem]:
+        """Every cross-section problem (`_cross_checks` raises them all at once)."""
         if self.protocol.mode == "epp" and self.scheduling.mode != "endpoint":
-            raise ConfigProblem("protocol.mode", "epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
+            yield ConfigProblem("protocol.mode", "epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
         names: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for n in [m.name, *m.aliases]:
                 if n in names:
-                    raise ConfigProblem(f"models[{i}]", f"name or alias {n!r} already used by model {names[n]!r}")
+                    yield ConfigProblem(f"models[{i}]", f"name or alias {n!r} already used by model {names[n]!r}")
+                    continue
                 names[n] = m.name
         canonical = {m.name for m in self.models}
         if self.discovery.has_static() and not self.endpoints:
-            raise ConfigProblem("endpoints", "at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
+            yield ConfigProblem("endpoints", "at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
         if self.endpoints and not self.discovery.has_static():
-            raise ValueError("endpoints are the static source's list: add {type: static} to discovery.sources, or remove them")
+            yield ConfigProblem("", "endpoints are the static source's list: add {type: static} to discovery.sources, or remove them")
         for i, src in enumerate(self.discovery.sources):
             for m in getattr(src, "models", ()):
                 if m not in canonical:
-                    raise ConfigProblem(f"discovery.sources[{i}].models", unknown_model(m, canonical))
+                    yield ConfigProblem(f"discovery.sources[{i}].models", unknown_model(m, canonical))
         seen: set[str] = set()
         for i, e in enumerate(self.endpoints):
             if e.address in seen:
-                raise ConfigProblem(f"endpoints[{i}].address", f"{e.address!r} is listed twice")
+                yield ConfigProblem(f"endpoints[{i}].address", f"{e.address!r} is listed twice")
             seen.add(e.address)
             for m in e.models:
                 if m not in canonical:
-                    raise ConfigProblem(f"endpoints[{i}].models", unknown_model(m, canonical))
+                    yield ConfigProblem(f"endpoints[{i}].models", unknown_model(m, canonical))
         for name, tenant in self.ratelimit.tenants.items():
             for m in tenant.models:
                 if m not in canonical:
-                    raise ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))
-        return self
+                    yield ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))

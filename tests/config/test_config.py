@@ -369,3 +369,42 @@ def test_a_picker_lead_that_names_no_scorer_is_refused(profiles, line):
     typo = {"load-aware": {"picker": {"type": "max-score-picker", "params": {"lead_scorer": "ttft-estimate"}}}}
     with pytest.raises(ConfigError, match="'ttft-estimate' is not a scorer of this profile; did you mean 'ttft-estimate-scorer'"):
         config_from_mapping(minimal(scheduling={"profiles": typo}), env={})
+
+
+def test_every_cross_check_problem_is_reported_at_once():
+    """The sections' cross-checks stopped at their first problem: a model's duplicate name hid
+    a duplicate endpoint address, one discovery source's bad parameters the next source's, one
+    plugin's bad parameters the next plugin's, one tenant's reused key digest the next one's."""
+    digest = "0" * 64
+    raw = minimal(
+        models=[{"name": "m"}, {"name": "m"}],
+        endpoints=[{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.1:8000", "models": ["m"]}],
+        discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "a.svc", "models": ["m"]}, {"type": "nope"}]},
+        scheduling={"profiles": {"p": {"scorers": [{"type": "inflight-scorer", "params": {"x": 1}}, {"type": "queue-depth-scorer", "params": {"y": 2}}]}}},
+        ratelimit={"tenants": {"a": {"api_key_sha256": [digest]}, "b": {"api_key_sha256": [digest]}, "c": {"api_key_sha256": [digest]}}},
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "discovery.sources[1]: dns source: port: required key is missing",
+        "discovery.sources[2]: unknown discovery source type 'nope' (known: static, dns, kubernetes)",
+        "scheduling.profiles.p.scorers[0]: plugin 'inflight-scorer': invalid parameters: x: unknown key (value 1)",
+        "scheduling.profiles.p.scorers[1]: plugin 'queue-depth-scorer': invalid parameters: y: unknown key (value 2)",
+        "ratelimit.tenants.b.api_key_sha256: key digest already listed by tenant 'a'",
+        "ratelimit.tenants.c.api_key_sha256: key digest already listed by tenant 'a'",
+    ]
+    valid_sections = minimal(models=[{"name": "m"}, {"name": "m"}], endpoints=raw["endpoints"])
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(valid_sections, env={})
+    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+        "models[1]: name or alias 'm' already used by model 'm'",
+        "endpoints[1].address: '10.0.0.1:8000' is listed twice",
+    ]
+    stray = minimal(discovery={"sources": [{"type": "dns", "name": "a.svc", "port": 8000, "models": ["m"]}]}, protocol={"mode": "epp"}, scheduling={"mode": "tier"})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(stray, env={})
+    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+        "protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)",
+        "endpoints are the static source's list: add {type: static} to discovery.sources, or remove them",
+    ]
