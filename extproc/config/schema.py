@@ -581,9 +581,9 @@ class PrefillModelConfig(Strict):
     sources).
 
     Attributes:
-        prior_t0_s: fixed time to first token (seconds).
-        prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model).
-        prior_weight: how many samples the prior counts as (samples).
+        prior_t0_s: fixed time to first token (seconds; finite).
+        prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model; finite).
+        prior_weight: how many samples the prior counts as (samples; finite).
         forget: per-sample decay of older samples (0.95 ≈ the last 20 first tokens).
         prior_s_per_token_by_gpu: the prior prefill seconds per token by GPU name, matched
             case-insensitively as a word of the endpoint's `gpu_label` label (the longest
@@ -591,16 +591,18 @@ class PrefillModelConfig(Strict):
             predicted with it until observed (decision 0255). Default
             `PREFILL_S_PER_TOKEN_BY_GPU` (h100, h200 23.5 µs, a100 67.3 µs: an 8B model; scale
             for others). `{}` turns it off.
-        gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`): the one setting for
-            every per-GPU table, this prior's and `ttft-estimate-scorer`'s decode model.
+        gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`; not empty): the one
+            setting for every per-GPU table, this prior's and `ttft-estimate-scorer`'s decode model.
     """
 
-    prior_t0_s: float = Field(default=0.02, ge=0)
-    prior_s_per_token: float = Field(default=5e-5, gt=0)
-    prior_weight: float = Field(default=1.0, gt=0)
+    # Finite, like the GPU table's entries: a prior weight of inf made the fit NaN at its first
+    # sample (t0 and s both), and an infinite t0 or s every unobserved endpoint's cost inf.
+    prior_t0_s: float = Field(default=0.02, ge=0, allow_inf_nan=False)
+    prior_s_per_token: float = Field(default=5e-5, gt=0, allow_inf_nan=False)
+    prior_weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     forget: float = Field(default=0.95, gt=0, le=1)
     prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
-    gpu_label: str = "gpu"
+    gpu_label: str = Field(default="gpu", min_length=1)  # "" named no label: every per-GPU table silently off
 
     @field_validator("prior_s_per_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
     @classmethod

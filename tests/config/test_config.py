@@ -408,3 +408,15 @@ def test_every_cross_check_problem_is_reported_at_once():
         "protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)",
         "endpoints are the static source's list: add {type: static} to discovery.sources, or remove them",
     ]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("prior_t0_s", float("inf")), ("prior_s_per_token", float("inf")), ("prior_weight", float("inf")), ("gpu_label", "")],
+)
+def test_the_prefill_prior_takes_finite_figures_and_a_gpu_label(key, value):
+    """The GPU table refused inf, the plain prior took it: a prior weight of inf made every
+    endpoint's fit NaN at its first sample, an infinite t0 or s every unobserved endpoint's
+    cost inf. An empty gpu_label named no label and turned every per-GPU table off unsaid."""
+    with pytest.raises(ConfigError, match=rf"scheduling\.prefill_model\.{key}: "):
+        config_from_mapping(minimal(scheduling={"prefill_model": {key: value}}), env={})
