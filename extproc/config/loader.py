@@ -55,8 +55,14 @@ def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) 
     found += [(where, message) for where, _, message in late_problems(raw)]
     problems = list(dict.fromkeys(found))
     lines = [f"invalid configuration in {source}:"]
-    lines += [f"  {path}: {text}" if path else f"  {text}" for path, text in problems]
+    lines += [_one_line(f"{path}: {text}" if path else text) for path, text in problems]
     return "\n".join(lines)
+
+
+def _one_line(problem: str) -> str:
+    """A problem as one indented line: a line break in a name the message lists unquoted (a
+    profile named "a\\nb" among the defined ones) is written as `\\n`, not broken."""
+    return "  " + problem.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", env: Mapping[str, str] | None = None) -> Config:

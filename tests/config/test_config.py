@@ -420,3 +420,14 @@ def test_the_prefill_prior_takes_finite_figures_and_a_gpu_label(key, value):
     cost inf. An empty gpu_label named no label and turned every per-GPU table off unsaid."""
     with pytest.raises(ConfigError, match=rf"scheduling\.prefill_model\.{key}: "):
         config_from_mapping(minimal(scheduling={"prefill_model": {key: value}}), env={})
+
+
+def test_every_problem_is_one_line_whatever_the_names_hold():
+    """A profile named with a line break (a quoted YAML key) broke the "defined: ..." list of an
+    unknown profile's message over two lines, which read as two problems."""
+    raw = minimal(scheduling={"profile": "nope", "profiles": {"a\nb": {"scorers": [{"type": "inflight-scorer"}]}}})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 1 and problems[0].startswith("  scheduling.profile: profile 'nope' is not defined"), problems
+    assert "a\\nb, compute-aware" in problems[0]
