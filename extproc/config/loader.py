@@ -59,10 +59,20 @@ def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) 
     return "\n".join(lines)
 
 
+MAX_PROBLEM_CHARS = 2000
+"""Longest problem line (characters): a longer one keeps its start and end, the middle
+elided. A megabyte key or name was echoed whole, in every message naming it."""
+
+
 def _one_line(problem: str) -> str:
-    """A problem as one indented line: a line break in a name the message lists unquoted (a
-    profile named "a\\nb" among the defined ones) is written as `\\n`, not broken."""
-    return "  " + problem.replace("\r", "\\r").replace("\n", "\\n")
+    """A problem as one indented line of at most `MAX_PROBLEM_CHARS`: a line break in a name
+    the message lists unquoted (a profile named "a\\nb" among the defined ones) is written as
+    `\\n`, not broken, and a huge name's middle is left out (the count said)."""
+    text = problem.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) > MAX_PROBLEM_CHARS:
+        head, tail = MAX_PROBLEM_CHARS * 2 // 3, MAX_PROBLEM_CHARS // 4
+        text = f"{text[:head]} … ({len(text) - head - tail} characters left out) … {text[-tail:]}"
+    return "  " + text
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", env: Mapping[str, str] | None = None) -> Config:

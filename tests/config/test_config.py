@@ -431,3 +431,15 @@ def test_every_problem_is_one_line_whatever_the_names_hold():
     problems = str(info.value).splitlines()[1:]
     assert len(problems) == 1 and problems[0].startswith("  scheduling.profile: profile 'nope' is not defined"), problems
     assert "a\\nb, compute-aware" in problems[0]
+
+
+def test_a_huge_name_is_not_echoed_whole():
+    """A megabyte profile name came back whole in its one-line problem (and a log line); now the
+    line keeps its start and its end, and says how much it left out."""
+    from extproc.config.loader import MAX_PROBLEM_CHARS
+
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(minimal(scheduling={"profile": "x" * 1_000_000}), env={})
+    (line,) = str(info.value).splitlines()[1:]
+    assert len(line) <= MAX_PROBLEM_CHARS and line.startswith("  scheduling.profile: profile 'xxx")
+    assert "characters left out" in line and line.endswith("load-aware, prefix, random)")
