@@ -71,6 +71,8 @@ def load(
     from extproc.bench.workload import WorkloadSpec, synthetic_workload
     from extproc.clitools import fail
 
+    if not (0 < timeout < float("inf")):  # also refuses NaN; aiohttp failed every request at inf
+        raise fail(f"--timeout must be a finite number > 0 (seconds), got {timeout}")
     try:
         spec = WorkloadSpec(requests=requests, rate=rate, seed=seed)
         config = LoadGenConfig(base_url=gateway_base(url), model=model, request_timeout_s=timeout)
