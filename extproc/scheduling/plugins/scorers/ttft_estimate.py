@@ -20,7 +20,7 @@ soonest — the one cost in which prefix-cache affinity and queueing trade, in s
 Until an endpoint has been observed it is predicted with the fastest observed fit (or the
 prior): optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic
 on an idle fleet stayed on the first endpoint that looked fast and never learned the others. An
-endpoint whose `gpu` label names a GPU of `scheduling.prefill_model.prior_s_per_token_by_gpu` is
+endpoint whose GPU label (`Endpoint.gpu`) names a GPU of `scheduling.prefill_model.prior_s_per_token_by_gpu` is
 the exception: it is predicted with its own GPU's prefill speed (`PrefillPrior.known`). On a
 mixed fleet the optimism sent the first cold 7k-token prompts to an idle A100, predicted as fast
 as the H100 just observed (220 ms; it took 640; decision 0255). A
@@ -37,7 +37,7 @@ until its backlog exceeds the cold one's by about (1 + work_weight) × the token
 The decode side is in the same cost: every decode step on an endpoint reads the KV of every
 sequence running there, `d` seconds per context token (vLLM's attention read; the calibration's
 d = 44 ns/token for an H100 serving an 8B model, 72 ns for an A100, chosen per endpoint by its
-`gpu` label: `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`), so this request's own decode
+GPU label, `Endpoint.gpu`: `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`), so this request's own decode
 of `expected_output` tokens takes about `d × context_tokens_i × expected_output` seconds longer
 there than on an idle endpoint (`Endpoint.context_tokens`: full prompts plus half the expected
 outputs of what is in flight). Weighted by `decode_weight`, this keeps long streams spread (one
