@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import InitErrorDetails, ValidationError
 
-__all__ = ["ConfigProblem", "Strict", "key_text", "path_text", "raise_problems", "yaml_off"]
+__all__ = ["ConfigProblem", "Strict", "key_in", "key_text", "path_text", "raise_problems", "yaml_off"]
 
 
 class Strict(BaseModel):
@@ -74,6 +74,18 @@ def key_text(key: object) -> str:
     return f"[{key!r}]"
 
 
+def key_in(mapping: Mapping[Any, Any], part: object) -> object:
+    """The key of `mapping` that pydantic's location step `part` stands for: pydantic writes a
+    key that is neither a string nor an int as its text (`None` → "None", 1.5 → "1.5") and
+    True as 1, so a YAML `null:` or `yes:` key read as the string "None" or the index 1.
+    `part` itself when no other key matches."""
+    if isinstance(part, str):  # a string key equals only itself: no scan unless it is absent
+        if part in mapping:
+            return part
+        return next((k for k in mapping if not isinstance(k, str) and str(k) == part), part)
+    return next((k for k in mapping if k == part), part)  # 1 stands for 1 or True, whichever is there
+
+
 def path_text(loc: Iterable[object], data: Any = None) -> str:
     """A pydantic error location as a configuration path, `models[1].name`: a list index in
     brackets, a mapping key by `key_text`. `data` is the input the location points into; with
@@ -85,6 +97,8 @@ def path_text(loc: Iterable[object], data: Any = None) -> str:
             out += " (the key)"
             continue
         index = isinstance(part, int) and not isinstance(data, Mapping)
+        if isinstance(data, Mapping):
+            part = key_in(data, part)
         out += f"[{part}]" if index else key_text(part)
         try:
             data = data[part] if data is not None else None  # type: ignore[index]

@@ -443,3 +443,19 @@ def test_a_huge_name_is_not_echoed_whole():
     (line,) = str(info.value).splitlines()[1:]
     assert len(line) <= MAX_PROBLEM_CHARS and line.startswith("  scheduling.profile: profile 'xxx")
     assert "characters left out" in line and line.endswith("load-aware, prefix, random)")
+
+
+def test_a_null_or_boolean_key_is_named_as_written():
+    """pydantic writes a key that is neither a string nor an int as its text and True as 1: a
+    YAML `null:` label key read as the string 'None' (`key 'None'`, `.None`) and a `yes:` one
+    as the index 1. The key is named as the YAML gave it now."""
+    endpoint = {"address": "10.0.0.1:8000", "models": ["m"], "labels": {None: "x", True: "y"}}
+    raw = minimal(endpoints=[endpoint], ratelimit={"tenants": {None: None}})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+        "endpoints[0].labels: key None: Input should be a valid string",
+        "endpoints[0].labels: key True: Input should be a valid string",
+        "ratelimit.tenants: key None: Input should be a valid string",
+        "ratelimit.tenants[None]: Input should be a valid dictionary or instance of TenantConfig (got None)",
+    ]
