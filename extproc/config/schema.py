@@ -494,23 +494,19 @@ class ProfileConfig(Strict):
         return self
 
 
-def _check_lead_scorer(name: str, profile: ProfileConfig) -> None:
+def _lead_scorer_problems(name: str, profile: ProfileConfig) -> list[ConfigProblem]:
     """A configured picker's `lead_scorer` (max-score-picker's) names one of the profile's
-    scorers (by instance name: its `name`, else its type). A name matching none restricted
-    nothing, silently: a typo, or the TTFT scorer renamed (`name: cost`). (A built-in's picker
-    kept while its scorers are replaced is not checked: without its lead scorer it restricts
-    nothing, which is what replacing the scorers asks for.)
-
-    Raises:
-        ConfigProblem: at `profiles.<name>.picker.params.lead_scorer`, naming the profile's scorers.
-    """
+    scorers (by instance name: its `name`, else its type); the problem when it does not, at
+    `profiles.<name>.picker.params.lead_scorer`, naming the profile's scorers. A name matching
+    none restricted nothing, silently: a typo, or the TTFT scorer renamed (`name: cost`). (A
+    built-in's picker kept while its scorers are replaced is not checked: without its lead
+    scorer it restricts nothing, which is what replacing the scorers asks for.)"""
     lead = profile.picker.params.get("lead_scorer") or ""
     scorers = [s.name or s.type for s in profile.scorers]
-    if lead and lead not in scorers:
-        raise ConfigProblem(
-            f"profiles{key_text(name)}.picker.params.lead_scorer",
-            f"{lead!r} is not a scorer of this profile{did_you_mean(lead, scorers)} (scorers: {', '.join(scorers) or 'none'}); \"\" for none",
-        )
+    if not lead or lead in scorers:
+        return []
+    message = f"{lead!r} is not a scorer of this profile{did_you_mean(lead, scorers)} (scorers: {', '.join(scorers) or 'none'}); \"\" for none"
+    return [ConfigProblem(f"profiles{key_text(name)}.picker.params.lead_scorer", message)]
 
 
 SAFE_FILTERS: tuple[str, ...] = ("healthy-filter", "stale-metrics-filter", "kv-fit-filter")
@@ -730,11 +726,11 @@ class SchedulingConfig(Strict):
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
         profiles = self.all_profiles()
-        if self.profile not in profiles:
-            raise ConfigProblem("profile", undefined_profile(self.profile, profiles))
+        problems = [] if self.profile in profiles else [ConfigProblem("profile", undefined_profile(self.profile, profiles))]
         for name, configured in self.profiles.items():
             if "picker" in configured.model_fields_set:
-                _check_lead_scorer(name, profiles[name])
+                problems += _lead_scorer_problems(name, profiles[name])
+        raise_problems("SchedulingConfig", problems)
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:

@@ -459,3 +459,18 @@ def test_a_null_or_boolean_key_is_named_as_written():
         "ratelimit.tenants: key None: Input should be a valid string",
         "ratelimit.tenants[None]: Input should be a valid dictionary or instance of TenantConfig (got None)",
     ]
+
+
+def test_an_unknown_profile_and_a_bad_lead_scorer_are_both_reported():
+    raw = minimal(
+        scheduling={
+            "profile": "nope",
+            "profiles": {"p": {"scorers": [{"type": "inflight-scorer"}], "picker": {"type": "max-score-picker", "params": {"lead_scorer": "x"}}}},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert [line.strip().split(":")[0] for line in str(info.value).splitlines()[1:]] == [
+        "scheduling.profile",
+        "scheduling.profiles.p.picker.params.lead_scorer",
+    ]
