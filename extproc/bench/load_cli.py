@@ -26,11 +26,14 @@ def gateway_base(url: str) -> str:
     before those (a gateway mounted under `/gw`) is kept.
 
     Raises:
-        ValueError: not an http(s) URL with a host, an invalid port, a query string or a
+        ValueError: not an http(s) URL with a host, an invalid [IPv6] host or port, a query string or a
             fragment, or another OpenAI path (`/v1/models`, `/v1/v1`, `/chat/completions`):
             the message names `--url`.
     """
-    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        parts = urllib.parse.urlsplit(url.strip())  # a bad [IPv6] host raises here
+    except ValueError as exc:
+        raise ValueError(f"--url has an invalid host ({exc}): {url!r}") from None
     try:
         parts.port  # noqa: B018 - urllib checks the port only when it is read
     except ValueError:
