@@ -14,8 +14,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+from pydantic_core import InitErrorDetails, ValidationError
 
-__all__ = ["ConfigProblem", "Strict", "key_text", "path_text", "yaml_off"]
+__all__ = ["ConfigProblem", "Strict", "key_in", "key_text", "path_text", "raise_problems", "yaml_off"]
 
 
 class Strict(BaseModel):
@@ -44,6 +45,22 @@ class ConfigProblem(ValueError):
         self.message = message
 
 
+def raise_problems(title: str, problems: Iterable[ConfigProblem]) -> None:
+    """Raise every problem a section's cross-check found, not only the first: one is raised
+    as it is, several as a pydantic `ValidationError` holding each as a `value_error` at the
+    section (pydantic places it below the section's path, as it does a raised `ConfigProblem`).
+    Returns when there is none. `title` names the section's model (pydantic's error title).
+
+    A cross-check that stopped at its first problem hid the others until the next try (a
+    model's duplicate name hid a duplicate endpoint address; a discovery source's bad
+    parameters hid the next source's)."""
+    found = list(problems)
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        raise ValidationError.from_exception_data(title, [InitErrorDetails(type="value_error", loc=(), input=None, ctx={"error": p}) for p in found])
+
+
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
@@ -57,6 +74,18 @@ def key_text(key: object) -> str:
     return f"[{key!r}]"
 
 
+def key_in(mapping: Mapping[Any, Any], part: object) -> object:
+    """The key of `mapping` that pydantic's location step `part` stands for: pydantic writes a
+    key that is neither a string nor an int as its text (`None` → "None", 1.5 → "1.5") and
+    True as 1, so a YAML `null:` or `yes:` key read as the string "None" or the index 1.
+    `part` itself when no other key matches."""
+    if isinstance(part, str):  # a string key equals only itself: no scan unless it is absent
+        if part in mapping:
+            return part
+        return next((k for k in mapping if not isinstance(k, str) and str(k) == part), part)
+    return next((k for k in mapping if k == part), part)  # 1 stands for 1 or True, whichever is there
+
+
 def path_text(loc: Iterable[object], data: Any = None) -> str:
     """A pydantic error location as a configuration path, `models[1].name`: a list index in
     brackets, a mapping key by `key_text`. `data` is the input the location points into; with
@@ -68,6 +97,8 @@ def path_text(loc: Iterable[object], data: Any = None) -> str:
             out += " (the key)"
             continue
         index = isinstance(part, int) and not isinstance(data, Mapping)
+        if isinstance(data, Mapping):
+            part = key_in(data, part)
         out += f"[{part}]" if index else key_text(part)
         try:
             data = data[part] if data is not None else None  # type: ignore[index]

@@ -161,7 +161,7 @@ def run(prepared: Prepared, policies: list[str], scale: float, args: argparse.Na
         policies=parse_policies(policies), workload=workload, rate_scales=[1.0], duration_s=None,
         stack=StackSettings(
             profiles=DEFAULT_FLEET, speed=speed, seed=args.seed,
-            server_overrides=_overrides(args),
+            server_overrides=args.server_overrides,
         ),
         replay=dataclasses.replace(prepared.replay, speed=speed),
         outputs=Outputs(json_path=out / f"{stem}.json", requests_path=out / f"{stem}-requests.jsonl"),
@@ -182,11 +182,21 @@ def run(prepared: Prepared, policies: list[str], scale: float, args: argparse.Na
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     """llm-extproc's config overrides for the llm-extproc policies: `--extproc-config`'s YAML
-    (checked as `bench --extproc-config` checks it), with the route-debug header on top."""
+    (checked as `bench --extproc-config` checks it), with the route-debug header on top.
+
+    Raises:
+        SystemExit: (2) the file is unreadable, not a mapping, or not a valid configuration
+            once merged; `bench`'s one `error: ...` line is already printed.
+    """
+    import typer
+
     from extproc.bench.cli import _server_overrides
     from extproc.bench.stacks import merge_config
 
-    out: dict[str, Any] = _server_overrides(Path(args.extproc_config), DEFAULT_FLEET) if args.extproc_config else {}
+    try:
+        out: dict[str, Any] = _server_overrides(Path(args.extproc_config), DEFAULT_FLEET) if args.extproc_config else {}
+    except typer.Exit as exc:  # the CLI's exit, raised here outside a CLI: no traceback
+        raise SystemExit(exc.exit_code) from None
     if args.route_debug:
         out = merge_config(out, {"scheduling": {"explain_header": True}})
     return out or None
@@ -320,6 +330,7 @@ def main() -> None:
     console = Console(stderr=True)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     parse_policies(policies)  # unknown names fail before anything starts
+    args.server_overrides = _overrides(args)  # so does a bad --extproc-config, and it is read once
 
     from extproc.bench.prompts import PromptSynthesizer
     from extproc.pipeline.tokens import TokenCounter

@@ -322,8 +322,8 @@ def bench(
     chosen, settings = _common(
         policy_names=policies, fleet=fleet, speed=speed_value, stream_interval=stream_interval, seed=seed, port=0
     )
-    if request_timeout <= 0:
-        raise _fail(f"--request-timeout must be > 0, got {request_timeout}")
+    if not (0 < request_timeout < float("inf")):  # also refuses NaN
+        raise _fail(f"--request-timeout must be a finite number > 0, got {request_timeout}")
     if extproc_config is not None:
         settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
     if not auto_load > 0:

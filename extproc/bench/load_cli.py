@@ -26,11 +26,14 @@ def gateway_base(url: str) -> str:
     before those (a gateway mounted under `/gw`) is kept.
 
     Raises:
-        ValueError: not an http(s) URL with a host, an invalid port, a query string or a
+        ValueError: not an http(s) URL with a host, an invalid [IPv6] host or port, a query string or a
             fragment, or another OpenAI path (`/v1/models`, `/v1/v1`, `/chat/completions`):
             the message names `--url`.
     """
-    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        parts = urllib.parse.urlsplit(url.strip())  # a bad [IPv6] host raises here
+    except ValueError as exc:
+        raise ValueError(f"--url has an invalid host ({exc}): {url!r}") from None
     try:
         parts.port  # noqa: B018 - urllib checks the port only when it is read
     except ValueError:
@@ -71,6 +74,8 @@ def load(
     from extproc.bench.workload import WorkloadSpec, synthetic_workload
     from extproc.clitools import fail
 
+    if not (0 < timeout < float("inf")):  # also refuses NaN; aiohttp failed every request at inf
+        raise fail(f"--timeout must be a finite number > 0 (seconds), got {timeout}")
     try:
         spec = WorkloadSpec(requests=requests, rate=rate, seed=seed)
         config = LoadGenConfig(base_url=gateway_base(url), model=model, request_timeout_s=timeout)

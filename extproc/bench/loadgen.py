@@ -64,7 +64,7 @@ class LoadGenConfig:
             backend sends `x-sim-speed` (> 0).
         max_requests: send at most this many (None: all).
         duration_s: send only requests arriving within this many trace seconds of the first.
-        request_timeout_s: per-request limit, connect to end of stream (wall seconds).
+        request_timeout_s: per-request limit, connect to end of stream (wall seconds; finite).
         endpoint_headers: response headers naming the endpoint that served, first found wins.
         headers: extra request headers.
         debug_header: when set, keep this response header's value (llm-extproc's
@@ -99,8 +99,8 @@ class LoadGenConfig:
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
         if not (self.speed > 0 and math.isfinite(self.speed)):
             raise ValueError(f"speed must be a positive number, got {self.speed}")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not (0 < self.request_timeout_s < math.inf):  # aiohttp raised OverflowError on every request at inf
+            raise ValueError(f"request_timeout_s must be a finite number > 0, got {self.request_timeout_s}")
         if self.max_requests is not None and self.max_requests < 0:
             raise ValueError(f"max_requests must be >= 0, got {self.max_requests}")
         if self.duration_s is not None and self.duration_s < 0:

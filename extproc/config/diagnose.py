@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from extproc.config_base import ConfigProblem, key_text, path_text
+from extproc.config_base import ConfigProblem, key_in, key_text, path_text
 
 __all__ = ["describe_error", "describe_errors", "did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
 
@@ -94,6 +94,9 @@ def describe_error(err: Mapping[str, Any], root: type[BaseModel], data: Any, mis
     own path below the section, and the offending value when the message does not show it."""
     if err["loc"][-1:] == ("[key]",):  # a mapping's key itself is wrong: name the mapping and the key
         key = err["loc"][-2]
+        mapping = _at(data, err["loc"][:-2])
+        if isinstance(mapping, Mapping):
+            key = key_in(mapping, key)
         return path_text(err["loc"][:-2], data), f"key {key!r}: {err['msg']}"
     loc = path_text(err["loc"], data)
     cause = (err.get("ctx") or {}).get("error")
@@ -119,6 +122,18 @@ def describe_errors(exc: Any, root: type[BaseModel], data: Any) -> str:
     plugin's or a discovery source's parameters) by `describe_error`, joined with "; "."""
     lines = (describe_error(err, root, data) for err in exc.errors(include_url=False))
     return "; ".join(f"{path}: {text}" if path else text for path, text in lines)
+
+
+def _at(data: Any, loc: Iterable[Any]) -> Any:
+    """The part of `data` a pydantic location points to (its keys read by `key_in`), or None."""
+    for part in loc:
+        if isinstance(data, Mapping):
+            data = data.get(key_in(data, part))
+        elif isinstance(data, list) and isinstance(part, int) and -len(data) <= part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
 
 
 def _get(data: Any, *keys: str) -> Any:

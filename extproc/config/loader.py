@@ -48,13 +48,31 @@ class ConfigError(ValueError):
 
 
 def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) -> str:
-    problems = [describe_error(err, Config, raw, MISSING_HINTS) for err in exc.errors(include_url=False)]
+    found = [describe_error(err, Config, raw, MISSING_HINTS) for err in exc.errors(include_url=False)]
     # The cross-checks pydantic skipped because their section had other errors; one it ran
-    # reads the same (path, message) and is not said twice.
-    problems += [(where, message) for where, _, message in late_problems(raw) if (where, message) not in problems]
+    # reads the same (path, message) and is not said twice, nor is one the late checks find
+    # twice (a model listed twice in one endpoint's `models`).
+    found += [(where, message) for where, _, message in late_problems(raw)]
+    problems = list(dict.fromkeys(found))
     lines = [f"invalid configuration in {source}:"]
-    lines += [f"  {path}: {text}" if path else f"  {text}" for path, text in problems]
+    lines += [_one_line(f"{path}: {text}" if path else text) for path, text in problems]
     return "\n".join(lines)
+
+
+MAX_PROBLEM_CHARS = 2000
+"""Longest problem line (characters): a longer one keeps its start and end, the middle
+elided. A megabyte key or name was echoed whole, in every message naming it."""
+
+
+def _one_line(problem: str) -> str:
+    """A problem as one indented line of at most `MAX_PROBLEM_CHARS`: a line break in a name
+    the message lists unquoted (a profile named "a\\nb" among the defined ones) is written as
+    `\\n`, not broken, and a huge name's middle is left out (the count said)."""
+    text = problem.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) > MAX_PROBLEM_CHARS:
+        head, tail = MAX_PROBLEM_CHARS * 2 // 3, MAX_PROBLEM_CHARS // 4
+        text = f"{text[:head]} … ({len(text) - head - tail} characters left out) … {text[-tail:]}"
+    return "  " + text
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, source: str = "<mapping>", env: Mapping[str, str] | None = None) -> Config:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from extproc.config.diagnose import undefined_profile, unknown_model
-from extproc.config_base import ConfigProblem, Strict, key_text
+from extproc.config.diagnose import did_you_mean, undefined_profile, unknown_model
+from extproc.config_base import ConfigProblem, Strict, key_text, raise_problems
 from extproc.config_base import yaml_off
 from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
 from extproc.ratelimit.config import RateLimitConfig
@@ -474,19 +475,38 @@ class ProfileConfig(Strict):
         from extproc.scheduling.registry import PluginConfigError, build, registered
 
         types_known = registered()
+        problems: list[ConfigProblem] = []  # every plugin's, not only the first's
         for kind, specs in (("filters", self.filters), ("scorers", self.scorers), ("picker", [self.picker])):
             for i, spec in enumerate(specs):
                 where = "picker" if kind == "picker" else f"{kind}[{i}]"
                 if spec.type not in types_known:  # the same line as diagnose.late_problems'
-                    raise ConfigProblem(f"{where}.type", unknown_plugin_type(spec.type, types_known))
+                    problems.append(ConfigProblem(f"{where}.type", unknown_plugin_type(spec.type, types_known)))
+                    continue
                 try:
                     plugin = build(spec.type, spec.params, name=spec.name)
                 except PluginConfigError as exc:
-                    raise ConfigProblem(where, str(exc)) from None
+                    problems.append(ConfigProblem(where, str(exc)))
+                    continue
                 method, noun = {"filters": ("filter", "filter"), "scorers": ("score", "scorer"), "picker": ("pick", "picker")}[kind]
                 if not callable(getattr(plugin, method, None)):
-                    raise ConfigProblem(where, f"{spec.type!r} is not a {noun}")
+                    problems.append(ConfigProblem(where, f"{spec.type!r} is not a {noun}"))
+        raise_problems("ProfileConfig", problems)
         return self
+
+
+def _lead_scorer_problems(name: str, profile: ProfileConfig) -> list[ConfigProblem]:
+    """A configured picker's `lead_scorer` (max-score-picker's) names one of the profile's
+    scorers (by instance name: its `name`, else its type); the problem when it does not, at
+    `profiles.<name>.picker.params.lead_scorer`, naming the profile's scorers. A name matching
+    none restricted nothing, silently: a typo, or the TTFT scorer renamed (`name: cost`). (A
+    built-in's picker kept while its scorers are replaced is not checked: without its lead
+    scorer it restricts nothing, which is what replacing the scorers asks for.)"""
+    lead = profile.picker.params.get("lead_scorer") or ""
+    scorers = [s.name or s.type for s in profile.scorers]
+    if not lead or lead in scorers:
+        return []
+    message = f"{lead!r} is not a scorer of this profile{did_you_mean(lead, scorers)} (scorers: {', '.join(scorers) or 'none'}); \"\" for none"
+    return [ConfigProblem(f"profiles{key_text(name)}.picker.params.lead_scorer", message)]
 
 
 SAFE_FILTERS: tuple[str, ...] = ("healthy-filter", "stale-metrics-filter", "kv-fit-filter")
@@ -557,9 +577,9 @@ class PrefillModelConfig(Strict):
     sources).
 
     Attributes:
-        prior_t0_s: fixed time to first token (seconds).
-        prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model).
-        prior_weight: how many samples the prior counts as (samples).
+        prior_t0_s: fixed time to first token (seconds; finite).
+        prior_s_per_token: prefill seconds per token (≈ an A100 prefilling an 8B model; finite).
+        prior_weight: how many samples the prior counts as (samples; finite).
         forget: per-sample decay of older samples (0.95 ≈ the last 20 first tokens).
         prior_s_per_token_by_gpu: the prior prefill seconds per token by GPU name, matched
             case-insensitively as a word of the endpoint's `gpu_label` label (the longest
@@ -567,20 +587,22 @@ class PrefillModelConfig(Strict):
             predicted with it until observed (decision 0255). Default
             `PREFILL_S_PER_TOKEN_BY_GPU` (h100, h200 23.5 µs, a100 67.3 µs: an 8B model; scale
             for others). `{}` turns it off.
-        gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`): the one setting for
-            every per-GPU table, this prior's and `ttft-estimate-scorer`'s decode model.
+        gpu_label: the endpoint label naming its GPU (`Endpoint.gpu`; not empty): the one
+            setting for every per-GPU table, this prior's and `ttft-estimate-scorer`'s decode model.
         attention_ratio: prefill attention's cost per pair of tokens relative to one token's
             linear cost (1/tokens; `extproc.datastore.prefill_fit.prefill_work`): the fit's x
             and every prefill backlog count `m + ratio · m · (2p + m)` for m new tokens after p
             cached. Default `PREFILL_ATTENTION_RATIO` (2e-5, an 8B model); 0 counts tokens only.
     """
 
-    prior_t0_s: float = Field(default=0.02, ge=0)
-    prior_s_per_token: float = Field(default=5e-5, gt=0)
-    prior_weight: float = Field(default=1.0, gt=0)
+    # Finite, like the GPU table's entries: a prior weight of inf made the fit NaN at its first
+    # sample (t0 and s both), and an infinite t0 or s every unobserved endpoint's cost inf.
+    prior_t0_s: float = Field(default=0.02, ge=0, allow_inf_nan=False)
+    prior_s_per_token: float = Field(default=5e-5, gt=0, allow_inf_nan=False)
+    prior_weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     forget: float = Field(default=0.95, gt=0, le=1)
     prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
-    gpu_label: str = "gpu"
+    gpu_label: str = Field(default="gpu", min_length=1)  # "" named no label: every per-GPU table silently off
     attention_ratio: float = Field(default=PREFILL_ATTENTION_RATIO, ge=0, allow_inf_nan=False)
 
     @field_validator("prior_s_per_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
@@ -708,8 +730,12 @@ class SchedulingConfig(Strict):
 
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
-        if self.profile not in self.all_profiles():
-            raise ConfigProblem("profile", undefined_profile(self.profile, self.all_profiles()))
+        profiles = self.all_profiles()
+        problems = [] if self.profile in profiles else [ConfigProblem("profile", undefined_profile(self.profile, profiles))]
+        for name, configured in self.profiles.items():
+            if "picker" in configured.model_fields_set:
+                problems += _lead_scorer_problems(name, profiles[name])
+        raise_problems("SchedulingConfig", problems)
         return self
 
     def all_profiles(self) -> dict[str, ProfileConfig]:
@@ -875,11 +901,13 @@ class DiscoveryConfig(Strict):
         from extproc.discovery.registry import parse_params
 
         out = []
+        problems: list[ConfigProblem] = []  # every source's, not only the first's
         for i, spec in enumerate(v):
             try:
                 out.append(parse_params(spec))
             except ValueError as exc:
-                raise ConfigProblem(f"[{i}]", str(exc)) from None
+                problems.append(ConfigProblem(f"[{i}]", str(exc)))
+        raise_problems("DiscoveryConfig", problems)
         if sum(1 for p in out if p.type == "static") > 1:
             raise ValueError("the static source may be listed once")
         return out
@@ -934,33 +962,38 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        raise_problems("Config", self._cross_problems())
+        return self
+
+    def _cross_problems(self) -> Iterator[ConfigProblem]:
+        """Every cross-section problem (`_cross_checks` raises them all at once)."""
         if self.protocol.mode == "epp" and self.scheduling.mode != "endpoint":
-            raise ConfigProblem("protocol.mode", "epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
+            yield ConfigProblem("protocol.mode", "epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
         names: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for n in [m.name, *m.aliases]:
                 if n in names:
-                    raise ConfigProblem(f"models[{i}]", f"name or alias {n!r} already used by model {names[n]!r}")
+                    yield ConfigProblem(f"models[{i}]", f"name or alias {n!r} already used by model {names[n]!r}")
+                    continue
                 names[n] = m.name
         canonical = {m.name for m in self.models}
         if self.discovery.has_static() and not self.endpoints:
-            raise ConfigProblem("endpoints", "at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
+            yield ConfigProblem("endpoints", "at least one endpoint is needed (or list only dns / kubernetes sources in discovery.sources)")
         if self.endpoints and not self.discovery.has_static():
-            raise ValueError("endpoints are the static source's list: add {type: static} to discovery.sources, or remove them")
+            yield ConfigProblem("", "endpoints are the static source's list: add {type: static} to discovery.sources, or remove them")
         for i, src in enumerate(self.discovery.sources):
             for m in getattr(src, "models", ()):
                 if m not in canonical:
-                    raise ConfigProblem(f"discovery.sources[{i}].models", unknown_model(m, canonical))
+                    yield ConfigProblem(f"discovery.sources[{i}].models", unknown_model(m, canonical))
         seen: set[str] = set()
         for i, e in enumerate(self.endpoints):
             if e.address in seen:
-                raise ConfigProblem(f"endpoints[{i}].address", f"{e.address!r} is listed twice")
+                yield ConfigProblem(f"endpoints[{i}].address", f"{e.address!r} is listed twice")
             seen.add(e.address)
             for m in e.models:
                 if m not in canonical:
-                    raise ConfigProblem(f"endpoints[{i}].models", unknown_model(m, canonical))
+                    yield ConfigProblem(f"endpoints[{i}].models", unknown_model(m, canonical))
         for name, tenant in self.ratelimit.tenants.items():
             for m in tenant.models:
                 if m not in canonical:
-                    raise ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))
-        return self
+                    yield ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))

@@ -348,7 +348,7 @@ class Datastore:
         endpoints: endpoint configurations.
         prefill_prior: the prior of every endpoint's TTFT fit (default `PrefillPrior()`).
         prefill_s_per_token_by_gpu: prefill seconds per token by GPU name (any case; checked by `gpu_table`, matched as
-            a word of the endpoint's `gpu_label` label): an endpoint whose GPU is listed
+            a whole word of the endpoint's `gpu_label` label, `Endpoint.gpu`): an endpoint whose GPU is listed
             gets that prior `s` (`PrefillPrior.known`). A mixed fleet otherwise started every
             endpoint at one speed: an idle A100 was predicted as fast as the H100 just observed
             and took cold 7k-token prefills at 640 ms that an H100 did in 230 (decision 0255).

@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from extproc.config_base import ConfigProblem, Strict, key_text
+from extproc.config_base import ConfigProblem, Strict, key_text, raise_problems
 
 __all__ = ["LimitValues", "TenantConfig", "RedisConfig", "RateLimitConfig", "WINDOW_S"]
 
@@ -177,9 +177,12 @@ class RateLimitConfig(Strict):
         if (WINDOW_S * 1000) % self.buckets:
             raise ValueError(f"buckets ({self.buckets}) must divide 60000 ms evenly (60 → 1 s buckets)")
         seen: dict[str, str] = {}
+        problems: list[ConfigProblem] = []  # every tenant's, not only the first's
         for name, t in self.tenants.items():
             for h in t.api_key_sha256:
                 if h in seen:
-                    raise ConfigProblem(f"tenants{key_text(name)}.api_key_sha256", f"key digest already listed by tenant {seen[h]!r}")
+                    problems.append(ConfigProblem(f"tenants{key_text(name)}.api_key_sha256", f"key digest already listed by tenant {seen[h]!r}"))
+                    continue
                 seen[h] = name
+        raise_problems("RateLimitConfig", problems)
         return self

@@ -74,3 +74,12 @@ def test_bench_help_lists_every_policy() -> None:
     flat = " ".join(result.output.split())
     for name in POLICIES:
         assert name in flat
+
+
+@pytest.mark.parametrize("timeout", ["inf", "nan"])
+def test_bench_refuses_a_request_timeout_that_is_not_finite(timeout: str) -> None:
+    """`--request-timeout inf` (and nan) passed the `<= 0` check; every request then failed in
+    aiohttp, which cannot round an infinite deadline. Refused before anything starts."""
+    result = CliRunner().invoke(app, ["bench", "--policies", "llm-extproc", "--requests", "3", "--request-timeout", timeout])
+    assert result.exit_code == 2, result.output
+    assert f"--request-timeout must be a finite number > 0, got {float(timeout)}" in result.output

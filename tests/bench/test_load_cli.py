@@ -35,6 +35,15 @@ def test_bad_arguments_are_clear_errors(args: list[str]):
     assert "Traceback" not in done.stderr and ("http://" in done.stderr + done.stdout or "rate" in done.stderr + done.stdout)
 
 
+@pytest.mark.parametrize("timeout", ["inf", "nan", "0"])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(timeout: str):
+    """`--timeout inf` was taken and every request then failed inside aiohttp (OverflowError
+    converting the deadline); `nan` was taken as well. Both are refused before anything is sent."""
+    done = _load("--url", "http://127.0.0.1:9", "--timeout", timeout, "--requests", "1")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == f"error: --timeout must be a finite number > 0 (seconds), got {float(timeout)}"
+
+
 def test_the_gateway_base_drops_one_trailing_v1_only():
     assert gateway_base("http://gw:8080/v1") == gateway_base("http://gw:8080/v1/") == "http://gw:8080"
     assert gateway_base("http://gw:8080/") == "http://gw:8080"
@@ -61,6 +70,8 @@ def test_the_gateway_base_drops_the_openai_path_in_any_case(url: str):
         ("http://gw:8080/chat/completions", "is not a gateway base path"),
         ("localhost:8080", "http:// or https:// URL with a host"),
         ("http://gw:80x/", "invalid port"),
+        ("http://[::1:8080/", "invalid host"),  # urllib's own 'Invalid IPv6 URL', naming no option
+        ("http://[gw]:8080/", "invalid host"),
     ],
 )
 def test_a_url_that_is_not_a_gateway_base_is_refused_naming_the_option(url: str, message: str):

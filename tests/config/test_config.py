@@ -324,3 +324,153 @@ def test_a_workers_own_listen_addresses_are_not_blamed_as_user_overrides():
     with pytest.raises(ConfigError) as user:
         config_from_mapping(bad, env=own)
     assert "LLM_EXTPROC_GRPC_ADDRESS" in str(user.value)  # set by the user: still said
+
+
+def test_a_late_problem_found_twice_is_one_line():
+    """A model named twice in one endpoint's `models` gave its late cross-check line twice when
+    another section's error kept pydantic's own cross-check from running (only the lines
+    pydantic wrote were checked for repeats, not the late checks' own)."""
+    raw = minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["zz", "zz"]}], scheduling={"bogus": 1})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "scheduling.bogus: unknown key (value 1)",
+        "endpoints[0].models: 'zz' is not a configured model name (configured: m)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("profiles", "line"),
+    [
+        pytest.param(
+            {"p": {"scorers": [{"type": "ttft-estimate-scorer", "name": "cost"}], "picker": {"type": "max-score-picker", "params": {"lead_scorer": "ttft-estimate-scorer"}}}},
+            "scheduling.profiles.p.picker.params.lead_scorer: 'ttft-estimate-scorer' is not a scorer of this profile (scorers: cost); \"\" for none",
+            id="renamed-scorer",
+        ),
+        pytest.param(
+            {"p": {"scorers": [{"type": "ttft-estimate-scorer"}], "picker": {"type": "max-score-picker", "params": {"lead_min_score_unmatched": 0.5}}}},
+            "scheduling.profiles.p.picker: plugin 'max-score-picker': invalid parameters: lead_min_score_unmatched needs lead_scorer",
+            id="floor-without-lead",
+        ),
+    ],
+)
+def test_a_picker_lead_that_names_no_scorer_is_refused(profiles, line):
+    """The picker's lead restriction looked the lead scorer up by name and, finding none, kept
+    every candidate: a typo or a renamed TTFT scorer silently turned the lead off, as did a
+    floor set without a lead scorer. load-aware's scorers replaced without its TTFT scorer (its
+    picker kept) is still a profile without the lead, as asked."""
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(minimal(scheduling={"profiles": profiles}), env={})
+    assert line in str(info.value)
+    fine = {"p": {"scorers": [{"type": "ttft-estimate-scorer", "name": "cost"}], "picker": {"type": "max-score-picker", "params": {"lead_scorer": "cost"}}}}
+    config_from_mapping(minimal(scheduling={"profiles": fine}), env={})
+    config_from_mapping(minimal(scheduling={"profiles": {"load-aware": {"scorers": [{"type": "queue-depth-scorer"}]}}}), env={})
+    typo = {"load-aware": {"picker": {"type": "max-score-picker", "params": {"lead_scorer": "ttft-estimate"}}}}
+    with pytest.raises(ConfigError, match="'ttft-estimate' is not a scorer of this profile; did you mean 'ttft-estimate-scorer'"):
+        config_from_mapping(minimal(scheduling={"profiles": typo}), env={})
+
+
+def test_every_cross_check_problem_is_reported_at_once():
+    """The sections' cross-checks stopped at their first problem: a model's duplicate name hid
+    a duplicate endpoint address, one discovery source's bad parameters the next source's, one
+    plugin's bad parameters the next plugin's, one tenant's reused key digest the next one's."""
+    digest = "0" * 64
+    raw = minimal(
+        models=[{"name": "m"}, {"name": "m"}],
+        endpoints=[{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.1:8000", "models": ["m"]}],
+        discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "a.svc", "models": ["m"]}, {"type": "nope"}]},
+        scheduling={"profiles": {"p": {"scorers": [{"type": "inflight-scorer", "params": {"x": 1}}, {"type": "queue-depth-scorer", "params": {"y": 2}}]}}},
+        ratelimit={"tenants": {"a": {"api_key_sha256": [digest]}, "b": {"api_key_sha256": [digest]}, "c": {"api_key_sha256": [digest]}}},
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert problems == [
+        "discovery.sources[1]: dns source: port: required key is missing",
+        "discovery.sources[2]: unknown discovery source type 'nope' (known: static, dns, kubernetes)",
+        "scheduling.profiles.p.scorers[0]: plugin 'inflight-scorer': invalid parameters: x: unknown key (value 1)",
+        "scheduling.profiles.p.scorers[1]: plugin 'queue-depth-scorer': invalid parameters: y: unknown key (value 2)",
+        "ratelimit.tenants.b.api_key_sha256: key digest already listed by tenant 'a'",
+        "ratelimit.tenants.c.api_key_sha256: key digest already listed by tenant 'a'",
+    ]
+    valid_sections = minimal(models=[{"name": "m"}, {"name": "m"}], endpoints=raw["endpoints"])
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(valid_sections, env={})
+    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+        "models[1]: name or alias 'm' already used by model 'm'",
+        "endpoints[1].address: '10.0.0.1:8000' is listed twice",
+    ]
+    stray = minimal(discovery={"sources": [{"type": "dns", "name": "a.svc", "port": 8000, "models": ["m"]}]}, protocol={"mode": "epp"}, scheduling={"mode": "tier"})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(stray, env={})
+    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+        "protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)",
+        "endpoints are the static source's list: add {type: static} to discovery.sources, or remove them",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("prior_t0_s", float("inf")), ("prior_s_per_token", float("inf")), ("prior_weight", float("inf")), ("gpu_label", "")],
+)
+def test_the_prefill_prior_takes_finite_figures_and_a_gpu_label(key, value):
+    """The GPU table refused inf, the plain prior took it: a prior weight of inf made every
+    endpoint's fit NaN at its first sample, an infinite t0 or s every unobserved endpoint's
+    cost inf. An empty gpu_label named no label and turned every per-GPU table off unsaid."""
+    with pytest.raises(ConfigError, match=rf"scheduling\.prefill_model\.{key}: "):
+        config_from_mapping(minimal(scheduling={"prefill_model": {key: value}}), env={})
+
+
+def test_every_problem_is_one_line_whatever_the_names_hold():
+    """A profile named with a line break (a quoted YAML key) broke the "defined: ..." list of an
+    unknown profile's message over two lines, which read as two problems."""
+    raw = minimal(scheduling={"profile": "nope", "profiles": {"a\nb": {"scorers": [{"type": "inflight-scorer"}]}}})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 1 and problems[0].startswith("  scheduling.profile: profile 'nope' is not defined"), problems
+    assert "a\\nb, compute-aware" in problems[0]
+
+
+def test_a_huge_name_is_not_echoed_whole():
+    """A megabyte profile name came back whole in its one-line problem (and a log line); now the
+    line keeps its start and its end, and says how much it left out."""
+    from extproc.config.loader import MAX_PROBLEM_CHARS
+
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(minimal(scheduling={"profile": "x" * 1_000_000}), env={})
+    (line,) = str(info.value).splitlines()[1:]
+    assert len(line) <= MAX_PROBLEM_CHARS and line.startswith("  scheduling.profile: profile 'xxx")
+    assert "characters left out" in line and line.endswith("load-aware, prefix, random)")
+
+
+def test_a_null_or_boolean_key_is_named_as_written():
+    """pydantic writes a key that is neither a string nor an int as its text and True as 1: a
+    YAML `null:` label key read as the string 'None' (`key 'None'`, `.None`) and a `yes:` one
+    as the index 1. The key is named as the YAML gave it now."""
+    endpoint = {"address": "10.0.0.1:8000", "models": ["m"], "labels": {None: "x", True: "y"}}
+    raw = minimal(endpoints=[endpoint], ratelimit={"tenants": {None: None}})
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+        "endpoints[0].labels: key None: Input should be a valid string",
+        "endpoints[0].labels: key True: Input should be a valid string",
+        "ratelimit.tenants: key None: Input should be a valid string",
+        "ratelimit.tenants[None]: Input should be a valid dictionary or instance of TenantConfig (got None)",
+    ]
+
+
+def test_an_unknown_profile_and_a_bad_lead_scorer_are_both_reported():
+    raw = minimal(
+        scheduling={
+            "profile": "nope",
+            "profiles": {"p": {"scorers": [{"type": "inflight-scorer"}], "picker": {"type": "max-score-picker", "params": {"lead_scorer": "x"}}}},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    assert [line.strip().split(":")[0] for line in str(info.value).splitlines()[1:]] == [
+        "scheduling.profile",
+        "scheduling.profiles.p.picker.params.lead_scorer",
+    ]

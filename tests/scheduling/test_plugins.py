@@ -461,6 +461,9 @@ def test_max_score_picker_floor_for_prefix_free_requests(store):
     assert picker.pick(ctx, scored[:1]).primary.endpoint is a  # nothing above the floor: every candidate counts
     with pytest.raises(PluginConfigError, match="lead_min_score_unmatched"):
         build("max-score-picker", {"lead_min_score_unmatched": 1.5})
+    with pytest.raises(PluginConfigError, match="lead_min_score_unmatched needs lead_scorer"):  # it would bound nothing
+        build("max-score-picker", {"lead_min_score_unmatched": 0.5})
+    assert build("max-score-picker", {"lead_min_score_unmatched": None}).params.lead_min_score_unmatched is None  # YAML null: the default
 
 
 def test_ttft_estimate_charges_decode_per_gpu():
@@ -539,6 +542,16 @@ def test_ttft_estimate_counts_a_long_prompts_attention():
     scores = scorer.score(ask, [h100, a100])
     assert scores[0] == 1.0 and scores[1] < 0.9
     assert ask.data["predicted_ttft_s"][a100.address] == pytest.approx(0.02 + 6.73e-5 * 74_620, rel=0.01)
+
+
+@pytest.mark.parametrize("param", ["work_weight", "decode_s_per_context_token", "decode_step_s", "decode_weight"])
+def test_ttft_estimate_refuses_an_infinite_weight_or_figure(param):
+    """The GPU tables refused inf, the plain settings took it: `decode_step_s: .inf` on a fleet
+    without GPU labels made every cost inf, every score NaN (zero once clamped) and the TTFT
+    scorer silently nothing. Refused like the tables' entries."""
+    with pytest.raises(PluginConfigError, match=param):
+        build("ttft-estimate-scorer", {param: float("inf")})
+    assert build("ttft-estimate-scorer", {param: 0.5}).params.model_dump()[param] == 0.5
 
 
 def test_one_gpu_label_setting_names_the_gpu_for_every_table():

@@ -25,9 +25,12 @@ benchmark's p99 (decision 0265). Every candidate stays in the fallbacks, by tota
 Parameters:
     tie_epsilon (float ≥ 0, default 1e-9): totals this close count as equal.
     lead_scorer (str, default ""): the scorer (by name) whose clear lead the others may not
-        overturn on prefix-matched requests; "" for none.
+        overturn on prefix-matched requests; "" for none. A configured picker's must name one
+        of its profile's scorers (`extproc.config.schema`); a lead scorer the candidates were
+        not scored by (load-aware's scorers replaced, its picker kept) restricts nothing.
     lead_min_score (float in (0, 1], default 0.8): the least `lead_scorer` value a candidate
-        needs to stay in the running on such a request.
+        needs to stay in the running on such a request. Set without `lead_scorer` (this one or
+        the next), it is an error: it would do nothing.
     lead_min_score_unmatched (float in (0, 1] or None, default None): the same floor for a
         request no candidate holds a prefix of; None leaves those to the total alone.
 """
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from extproc.scheduling.framework import PickResult, SchedulingContext, ScoredEndpoint
 from extproc.scheduling.plugins.base import Params, Plugin
@@ -50,6 +53,14 @@ class MaxScorePicker(Plugin):
         lead_scorer: str = ""
         lead_min_score: float = Field(default=0.8, gt=0, le=1)
         lead_min_score_unmatched: float | None = Field(default=None, gt=0, le=1)
+
+        @model_validator(mode="after")
+        def _floors_need_a_lead(self) -> MaxScorePicker.Params:
+            floors = sorted(f for f in {"lead_min_score", "lead_min_score_unmatched"} & self.model_fields_set if getattr(self, f) is not None)
+            if floors and not self.lead_scorer:
+                verb = "need" if len(floors) > 1 else "needs"
+                raise ValueError(f"{' and '.join(floors)} {verb} lead_scorer (the scorer whose value it bounds); without it nothing is bounded")
+            return self
 
     def pick(self, ctx: SchedulingContext, scored: Sequence[ScoredEndpoint]) -> PickResult:
         if not scored:

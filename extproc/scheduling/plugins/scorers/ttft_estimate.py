@@ -20,7 +20,7 @@ soonest — the one cost in which prefix-cache affinity and queueing trade, in s
 Until an endpoint has been observed it is predicted with the fastest observed fit (or the
 prior): optimistic, so it is tried and learned. With the median instead, one-at-a-time traffic
 on an idle fleet stayed on the first endpoint that looked fast and never learned the others. An
-endpoint whose `gpu` label names a GPU of `scheduling.prefill_model.prior_s_per_token_by_gpu` is
+endpoint whose GPU label (`Endpoint.gpu`) names a GPU of `scheduling.prefill_model.prior_s_per_token_by_gpu` is
 the exception: it is predicted with its own GPU's prefill speed (`PrefillPrior.known`). On a
 mixed fleet the optimism sent the first cold 7k-token prompts to an idle A100, predicted as fast
 as the H100 just observed (220 ms; it took 640; decision 0255). A
@@ -37,7 +37,7 @@ until its backlog exceeds the cold one's by about (1 + work_weight) × the token
 The decode side is in the same cost: every decode step on an endpoint reads the KV of every
 sequence running there, `d` seconds per context token (vLLM's attention read; the calibration's
 d = 44 ns/token for an H100 serving an 8B model, 72 ns for an A100, chosen per endpoint by its
-`gpu` label: `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`), so this request's own decode
+GPU label, `Endpoint.gpu`: `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`), so this request's own decode
 of `expected_output` tokens takes about `d × context_tokens_i × expected_output` seconds longer
 there than on an idle endpoint (`Endpoint.context_tokens`: full prompts plus half the expected
 outputs of what is in flight). Weighted by `decode_weight`, this keeps long streams spread (one
@@ -76,8 +76,8 @@ header.
 
 Parameters:
     relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
-    work_weight (float ≥ 0, default 1): weight of the delay imposed on later requests.
-    decode_s_per_context_token (float ≥ 0, default 4.4e-8): `d` above (seconds per context
+    work_weight (finite float ≥ 0, default 1): weight of the delay imposed on later requests.
+    decode_s_per_context_token (finite float ≥ 0, default 4.4e-8): `d` above (seconds per context
         token per decode step) for an endpoint whose GPU is not in the table below.
     decode_s_per_context_token_by_gpu (dict GPU name → float ≥ 0, default
         `DECODE_S_PER_CONTEXT_TOKEN_BY_GPU`: h100 44, h200 31, a100 72 ns): `d` per GPU, the
@@ -89,14 +89,14 @@ Parameters:
         decoding 1.5× an A100's context as the slower decode, and sent requests to the A100
         without their cached system prompt (decision 0240). Scale the table for other models
         (d is proportional to KV bytes per token).
-    decode_step_s (float ≥ 0, default 6.4e-3): a decode step's floor (seconds) for an endpoint
+    decode_step_s (finite float ≥ 0, default 6.4e-3): a decode step's floor (seconds) for an endpoint
         whose GPU is not in the table below.
     decode_step_s_by_gpu (dict GPU name → float ≥ 0, default `DECODE_STEP_S_BY_GPU`: h100
         6.4, h200 4.5, a100 10.5 ms): the floor per GPU, matched like `d`'s table.
     gpu_label: moved to `scheduling.prefill_model.gpu_label`, the one setting naming the GPU
         label for every per-GPU table (`Endpoint.gpu`); set here it is a configuration error
         saying so.
-    decode_weight (float ≥ 0, default 0.25): weight of the decode terms (0: TTFT alone). At 1
+    decode_weight (finite float ≥ 0, default 0.25): weight of the decode terms (0: TTFT alone). At 1
         (a request's whole decode slowdown against its TTFT) the term outweighed every prefix
         saving on the shared-system-prompt benchmark (hit rate 53 % of 73 % possible); at 0 a
         burst of identical prompts piles onto one engine; 0.25 kept 90 % of the oracle hit rate
@@ -190,13 +190,16 @@ def _learned(ep: Endpoint, now: float | None, relearn_after_s: float) -> Prefill
 class TTFTEstimateScorer(Plugin):
     class Params(Params):
         relearn_after_s: float = Field(default=10.0, gt=0)
-        work_weight: float = Field(default=1.0, ge=0)
-        decode_s_per_context_token: float = Field(default=4.4e-8, ge=0)
+        # Every term of the cost is finite, like the GPU tables' entries: an infinite weight or
+        # figure made every candidate's cost inf, inf − inf a NaN score, and the scorer (and the
+        # picker's lead) silently nothing.
+        work_weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+        decode_s_per_context_token: float = Field(default=4.4e-8, ge=0, allow_inf_nan=False)
         decode_s_per_context_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(DECODE_S_PER_CONTEXT_TOKEN_BY_GPU))
-        decode_step_s: float = Field(default=6.4e-3, ge=0)
+        decode_step_s: float = Field(default=6.4e-3, ge=0, allow_inf_nan=False)
         decode_step_s_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(DECODE_STEP_S_BY_GPU))
         gpu_label: str | None = None
-        decode_weight: float = Field(default=0.25, ge=0)
+        decode_weight: float = Field(default=0.25, ge=0, allow_inf_nan=False)
 
         @field_validator("decode_s_per_context_token_by_gpu", "decode_step_s_by_gpu", mode="before")  # strict: no True, no "3e-5"
         @classmethod
