@@ -19,6 +19,13 @@ def minimal(**extra):
     return raw
 
 
+def problem_lines(raw):
+    """The one-line problems a config that fails to load is reported with (after the header)."""
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(raw, env={})
+    return [line.strip() for line in str(info.value).splitlines()[1:]]
+
+
 def test_example_config_loads():
     cfg = load_config(ROOT / "deploy" / "config.example.yaml", env={})
     assert cfg.models[0].name == "Qwen/Qwen3-8B"
@@ -164,9 +171,7 @@ def test_every_problem_is_reported_at_once_with_the_nearest_name():
         },
         endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"], "lables": {}}],
     )
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(raw, env={})
-    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    problems = problem_lines(raw)
     assert len(problems) == 6, problems
     text = "\n".join(problems)
     assert "scheduling.metrics.intervl_s: unknown key; did you mean 'interval_s'?" in text
@@ -201,9 +206,7 @@ def test_unknown_models_of_tenants_and_discovery_sources_come_with_the_other_pro
         discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "vllm.svc", "port": 8000, "models": ["llama"]}]},
         ratelimit={"enabled": True, "tenants": {"a": {"api_key_sha256": ["0" * 64], "models": {"mistral": {"tokens_per_minute": 5}}}}},
     )
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(raw, env={})
-    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    problems = problem_lines(raw)
     assert problems == [
         "scheduling.metrics.intervl_s: unknown key; did you mean 'interval_s'? (value 0.1)",
         "discovery.sources[1].models: 'llama' is not a configured model name (configured: m)",
@@ -223,9 +226,7 @@ def test_a_late_problem_is_not_hidden_by_another_line_naming_its_value():
     Two distinct problems are both reported now; one found by both pydantic and the late checks
     (a lone unknown profile, plugin type or model) still once."""
     raw = minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["mm"]}], ratelimit={"tenant_headr": "mm"})
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(raw, env={})
-    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    problems = problem_lines(raw)
     assert problems == [
         "ratelimit.tenant_headr: unknown key; did you mean 'tenant_header'? (value 'mm')",
         "endpoints[0].models: 'mm' is not a configured model name; did you mean 'm'? (configured: m)",
@@ -331,9 +332,7 @@ def test_a_late_problem_found_twice_is_one_line():
     another section's error kept pydantic's own cross-check from running (only the lines
     pydantic wrote were checked for repeats, not the late checks' own)."""
     raw = minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["zz", "zz"]}], scheduling={"bogus": 1})
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(raw, env={})
-    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    problems = problem_lines(raw)
     assert problems == [
         "scheduling.bogus: unknown key (value 1)",
         "endpoints[0].models: 'zz' is not a configured model name (configured: m)",
@@ -383,9 +382,7 @@ def test_every_cross_check_problem_is_reported_at_once():
         scheduling={"profiles": {"p": {"scorers": [{"type": "inflight-scorer", "params": {"x": 1}}, {"type": "queue-depth-scorer", "params": {"y": 2}}]}}},
         ratelimit={"tenants": {"a": {"api_key_sha256": [digest]}, "b": {"api_key_sha256": [digest]}, "c": {"api_key_sha256": [digest]}}},
     )
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(raw, env={})
-    problems = [line.strip() for line in str(info.value).splitlines()[1:]]
+    problems = problem_lines(raw)
     assert problems == [
         "discovery.sources[1]: dns source: port: required key is missing",
         "discovery.sources[2]: unknown discovery source type 'nope' (known: static, dns, kubernetes)",
@@ -395,16 +392,12 @@ def test_every_cross_check_problem_is_reported_at_once():
         "ratelimit.tenants.c.api_key_sha256: key digest already listed by tenant 'a'",
     ]
     valid_sections = minimal(models=[{"name": "m"}, {"name": "m"}], endpoints=raw["endpoints"])
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(valid_sections, env={})
-    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+    assert problem_lines(valid_sections) == [
         "models[1]: name or alias 'm' already used by model 'm'",
         "endpoints[1].address: '10.0.0.1:8000' is listed twice",
     ]
     stray = minimal(discovery={"sources": [{"type": "dns", "name": "a.svc", "port": 8000, "models": ["m"]}]}, protocol={"mode": "epp"}, scheduling={"mode": "tier"})
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(stray, env={})
-    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+    assert problem_lines(stray) == [
         "protocol.mode: epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)",
         "endpoints are the static source's list: add {type: static} to discovery.sources, or remove them",
     ]
@@ -451,9 +444,7 @@ def test_a_null_or_boolean_key_is_named_as_written():
     as the index 1. The key is named as the YAML gave it now."""
     endpoint = {"address": "10.0.0.1:8000", "models": ["m"], "labels": {None: "x", True: "y"}}
     raw = minimal(endpoints=[endpoint], ratelimit={"tenants": {None: None}})
-    with pytest.raises(ConfigError) as info:
-        config_from_mapping(raw, env={})
-    assert [line.strip() for line in str(info.value).splitlines()[1:]] == [
+    assert problem_lines(raw) == [
         "endpoints[0].labels: key None: Input should be a valid string",
         "endpoints[0].labels: key True: Input should be a valid string",
         "ratelimit.tenants: key None: Input should be a valid string",
