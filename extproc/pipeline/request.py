@@ -177,10 +177,8 @@ class Routed:
         prompt less the prefix believed cached there, with the attention of those tokens
         (`extproc.datastore.prefill_fit.prefill_work` at `attention_ratio`)."""
         prompt = self.request.prompt_tokens
-        if self.prefix is None or self.endpoint is None:
-            return prefill_work(prompt, 0, self.attention_ratio)
-        uncached = self.prefix.uncached_tokens(self.endpoint.address)
-        return prefill_work(uncached, max(0, prompt - uncached), self.attention_ratio)
+        uncached = prompt if self.prefix is None or self.endpoint is None else self.prefix.uncached_tokens(self.endpoint.address)
+        return prefill_work(uncached, prompt - uncached, self.attention_ratio)
 
     def explain(self) -> str:
         """The route-debug line: the profile's scores for the chosen endpoint and the runner-up,

@@ -86,7 +86,7 @@ class SchedulingContext:
         uncached tokens, their attention over the cached prefix and each other included
         (`extproc.datastore.prefill_fit.prefill_work`, at `attention_ratio`)."""
         uncached = self.uncached_tokens(ep)
-        return max(1, prefill_work(uncached, max(0, self.request.prompt_tokens - uncached), self.attention_ratio))
+        return max(1, prefill_work(uncached, self.request.prompt_tokens - uncached, self.attention_ratio))
 
     def block_size(self, ep: Endpoint) -> int:
         """The endpoint's KV block size (tokens): from its metrics, else the configured default."""

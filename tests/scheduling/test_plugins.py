@@ -477,9 +477,9 @@ def test_ttft_estimate_charges_decode_per_gpu():
     store = Datastore([EndpointConfig(address=addr, models=["m"], labels={"gpu": g} if g else {}) for addr, g in gpus.items()])
     h100, a100, unlabelled = store.all()
     scorer = build("ttft-estimate-scorer")
-    assert scorer.decode_s_per_context_token(h100) == 4.4e-8
-    assert scorer.decode_s_per_context_token(a100) == 7.2e-8
-    assert scorer.decode_s_per_context_token(unlabelled) == 4.4e-8  # the parameter's default
+    assert scorer.decode_model(h100)[0] == 4.4e-8
+    assert scorer.decode_model(a100)[0] == 7.2e-8
+    assert scorer.decode_model(unlabelled)[0] == 4.4e-8  # the parameter's default
     for ep in (h100, a100):
         _observe(store, ep, [(x, 0.01 + 5e-5 * x) for x in (500, 4000) * 5])
     store.reserve(h100, prompt_tokens=0, context_tokens=150_000)

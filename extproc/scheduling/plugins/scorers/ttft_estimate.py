@@ -235,13 +235,6 @@ class TTFTEstimateScorer(Plugin):
             cost.append(c + per_step * (step + d * ep.context_tokens) + p.decode_weight * ep.decode_inflight * f.s_per_token * w)
         return cost_scores(prefill, cost)
 
-    def decode_s_per_context_token(self, ep: Endpoint) -> float:
-        """`d` for the endpoint's GPU (seconds per context token per decode step): the entry of
-        `decode_s_per_context_token_by_gpu` whose name the endpoint's GPU label (`Endpoint.gpu`)
-        contains (case-insensitive, the longest such name: "a100" in "NVIDIA-A100-SXM4-80GB"), else
-        `decode_s_per_context_token`."""
-        return self.decode_model(ep)[0]
-
     def decode_model(self, ep: Endpoint) -> tuple[float, float]:
         """`(d, step floor)` for the endpoint's GPU (seconds per context token per decode step,
         seconds per decode step): each from its `_by_gpu` table by the endpoint's GPU label
