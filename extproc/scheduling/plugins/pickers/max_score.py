@@ -19,8 +19,10 @@ prefix, or shorter than `prefix.min_match_tokens`) are picked on the total alone
 At 0.5 (the default profile's) a prefix-free request may not go to an endpoint costing more
 than one whole prefill cost `P` above the cheapest: the balancers still spread short prompts,
 whose costs differ by tens of milliseconds, but can no longer send a cold 7k-token prompt to an
-A100 predicted at 0.7 s while an H100 is predicted at 0.2 s, which was the shared-system
-benchmark's p99 (decision 0265). Every candidate stays in the fallbacks, by total.
+A100 predicted at 0.7 s while an H100 is predicted at 0.2 s (a shared-system request traced in
+decision 0255; decision 0265 measured the rule: with the cost's decode step floor such votes
+became rare, and the remaining slow cold prefills there are the cost's own choice). Every
+candidate stays in the fallbacks, by total.
 
 Parameters:
     tie_epsilon (float ≥ 0, default 1e-9): totals this close count as equal.
