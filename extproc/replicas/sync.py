@@ -111,6 +111,12 @@ MAX_COUNT = 1 << 24
 engine's KV cache in blocks and any model's context in tokens, so a larger number is bad input,
 not a request."""
 
+MAX_PREFILL_WORK = 1 << 40
+"""Largest prefill work of a remote pick accepted (linear-token equivalents, ~1.1e12): the work
+counts attention (`extproc.datastore.prefill_fit.prefill_work`), which grows with the square of
+the prompt, so a 1M-token prompt is 21M of work at the default ratio; `MAX_COUNT` dropped such
+picks as malformed and every other replica went on routing to the busy endpoint."""
+
 MAX_SETTLE_S = 3600.0
 """Largest `settle_after_s` of a remote pick accepted (seconds); the configured value is a few
 seconds (`scheduling.settle_after_s`, default 2). An infinite one would never settle."""
@@ -517,7 +523,7 @@ class ReplicaSync:
                 _rid(rid),
                 _address(address),
                 _count(blocks, "blocks"),
-                _count(prompt_tokens, "prompt_tokens"),
+                _count(prompt_tokens, "prompt_tokens", MAX_PREFILL_WORK),
                 _count(context_tokens, "context_tokens"),
                 _settle_s(settle_after_s),
             )
@@ -652,10 +658,10 @@ def _address(value: object) -> str:
     return value
 
 
-def _count(value: object, name: str) -> int:
-    """A block or token count from the channel: finite, 0..`MAX_COUNT` (an int; a float is truncated)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= MAX_COUNT):
-        raise ValueError(f"{name} must be a number in 0..{MAX_COUNT}, got {_shown(value)}")
+def _count(value: object, name: str, limit: int = MAX_COUNT) -> int:
+    """A block or token count from the channel: finite, 0..`limit` (an int; a float is truncated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= limit):
+        raise ValueError(f"{name} must be a number in 0..{limit}, got {_shown(value)}")
     return int(value)
 
 

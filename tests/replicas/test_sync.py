@@ -59,6 +59,18 @@ def test_a_remote_pick_counts_until_its_release_and_first_token_moves_it_to_deco
     assert sync.apply(batch("peer", ["r", 1])) == 0  # a repeated release changes nothing
 
 
+def test_a_remote_pick_of_a_long_prompt_counts_its_whole_prefill_work():
+    """Prefill work counts attention, quadratic in the prompt: a 1M-token prompt is 21M of work,
+    above the 16.7M bound on token counts, and the other replicas dropped the pick as malformed."""
+    from extproc.datastore.prefill_fit import prefill_work
+
+    sync, store, _ = make_sync()
+    work = prefill_work(1_000_000)
+    assert sync.apply(batch("peer", ["p", 1, ADDRS[1], 4, work, 1_000_000, 2.0])) == 1
+    assert store.get(ADDRS[1]).prefill_tokens == work
+    assert sync.apply(batch("peer", ["p", 2, ADDRS[1], 4, 1 << 41, 10, 2.0])) == 0  # still bounded
+
+
 def test_own_batches_and_applied_picks_are_not_shared_again():
     sync, store, _ = make_sync()
     assert sync.apply(batch(sync.id, ["p", 1, ADDRS[0], 0, 10, 10, 2.0])) == 0
