@@ -333,6 +333,8 @@ class RequestPipeline:
         sched = config.scheduling
         self.profiles = {name: build_profile(name, pc) for name, pc in sched.all_profiles().items()}
         self.profile = self.profiles[sched.profile]
+        self.attention_ratio = config.scheduling.prefill_model.attention_ratio
+        """`scheduling.prefill_model.attention_ratio` (1/tokens): every scheduling context's."""
         self._passthrough = self.profiles["least-inflight"]
         self._in_panic: set[str] = set()
         """Pools in health panic: model names, "" for `pick_any`'s whole fleet."""
@@ -548,7 +550,7 @@ class RequestPipeline:
             priority=priority,
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
             panic_threshold=cfg.scheduling.health_check.panic_threshold,
-            attention_ratio=cfg.scheduling.prefill_model.attention_ratio,
+            attention_ratio=self.attention_ratio,
         )
         session = None
         if self.prefix is not None:

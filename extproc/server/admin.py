@@ -232,6 +232,7 @@ class AdminServer:
             default_block_size=16,
             now=time.monotonic(),
             rng=random.Random(0),
+            attention_ratio=pipeline.attention_ratio,  # scored as routing scores it
         )
         scored = profile.score(ctx, endpoints)
         parts: list[dict[str, dict[str, float | bool]]] = [{} for _ in endpoints]
