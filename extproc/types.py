@@ -58,6 +58,8 @@ class LLMRequest:
         user: the OpenAI `user` field (never logged verbatim).
         body_bytes: size of the request body (bytes).
         token_ids: the prompt's token ids when the counter kept them (for prefix hashing).
+        prompt_lengths: each prompt's tokens of a batched completion (several prompts; `()`
+            for one prompt): attention runs within each (`request_prefill_work`).
     """
 
     kind: RequestKind
@@ -71,3 +73,4 @@ class LLMRequest:
     user: str | None = None
     body_bytes: ByteCount = ByteCount(0)
     token_ids: list[int] | None = field(default=None, repr=False)
+    prompt_lengths: tuple[int, ...] = ()

@@ -25,7 +25,7 @@ from typing import Any
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
-from extproc.datastore.prefill_fit import prefill_work
+from extproc.datastore.prefill_fit import request_prefill_work
 from extproc.errors import (
     ContextLengthError,
     NoEndpointError,
@@ -176,9 +176,9 @@ class Routed:
         """The request's prefill work on its endpoint (tokens, linear-token equivalents): its
         prompt less the prefix believed cached there, with the attention of those tokens
         (`extproc.datastore.prefill_fit.prefill_work` at `attention_ratio`)."""
-        prompt = self.request.prompt_tokens
-        uncached = prompt if self.prefix is None or self.endpoint is None else self.prefix.uncached_tokens(self.endpoint.address)
-        return prefill_work(uncached, prompt - uncached, self.attention_ratio)
+        r = self.request
+        uncached = r.prompt_tokens if self.prefix is None or self.endpoint is None else self.prefix.uncached_tokens(self.endpoint.address)
+        return request_prefill_work(r.prompt_tokens, uncached, self.attention_ratio, r.prompt_lengths)
 
     def explain(self) -> str:
         """The route-debug line: the profile's scores for the chosen endpoint and the runner-up,
@@ -500,6 +500,7 @@ class RequestPipeline:
             model=parsed.model,
             served_model=model.name,
             prompt_tokens=TokenCount(total_prompt),
+            prompt_lengths=tuple(prompt_tokens) if len(prompt_tokens) > 1 else (),
             max_tokens=parsed.max_tokens,
             n=parsed.n,
             stream=parsed.stream,

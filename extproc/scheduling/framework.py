@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from extproc.datastore.endpoints import Endpoint
-from extproc.datastore.prefill_fit import prefill_work
+from extproc.datastore.prefill_fit import request_prefill_work
 from extproc.prefix.match import PrefixMatch
 from extproc.types import LLMRequest
 
@@ -84,9 +84,9 @@ class SchedulingContext:
     def prefill_work(self, ep: Endpoint) -> int:
         """The request's prefill work on `ep` in linear-token equivalents (tokens, ≥ 1): its
         uncached tokens, their attention over the cached prefix and each other included
-        (`extproc.datastore.prefill_fit.prefill_work`, at `attention_ratio`)."""
-        uncached = self.uncached_tokens(ep)
-        return max(1, prefill_work(uncached, self.request.prompt_tokens - uncached, self.attention_ratio))
+        (`extproc.datastore.prefill_fit.request_prefill_work`, at `attention_ratio`)."""
+        r = self.request
+        return max(1, request_prefill_work(r.prompt_tokens, self.uncached_tokens(ep), self.attention_ratio, r.prompt_lengths))
 
     def block_size(self, ep: Endpoint) -> int:
         """The endpoint's KV block size (tokens): from its metrics, else the configured default."""

@@ -8,7 +8,7 @@ import pytest
 
 from extproc.config.schema import EndpointConfig
 from extproc.datastore.endpoints import Datastore
-from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, PrefillPrior, gpu_table, gpu_value, prefill_work
+from extproc.datastore.prefill_fit import PREFILL_S_PER_TOKEN_BY_GPU, PrefillPrior, gpu_table, gpu_value, prefill_work, request_prefill_work
 
 
 def make():
@@ -234,3 +234,11 @@ def test_prefill_work_counts_attention_over_the_cached_prefix_and_the_new_tokens
     assert prefill_work(1000, cached=6000) == 1000 + 260  # the new tokens attend to the cached prefix
     assert prefill_work(1000, 0, attention_ratio=0.0) == 1000
     assert prefill_work(-5, -3) == 0
+
+
+def test_a_batched_completions_prompts_attend_each_within_itself():
+    """100 prompts of 1,000 tokens in one completion are 100 × 1,020 of work, not the square of
+    their 100k-token sum (300k); one prompt is `prefill_work` of its uncached tokens."""
+    assert request_prefill_work(100_000, 100_000, 2e-5, (1000,) * 100) == 102_000
+    assert request_prefill_work(100_000, 99_000, 2e-5, (1000,) * 100) == 101_000  # 1k cached: linear
+    assert request_prefill_work(7000, 1000, 2e-5) == prefill_work(1000, 6000) == 1260
