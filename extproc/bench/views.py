@@ -38,7 +38,8 @@ def render_run_details(
         run: the run's summary.
         time_unit: `simulated` or `wall`; "simulated time" is printed only when the run's speed
             is not 1 (at speed 1 it is wall time).
-        profiles: simulator profile by endpoint address, to label the endpoint shares.
+        profiles: simulator profile by endpoint address, to label the endpoint shares; every
+            address here gets a share row, in this order, 0.0% when it served no request.
         slo: the goodput SLO, named beside the goodput (default `SLO()`).
     """
     slo = slo or SLO()
@@ -64,7 +65,10 @@ def render_run_details(
     table.add_row(
         f"sent > {behind.threshold_ms:g} ms late", f"{behind.count:,} ({behind.fraction:.1%}, max {behind.max_lag_ms:,.0f} ms wall)"
     )
-    for address, share in run.endpoints.items():
+    # every endpoint of the fleet in the fleet's order, 0.0% for one that served nothing (at light
+    # load the TTFT cost may send nothing to the slower GPUs); then any it does not name (`unknown`)
+    shares = dict.fromkeys(profiles or {}, 0.0) | dict(run.endpoints)
+    for address, share in shares.items():
         label = f"{address} ({profiles[address]})" if profiles and address in profiles else address
         table.add_row(f"share {label}", f"{share:.1%}")
     return table

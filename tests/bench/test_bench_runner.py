@@ -123,6 +123,19 @@ def test_run_details_show_errors_by_reason_and_endpoint_shares() -> None:
     assert "simulated" not in text  # speed 1: simulated time is wall time, nothing to say
 
 
+def test_run_details_list_fleet_endpoints_that_served_nothing() -> None:
+    """An endpoint of the fleet that got no request still has its row, at 0.0%."""
+    profiles = {"127.0.0.1:3": "a100-qwen3-8b", "127.0.0.1:1": "h100-qwen3-8b", "127.0.0.1:2": "h100-qwen3-8b"}
+    lines = _text(render_run_details(_summary("llm-extproc", "synthetic", 3.0, 4.0), time_unit="wall",
+                                     profiles=profiles)).splitlines()  # fmt: skip
+    shares = [" ".join(line.strip("│ ").split()) for line in lines if "share " in line]
+    assert shares == [  # in the fleet's order
+        "share 127.0.0.1:3 (a100-qwen3-8b) │ 0.0%",
+        "share 127.0.0.1:1 (h100-qwen3-8b) │ 75.0%",
+        "share 127.0.0.1:2 (h100-qwen3-8b) │ 25.0%",
+    ]
+
+
 def test_simulated_time_is_named_only_when_the_speed_is_not_1() -> None:
     from extproc.bench.results import SLO, render_report
 
