@@ -183,7 +183,10 @@ class Endpoint:
         head = next(iter(self.in_prefill), None)
         if head is None:
             return float(self.prefill_tokens)
-        started = max(head.created_at, self.prefill_left_at)
+        # a leave stamped after `now` is a caller's mistake (another clock than the monotonic
+        # one): it would credit nothing until `now` caught up with it, so it counts as unknown
+        left_at = self.prefill_left_at if self.prefill_left_at <= now else float("-inf")
+        started = max(head.created_at, left_at)
         done = min(float(head.prompt_tokens), max(0.0, now - started) / self.prefill_fit.s_per_token)
         return max(0.0, self.prefill_tokens - done)
 
@@ -191,9 +194,12 @@ class Endpoint:
         """`reservation` left prefill at `now` (monotonic seconds: its first token, or its end).
         Only the oldest one leaving restarts the credit `prefill_ahead` gives the next: a later
         request that ends or gets its first token first (a client abort, a short prompt beside a
-        long one, a passthrough) says nothing about how far the oldest has got."""
+        long one, a passthrough) says nothing about how far the oldest has got. The latest
+        leave replaces an earlier one even when that was stamped later: a `now` far in the future
+        (seconds since the epoch instead of monotonic) stuck under `max` and stopped the credit
+        for good."""
         if next(iter(self.in_prefill), None) is reservation:
-            self.prefill_left_at = max(self.prefill_left_at, now)
+            self.prefill_left_at = now
         self.in_prefill.pop(reservation, None)
 
     @property

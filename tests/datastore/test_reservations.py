@@ -154,6 +154,20 @@ def test_the_oldest_released_in_prefill_restarts_the_credit_at_its_release_time(
     assert ep.prefill_ahead(t + 0.5) == pytest.approx(5_000 - 0.2 / 77e-6)
 
 
+def test_a_leave_time_in_the_future_does_not_stop_the_credit():
+    """A leave stamped on another clock (seconds since the epoch, not monotonic) is far in the
+    future: it stuck under `max` and nothing ahead was ever credited again."""
+    store, ep = _a100_like()
+    t = 1000.0
+    wrong = store.reserve(ep, prompt_tokens=2_000, now=t)
+    store.reserve(ep, prompt_tokens=10_000, now=t)
+    wrong.release(1.7e9)  # time.time() instead of time.monotonic()
+    assert ep.prefill_ahead(t + 0.5) == pytest.approx(10_000 - 0.5 / 77e-6)  # credited since it was routed
+    store.reserve(ep, prompt_tokens=1_000, now=t + 0.5)
+    next(iter(ep.in_prefill)).release(t + 1.0)  # the next leave, on the right clock, restarts the credit
+    assert ep.prefill_ahead(t + 1.05) == pytest.approx(1_000 - 0.05 / 77e-6)
+
+
 def test_a_request_with_no_prefill_work_is_never_the_oldest_in_prefill():
     """A passthrough (GET /v1/models through the gateway) or a fully cached prompt reserves no
     prefill tokens: at the head of the queue it blocked every credit, and leaving it reset it."""
