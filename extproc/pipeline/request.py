@@ -25,7 +25,7 @@ from typing import Any
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
-from extproc.datastore.prefill_fit import request_prefill_work
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, request_prefill_work
 from extproc.errors import (
     ContextLengthError,
     NoEndpointError,
@@ -154,7 +154,7 @@ class Routed:
         body: the body to send instead of the client's (a truncated prompt), or None.
         truncation: what truncation did, or None when the prompt was not cut.
         attention_ratio: `scheduling.prefill_model.attention_ratio` (1/tokens), for
-            `prefill_tokens`.
+            `prefill_tokens`; defaults to `PREFILL_ATTENTION_RATIO`, as the config does.
     """
 
     request: LLMRequest
@@ -169,7 +169,7 @@ class Routed:
     predicted_ttft_s: dict[str, float] | None = None
     body: bytes | None = None
     truncation: Truncation | None = None
-    attention_ratio: float = 0.0
+    attention_ratio: float = PREFILL_ATTENTION_RATIO
 
     @property
     def prefill_tokens(self) -> int:
@@ -535,7 +535,7 @@ class RequestPipeline:
             tiers = cfg.scheduling.tiers
             tier = tier_for(int(req.prompt_tokens), tiers.low_latency_below, tiers.high_throughput_above)
             timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
-            return self._routed(Routed(req, None, tier, 0, None, timings), cut, t_cut)
+            return self._routed(Routed(req, None, tier, 0, None, timings, attention_ratio=self.attention_ratio), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         # Taken again after counting: endpoints may have left meanwhile.
         pool = self._store.for_model(model.name) if subset is None else self._in_subset(model.name, subset)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from extproc.datastore.endpoints import Endpoint
-from extproc.datastore.prefill_fit import request_prefill_work
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, request_prefill_work
 from extproc.prefix.match import PrefixMatch
 from extproc.types import LLMRequest
 
@@ -57,7 +57,8 @@ class SchedulingContext:
         panic_threshold: below this share of healthy endpoints `healthy-filter` keeps every
             live one (0..1; `scheduling.health_check.panic_threshold`).
         attention_ratio: prefill attention per token pair relative to a token's linear cost
-            (1/tokens; `scheduling.prefill_model.attention_ratio`), for `prefill_work`.
+            (1/tokens; `scheduling.prefill_model.attention_ratio`), for `prefill_work`. Defaults to
+            `PREFILL_ATTENTION_RATIO`, as the config does.
         data: per-cycle scratch space shared by plugins (e.g. predicted TTFT per endpoint).
     """
 
@@ -71,7 +72,7 @@ class SchedulingContext:
     prefix: PrefixMatch | None = None
     session_endpoint: str | None = None
     panic_threshold: float = 0.5
-    attention_ratio: float = 0.0
+    attention_ratio: float = PREFILL_ATTENTION_RATIO
     data: dict[str, object] = field(default_factory=dict)
 
     def uncached_tokens(self, ep: Endpoint) -> int:

@@ -48,3 +48,20 @@ def test_min_max_inverted():
     assert min_max_inverted([]) == []
     assert min_max_inverted([3, 3]) == [1.0, 1.0]
     assert min_max_inverted([0, 5, 10]) == [1.0, 0.5, 0.0]
+
+
+def test_contexts_and_routes_default_to_the_configs_attention_ratio(store):
+    """A scheduling context or a routed request built without the ratio counts prefill work as
+    a configured server does (`scheduling.prefill_model.attention_ratio`'s default), not in
+    tokens alone: at 0.0 an 8k-token prompt was 8,000 tokens of work instead of 9,280."""
+    from dataclasses import fields
+
+    from extproc.config.schema import PrefillModelConfig
+    from extproc.pipeline.request import Routed
+    from extproc.scheduling.framework import SchedulingContext
+
+    configured = PrefillModelConfig().attention_ratio
+    for cls in (SchedulingContext, Routed):
+        (field,) = (f for f in fields(cls) if f.name == "attention_ratio")
+        assert field.default == configured, cls.__name__
+    assert context(prompt=8000).prefill_work(store.all()[0]) == 9280  # no prefix: every token is uncached

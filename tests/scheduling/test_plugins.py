@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from extproc.datastore.prefill_fit import prefill_work
 from extproc.scheduling.framework import Filter, Picker, Scorer
 from extproc.scheduling.plugins.scorers.ttft_estimate import predicted_ttft_s
 from extproc.scheduling.registry import PluginConfigError, build, registered
@@ -324,13 +325,15 @@ def test_ttft_estimate_counts_only_uncached_tokens(store):
     ctx = context(prompt=8000)
     ctx.prefix = PrefixMatch(prompt_tokens=8000, matched={a.address: 400}, block_size={a.address: 16})
     scores = build("ttft-estimate-scorer").score(ctx, [a, b])
-    # a prefills 8,000 − 6,400 = 1,600 tokens, b all 8,000; each also delays what follows it by
-    # its own prefill (work_weight 1)
-    assert scores[0] == 1.0 and scores[1] == pytest.approx((0.01 + 2 * 5e-5 * 1600) / (0.01 + 2 * 5e-5 * 8000), rel=0.1)
-    assert ctx.data["predicted_ttft_s"][a.address] == pytest.approx(0.01 + 5e-5 * 1600, rel=0.1)
+    # a prefills 8,000 − 6,400 = 1,600 tokens after 6,400 cached, b all 8,000, each with its
+    # attention at the default ratio (2,061 and 9,280 tokens of work); each also delays what
+    # follows it by its own prefill (work_weight 1)
+    work_a, work_b = prefill_work(1600, 6400), prefill_work(8000)
+    assert scores[0] == 1.0 and scores[1] == pytest.approx((0.01 + 2 * 5e-5 * work_a) / (0.01 + 2 * 5e-5 * work_b), rel=0.1)
+    assert ctx.data["predicted_ttft_s"][a.address] == pytest.approx(0.01 + 5e-5 * work_a, rel=0.1)
     store.reserve(a, prompt_tokens=9000)  # a's queue is longer but it still saves more: a stays
     assert build("ttft-estimate-scorer").score(ctx, [a, b])[0] == 1.0
-    store.reserve(a, prompt_tokens=5000)  # past ~2 × the 6,400 tokens it saves: b wins by itself
+    store.reserve(a, prompt_tokens=6000)  # past ~2 × the 7,219 tokens of work it saves: b wins by itself
     scores = build("ttft-estimate-scorer").score(ctx, [a, b])
     assert scores[1] == 1.0 and scores[0] < 1.0
 
@@ -537,6 +540,7 @@ def test_ttft_estimate_counts_a_long_prompts_attention():
     store.reserve(h100, prompt_tokens=200_000)  # long prompts queued, their work in the same units
     scorer = build("ttft-estimate-scorer", {"decode_weight": 0})
     ask = context(prompt=41_000, output=3)
+    ask.attention_ratio = 0.0
     assert scorer.score(ask, [h100, a100])[1] == 1.0  # tokens alone: the idle A100
     ask.attention_ratio = 2e-5
     scores = scorer.score(ask, [h100, a100])
