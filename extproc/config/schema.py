@@ -28,7 +28,7 @@ from pydantic import Field, field_validator, model_validator
 from extproc.config.diagnose import did_you_mean, undefined_profile, unknown_model
 from extproc.config_base import ConfigProblem, Strict, key_text, raise_problems
 from extproc.config_base import yaml_off
-from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PREFILL_S_PER_TOKEN_BY_GPU, gpu_table
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PREFILL_S_PER_TOKEN_BY_GPU, gpu_table, prefill_work
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
@@ -571,6 +571,12 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
 }
 
 
+MAX_ATTENTION_RATIO = 1e-3
+"""Largest `scheduling.prefill_model.attention_ratio` accepted (1/tokens): 50× the calibrated
+`PREFILL_ATTENTION_RATIO` (2e-5 for an 8B model; the ratio scales with attention width × layers
+over parameters, which no common model raises 50-fold)."""
+
+
 class PrefillModelConfig(Strict):
     """The prior of each endpoint's learned TTFT fit, TTFT ≈ t0 + s · prefill tokens ahead
     (`extproc.datastore.prefill_fit`, whose module doc gives the formula and the defaults'
@@ -593,6 +599,9 @@ class PrefillModelConfig(Strict):
             linear cost (1/tokens; `extproc.datastore.prefill_fit.prefill_work`): the fit's x
             and every prefill backlog count `m + ratio · m · (2p + m)` for m new tokens after p
             cached. Default `PREFILL_ATTENTION_RATIO` (2e-5, an 8B model); 0 counts tokens only.
+            At most `MAX_ATTENTION_RATIO` (1e-3, 50× the calibrated 2e-5, above any model's
+            attention width × layers over its parameters): a typo such as 2e-1 counted a
+            1,000-token prompt as 201,000 tokens of work and every prefill cost was absurd.
     """
 
     # Finite, like the GPU table's entries: a prior weight of inf made the fit NaN at its first
@@ -604,6 +613,17 @@ class PrefillModelConfig(Strict):
     prior_s_per_token_by_gpu: dict[str, float] = Field(default_factory=lambda: dict(PREFILL_S_PER_TOKEN_BY_GPU))
     gpu_label: str = Field(default="gpu", min_length=1)  # "" named no label: every per-GPU table silently off
     attention_ratio: float = Field(default=PREFILL_ATTENTION_RATIO, ge=0, allow_inf_nan=False)
+
+    @field_validator("attention_ratio")
+    @classmethod
+    def _plausible_ratio(cls, v: float) -> float:
+        if v > MAX_ATTENTION_RATIO:
+            work = prefill_work(1000, 0, v)
+            raise ValueError(
+                f"{v:g} is above {MAX_ATTENTION_RATIO:g} (1/tokens): a 1,000-token prompt would count as {work:,} "
+                f"tokens of work; the calibrated ratio of an 8B model is {PREFILL_ATTENTION_RATIO:g}"
+            )
+        return v
 
     @field_validator("prior_s_per_token_by_gpu", mode="before")  # strict: no True, no "3e-5"
     @classmethod

@@ -62,8 +62,10 @@ def test_default_config_serves_the_default_model():
         (minimal(admission={"priority": {"shed_sheddable_at": 1.5, "shed_standard_at": 0.5}}), ["admission.priority", "shed_sheddable_at (1.5)"]),
         (minimal(scheduling={"prefill_model": {"prior_s_per_token_by_gpu": {"a100": 0}}}), ["prior_s_per_token_by_gpu", "> 0"]),
         (minimal(listen={"grpc": "0.0.0.0:5000", "admin": "127.0.0.1:5000"}), ["listen.grpc", "different ports"]),
+        (minimal(scheduling={"prefill_model": {"attention_ratio": 2e-1}}),  # a typo of 2e-5
+         ["scheduling.prefill_model.attention_ratio: 0.2 is above 0.001", "201,000 tokens of work", "2e-05"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed", "grpc-admin-one-port"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed", "grpc-admin-one-port", "attention-ratio-typo"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:
@@ -465,3 +467,10 @@ def test_an_unknown_profile_and_a_bad_lead_scorer_are_both_reported():
         "scheduling.profile",
         "scheduling.profiles.p.picker.params.lead_scorer",
     ]
+
+
+def test_the_largest_plausible_attention_ratio_is_accepted():
+    from extproc.config.schema import MAX_ATTENTION_RATIO
+
+    raw = minimal(scheduling={"prefill_model": {"attention_ratio": MAX_ATTENTION_RATIO}})
+    assert config_from_mapping(raw, env={}).scheduling.prefill_model.attention_ratio == MAX_ATTENTION_RATIO
