@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import InitErrorDetails, ValidationError
 
-__all__ = ["ConfigProblem", "Strict", "key_in", "key_text", "path_text", "raise_problems", "yaml_off"]
+__all__ = ["KEY_MARK", "ConfigProblem", "Strict", "is_key_mark", "key_in", "key_text", "path_text", "raise_problems", "yaml_off"]
 
 
 class Strict(BaseModel):
@@ -86,14 +86,27 @@ def key_in(mapping: Mapping[Any, Any], part: object) -> object:
     return next((k for k in mapping if k == part), part)  # 1 stands for 1 or True, whichever is there
 
 
+KEY_MARK = "[key]"
+"""pydantic's location step after a mapping key that is itself wrong (`("labels", 1, "[key]")`)."""
+
+
+def is_key_mark(part: object, data: Any) -> bool:
+    """Whether the location step `part`, taken in `data` (the input the location has reached,
+    None when unknown), is pydantic's `KEY_MARK` rather than a key the user wrote as "[key]":
+    a mapping holding a "[key]" key is stepped into by it. A user's "[key]" label read as the
+    mark blamed its mapping's own key (`endpoints[0]: key 'labels'`)."""
+    return part == KEY_MARK and not (isinstance(data, Mapping) and KEY_MARK in data)
+
+
 def path_text(loc: Iterable[object], data: Any = None) -> str:
     """A pydantic error location as a configuration path, `models[1].name`: a list index in
     brackets, a mapping key by `key_text`. `data` is the input the location points into; with
     it, an int step into a mapping reads as a key, without it every int is an index. A wrong
-    key itself (pydantic's `[key]` step) reads `labels[1] (the key)`."""
+    key itself (pydantic's `[key]` step, `is_key_mark`) reads `labels[1] (the key)`; a key
+    the user wrote as "[key]" reads `labels["[key]"]`."""
     out = ""
     for part in loc:
-        if part == "[key]":  # pydantic's mark after a mapping key that is itself wrong
+        if is_key_mark(part, data):  # pydantic's mark after a mapping key that is itself wrong
             out += " (the key)"
             continue
         index = isinstance(part, int) and not isinstance(data, Mapping)

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from extproc.config_base import ConfigProblem, key_in, key_text, path_text
+from extproc.config_base import ConfigProblem, is_key_mark, key_in, key_text, path_text
 
 __all__ = ["describe_error", "describe_errors", "did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
 
@@ -92,7 +92,8 @@ def describe_error(err: Mapping[str, Any], root: type[BaseModel], data: Any, mis
     names the keys itself), an unknown key with the nearest known one (`did_you_mean`), a
     required key with its `missing_hints` entry (by path), a section's `ConfigProblem` at its
     own path below the section, and the offending value when the message does not show it."""
-    if err["loc"][-1:] == ("[key]",):  # a mapping's key itself is wrong: name the mapping and the key
+    # a mapping's key itself is wrong: name the mapping and the key
+    if err["loc"] and is_key_mark(err["loc"][-1], _at(data, err["loc"][:-1])):
         key = err["loc"][-2]
         mapping = _at(data, err["loc"][:-2])
         if isinstance(mapping, Mapping):

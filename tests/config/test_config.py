@@ -474,3 +474,22 @@ def test_the_largest_plausible_attention_ratio_is_accepted():
 
     raw = minimal(scheduling={"prefill_model": {"attention_ratio": MAX_ATTENTION_RATIO}})
     assert config_from_mapping(raw, env={}).scheduling.prefill_model.attention_ratio == MAX_ATTENTION_RATIO
+
+
+def test_a_key_written_as_the_key_mark_reads_as_a_key():
+    """A label or profile the user named "[key]" read as pydantic's mark for a wrong key: the
+    error blamed the mapping's own key (`endpoints[0]: key 'labels'`)."""
+    from extproc.config_base import path_text
+
+    labels = {"address": "10.0.0.1:8000", "models": ["m"], "labels": {"[key]": 5}}
+    profiles = {"profiles": {"[key]": {"scorers": [{"type": "nope-scorer"}]}}}
+    for raw, path in [
+        (minimal(endpoints=[labels]), 'endpoints[0].labels["[key]"]: Input should be a valid string (got 5)'),
+        (minimal(scheduling=profiles), 'scheduling.profiles["[key]"].scorers[0].type: unknown plugin type'),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            config_from_mapping(raw, env={})
+        problems = str(info.value).splitlines()[1:]
+        assert len(problems) == 1 and problems[0].strip().startswith(path), problems
+    assert path_text(("labels", "[key]"), {"labels": {"[key]": 5}}) == 'labels["[key]"]'
+    assert path_text(("labels", "[key]", "[key]"), {"labels": {"[key]": 5}}) == 'labels["[key]"] (the key)'
