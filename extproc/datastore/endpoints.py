@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.datastore.prefill_fit import PrefillFit, PrefillPrior, gpu_table, gpu_value
+from extproc.datastore.prefill_fit import PrefillCounts, PrefillFit, PrefillPrior, gpu_table, gpu_value
 from extproc.types import EndpointAddress
 
 if TYPE_CHECKING:  # annotations only: importing the config here closes an import cycle
@@ -239,9 +239,11 @@ class Reservation:
             cached part included, plus half its expected output — what its decode steps make
             every other decode step on the endpoint read.
         now: when it was routed (`time.monotonic()` seconds; default now).
+        prefill_counts: the token counts `prompt_tokens` was computed from, when known (shared
+            with the other replicas, which count the work at their own attention ratio).
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "prefill_counts", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "_store", "_released")
 
     def __init__(
         self,
@@ -252,10 +254,12 @@ class Reservation:
         settle_after_s: float,
         context_tokens: int = 0,
         now: float | None = None,
+        prefill_counts: PrefillCounts | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.blocks = blocks
         self.prompt_tokens = prompt_tokens
+        self.prefill_counts = prefill_counts
         self.context_tokens = context_tokens
         self.created_at = time.monotonic() if now is None else now
         self.backlog_tokens = endpoint.prefill_ahead(self.created_at) + prompt_tokens
@@ -543,13 +547,15 @@ class Datastore:
         context_tokens: int = 0,
         now: float | None = None,
         notify: bool = True,
+        prefill_counts: PrefillCounts | None = None,
     ) -> Reservation:
         """Count a request in flight on `endpoint` (in prefill) holding `blocks` KV blocks, with
         `prompt_tokens` of prefill work and `context_tokens` of decode context (tokens), routed at
         `now` (`time.monotonic()` seconds; default now); release the returned reservation when
         the request ends, however it ends. `notify=False` does not tell the `listener` (a
-        reservation another replica made, applied here)."""
-        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens, now)
+        reservation another replica made, applied here). `prefill_counts`: the counts the work
+        was computed from, kept on the reservation for the listener."""
+        r = Reservation(self, endpoint, blocks, prompt_tokens, settle_after_s, context_tokens, now, prefill_counts)
         if prompt_tokens > 0:  # no prefill work (a passthrough, a fully cached prompt): never the queue's head
             endpoint.in_prefill[r] = None
         endpoint.inflight += 1

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "PREFILL_ATTENTION_RATIO", "PREFILL_S_PER_TOKEN_BY_GPU", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_table", "gpu_value",
+    "PREFILL_ATTENTION_RATIO", "PREFILL_S_PER_TOKEN_BY_GPU", "PrefillCounts", "PrefillFit", "PrefillPrior", "ROBUST_AFTER", "gpu_table", "gpu_value",
     "prefill_work", "request_prefill_work",
 ]  # fmt: skip
 
@@ -83,6 +83,28 @@ def request_prefill_work(prompt_tokens: int, uncached: int, attention_ratio: flo
         per_prompt = sum(prefill_work(p, 0, attention_ratio) for p in prompt_lengths)
         return max(0, per_prompt - max(0, prompt_tokens - uncached))
     return prefill_work(uncached, prompt_tokens - uncached, attention_ratio)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCounts:
+    """The token counts behind a request's prefill work on one endpoint, before any attention
+    ratio is applied: what another replica needs to count the same work at its own ratio
+    (`extproc.replicas.sync`; replicas mid-way through a rolling change of
+    `scheduling.prefill_model.attention_ratio` otherwise mixed units).
+
+    Args:
+        prompt_tokens: the whole prompt (tokens; all prompts of a batched completion).
+        uncached: the tokens not believed cached on the endpoint (tokens, 0..prompt_tokens).
+        prompt_lengths: each prompt's tokens of a batched completion (`()` for one prompt).
+    """
+
+    prompt_tokens: int
+    uncached: int
+    prompt_lengths: tuple[int, ...] = ()
+
+    def work(self, attention_ratio: float) -> int:
+        """The prefill work at `attention_ratio` (linear-token equivalents; `request_prefill_work`)."""
+        return request_prefill_work(self.prompt_tokens, self.uncached, attention_ratio, self.prompt_lengths)
 
 
 def gpu_value(label: str, table: dict[str, float]) -> float | None:

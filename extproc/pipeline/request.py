@@ -25,7 +25,7 @@ from typing import Any
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
-from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, request_prefill_work
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PrefillCounts
 from extproc.errors import (
     ContextLengthError,
     NoEndpointError,
@@ -172,13 +172,19 @@ class Routed:
     attention_ratio: float = PREFILL_ATTENTION_RATIO
 
     @property
+    def prefill_counts(self) -> PrefillCounts:
+        """The token counts of the request's prefill on its endpoint: its prompt, the part not
+        believed cached there, each prompt's length if batched."""
+        r = self.request
+        uncached = r.prompt_tokens if self.prefix is None or self.endpoint is None else self.prefix.uncached_tokens(self.endpoint.address)
+        return PrefillCounts(r.prompt_tokens, uncached, r.prompt_lengths)
+
+    @property
     def prefill_tokens(self) -> int:
         """The request's prefill work on its endpoint (tokens, linear-token equivalents): its
         prompt less the prefix believed cached there, with the attention of those tokens
-        (`extproc.datastore.prefill_fit.prefill_work` at `attention_ratio`)."""
-        r = self.request
-        uncached = r.prompt_tokens if self.prefix is None or self.endpoint is None else self.prefix.uncached_tokens(self.endpoint.address)
-        return request_prefill_work(r.prompt_tokens, uncached, self.attention_ratio, r.prompt_lengths)
+        (`extproc.datastore.prefill_fit.request_prefill_work` at `attention_ratio`)."""
+        return self.prefill_counts.work(self.attention_ratio)
 
     def explain(self) -> str:
         """The route-debug line: the profile's scores for the chosen endpoint and the runner-up,
@@ -690,6 +696,7 @@ class RequestPipeline:
             ep,
             routed.blocks,
             prompt_tokens=routed.prefill_tokens,
+            prefill_counts=routed.prefill_counts,
             settle_after_s=self._config.admission.kv.settle_after_s,
             context_tokens=routed.request.prompt_tokens + routed.expected_output_tokens * routed.request.n // 2,
         )

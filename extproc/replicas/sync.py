@@ -35,11 +35,21 @@ Wire format (msgpack): `[origin, sent_at, events]`, `origin` a random id per pro
 each event one of:
 
     ["p", rid, address, blocks, prompt_tokens, context_tokens, settle_after_s]   reservation
+    ["w", rid, prompt_tokens, uncached_tokens, [prompt length, ...]]             its prefill counts
     ["f", rid]                                                                  first token
     ["r", rid]                                                                  release
     ["x", address, [block hash, ...], session key or nil]                        prefix / session
     ["h", [rid, ...] or nil]                                                     heartbeat
     ["b"]                                                                       leaving
+
+A pick's `prompt_tokens` is its prefill work at the sender's attention ratio
+(`scheduling.prefill_model.attention_ratio`); the "w" event after it, in the same batch, carries
+the counts that work came from (the whole prompt, the part not believed cached on the endpoint,
+each prompt's length of a batched completion, `[]` for one prompt), and a receiver that has it
+counts the pick's work at its own ratio (`PrefillCounts.work`): replicas mid-way through a rolling
+change of the ratio mixed units in one endpoint's backlog (decision 0280). A receiver without
+one (an older sender; the event dropped by a full queue) uses the sender's work. A replica of
+an older version rejects a "w" alone (counted) and still applies the pick.
 
 Anything that can publish on the channel is read as untrusted input: a message not of this shape
 is rejected whole, an event not of its shape (a number that is not finite or out of range, an id
@@ -68,6 +78,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
 from extproc.datastore.endpoints import Datastore, Reservation
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PrefillCounts
 from extproc.logthrottle import WarnEvery
 from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
@@ -116,6 +127,10 @@ MAX_PREFILL_WORK = 1 << 40
 counts attention (`extproc.datastore.prefill_fit.prefill_work`), which grows with the square of
 the prompt, so a 1M-token prompt is 21M of work at the default ratio; `MAX_COUNT` dropped such
 picks as malformed and every other replica went on routing to the busy endpoint."""
+
+MAX_PROMPT_LENGTHS = 1 << 16
+"""Most prompt lengths of a remote pick's counts accepted (count; `limits.max_prompts`, the
+prompts of one batched completion, defaults to 1,024)."""
 
 MAX_SETTLE_S = 3600.0
 """Largest `settle_after_s` of a remote pick accepted (seconds); the configured value is a few
@@ -201,6 +216,8 @@ class ReplicaSync:
         registry: where the metrics go (None: a private registry).
         replica_id: this replica's id on the channel (default: random, new per process).
         clock: monotonic seconds.
+        attention_ratio: this replica's `scheduling.prefill_model.attention_ratio` (1/tokens):
+            the other replicas' picks are counted at it when they carry their counts.
     """
 
     def __init__(
@@ -213,8 +230,10 @@ class ReplicaSync:
         registry: CollectorRegistry | None = None,
         replica_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        attention_ratio: float = PREFILL_ATTENTION_RATIO,
     ) -> None:
         self.config = config
+        self.attention_ratio = attention_ratio
         self.id = replica_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._own_head = b"\x93" + msgpack.packb(self.id)
         """How this replica's own batches start (a 3-array, then its id): skipped unread."""
@@ -271,6 +290,9 @@ class ReplicaSync:
         self._local[r] = rid
         ep = r.endpoint
         self._enqueue(["p", rid, ep.address, r.blocks, r.prompt_tokens, r.context_tokens, round(r.settle_at - r.created_at, 3)])
+        c = r.prefill_counts
+        if c is not None:  # right after its pick: one batch holds both (module doc)
+            self._enqueue(["w", rid, c.prompt_tokens, c.uncached, list(c.prompt_lengths)])
 
     def first_token(self, r: Reservation) -> None:
         """A local reservation reached its first token."""
@@ -473,6 +495,7 @@ class ReplicaSync:
                 break  # the peer is gone with its goodbye: nothing after it may be held for it
         if not parsed:
             return 0  # no peer entry for a replica that said nothing valid
+        parsed = self._own_work(parsed)
         now = self._clock()
         peer = self._peers.get(origin)
         if peer is None:
@@ -495,6 +518,22 @@ class ReplicaSync:
                 self.metrics.delay.observe(max(0.0, time.time() - sent_at))
         return done
 
+    def _own_work(self, parsed: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """A batch's parsed events with each pick's prefill work counted at this replica's
+        `attention_ratio` from the "w" counts of its id in the batch (the sender's work kept
+        for a pick without them), the "w" events themselves taken out."""
+        counts: dict[int, PrefillCounts] = {ev[1]: ev[2] for ev in parsed if ev[0] == "w"}
+        if not counts:
+            return parsed
+        out = []
+        for ev in parsed:
+            if ev[0] == "w":
+                continue
+            if ev[0] == "p" and ev[1] in counts:
+                ev = (*ev[:4], counts[ev[1]].work(self.attention_ratio), *ev[5:])
+            out.append(ev)
+        return out
+
     def _reject(self, what: str, exc: BaseException, *, exc_info: bool = False) -> None:
         self._reject_log.warning(
             "replica sync: %s (%s: %s); further rejections for %.0f s are only counted (llm_extproc_replica_sync_rejected_total)",
@@ -507,7 +546,8 @@ class ReplicaSync:
 
     def _parse_event(self, ev: object) -> tuple[Any, ...]:
         """One event of the wire format (module doc) checked and normalised: `("p", rid, address,
-        blocks, prompt_tokens, context_tokens, settle_after_s)`, `("f"|"r", rid)`, `("x", address,
+        blocks, prompt_tokens, context_tokens, settle_after_s)`, `("w", rid, PrefillCounts)`,
+        `("f"|"r", rid)`, `("x", address,
         hashes, session)` (hashes cut to `max_hashes`), `("h", rids or None)` or `("b",)`.
 
         Raises:
@@ -527,6 +567,8 @@ class ReplicaSync:
                 _count(context_tokens, "context_tokens"),
                 _settle_s(settle_after_s),
             )
+        if kind == "w" and n == 5:
+            return ("w", _rid(ev[1]), _prefill_counts(ev[2], ev[3], ev[4]))
         if kind in ("f", "r") and n == 2:
             return (kind, _rid(ev[1]))
         if kind == "x" and n == 4:
@@ -663,6 +705,21 @@ def _count(value: object, name: str, limit: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= limit):
         raise ValueError(f"{name} must be a number in 0..{limit}, got {_shown(value)}")
     return int(value)
+
+
+def _prefill_counts(prompt_tokens: object, uncached: object, lengths: object) -> PrefillCounts:
+    """A remote pick's prefill counts from the channel: token counts in 0..`MAX_COUNT`, the
+    uncached part at most the prompt, at most `MAX_PROMPT_LENGTHS` prompt lengths summing to at
+    most `MAX_COUNT` (so the work at any accepted ratio stays below `MAX_PREFILL_WORK`)."""
+    total, fresh = _count(prompt_tokens, "prompt_tokens"), _count(uncached, "uncached_tokens")
+    if fresh > total:
+        raise ValueError(f"uncached_tokens ({fresh}) is more than prompt_tokens ({total})")
+    if not isinstance(lengths, list) or len(lengths) > MAX_PROMPT_LENGTHS:
+        raise ValueError(f"prompt lengths are an array of at most {MAX_PROMPT_LENGTHS}")
+    each = tuple(_count(n, "a prompt length") for n in lengths)
+    if sum(each) > MAX_COUNT:
+        raise ValueError(f"prompt lengths sum to more than {MAX_COUNT}")
+    return PrefillCounts(total, fresh, each)
 
 
 def _settle_s(value: object) -> float:

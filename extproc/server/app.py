@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry
 from extproc.aio import listener_at
 from extproc.config.schema import Config, TLSConfig, is_loopback, parse_host_port
 from extproc.datastore.agent_client import AgentWatcher
-from extproc.datastore.endpoints import Datastore, Endpoint
+from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
 from extproc.datastore.health import HealthChecker
-from extproc.datastore.prefill_fit import PrefillPrior, prefill_work
+from extproc.datastore.prefill_fit import PrefillCounts, PrefillPrior
 from extproc.datastore.outliers import OutlierDetector
 from extproc.datastore.scraper import MetricsScraper
 from extproc.discovery.base import SourceContext
@@ -151,10 +151,7 @@ class ExtProcApp:
             pm.gpu_label,
         )
         self.prefix = PrefixTracker(config.scheduling.prefix, PrefixMetrics(self.metrics.registry), registry=self.metrics.registry)
-        # A warm-up is prefill work on its endpoint like any request: counted in flight there.
-        self.prefix.warmer.reserve = lambda ep, tokens: self.store.reserve(
-            ep, prompt_tokens=prefill_work(tokens, 0, self.config.scheduling.prefill_model.attention_ratio), context_tokens=tokens
-        )
+        self.prefix.warmer.reserve = lambda ep, tokens: self._reserve_warmup(ep, PrefillCounts(tokens, tokens))
         # Subscribed per endpoint by _endpoint_added / _endpoint_changed, configured or discovered.
         self.kv_events = PreciseSource(
             self.prefix,
@@ -165,7 +162,10 @@ class ExtProcApp:
         self.sync: ReplicaSync | None = None
         if config.replicas.sync == "redis":
             # Hooks on the datastore and tracker: every pick, first token and release is shared.
-            self.sync = ReplicaSync(config.replicas, config.ratelimit.redis, self.store, self.prefix, registry=self.metrics.registry)
+            self.sync = ReplicaSync(
+                config.replicas, config.ratelimit.redis, self.store, self.prefix,
+                registry=self.metrics.registry, attention_ratio=config.scheduling.prefill_model.attention_ratio,
+            )  # fmt: skip
         self._models = models
         self._decision_log: DecisionLog | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -201,6 +201,12 @@ class ExtProcApp:
         self.servicer: ExtProcServicer | None = None
         self.grpc_port = 0
         self.admin_port = 0
+
+    def _reserve_warmup(self, ep: Endpoint, counts: PrefillCounts) -> Reservation:
+        """A prefix warm-up is prefill work on its endpoint like any request: counted in flight
+        there, its counts kept for the other replicas."""
+        work = counts.work(self.config.scheduling.prefill_model.attention_ratio)
+        return self.store.reserve(ep, prompt_tokens=work, context_tokens=counts.prompt_tokens, prefill_counts=counts)
 
     def _endpoint_added(self, ep: Endpoint) -> None:
         """A new endpoint (configured or discovered): its gauges, statistics and loops."""

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from extproc.config.schema import EndpointConfig, PrefixConfig
 from extproc.datastore.endpoints import Datastore
+from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PrefillCounts
 from extproc.prefix.hashing import chain_block_hashes
 from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
@@ -34,11 +35,14 @@ def make_store() -> Datastore:
     return Datastore([EndpointConfig(address=a, models=[MODEL]) for a in ADDRS])
 
 
-def make_sync(clock=time.monotonic, url: str = "redis://127.0.0.1:1/0", **cfg) -> tuple[ReplicaSync, Datastore, PrefixTracker]:
+def make_sync(
+    clock=time.monotonic, url: str = "redis://127.0.0.1:1/0", ratio: float = PREFILL_ATTENTION_RATIO, **cfg
+) -> tuple[ReplicaSync, Datastore, PrefixTracker]:
     store = make_store()
     tracker = PrefixTracker(PrefixConfig(), clock=clock)
     config = ReplicasConfig(sync="redis", **cfg)
-    return ReplicaSync(config, RedisConfig(url=url, timeout_ms=200), store, tracker, clock=clock), store, tracker
+    sync = ReplicaSync(config, RedisConfig(url=url, timeout_ms=200), store, tracker, clock=clock, attention_ratio=ratio)
+    return sync, store, tracker
 
 
 def batch(origin: str, *events) -> bytes:
@@ -125,6 +129,65 @@ def test_prefix_blocks_and_sessions_of_a_remote_pick_are_learned():
     assert tracker.session_endpoint(b"s1") == ADDRS[1]
     sync.apply(batch("peer", ["x", "10.9.9.9:1", hashes, None]))  # not an endpoint here: ignored
     assert tracker.index.blocks("10.9.9.9:1") == 0
+
+
+def reserve_counted(sync: ReplicaSync, store: Datastore, address: str, counts: PrefillCounts):
+    """A local pick as the pipeline makes it: its work at `sync`'s ratio, its counts kept."""
+    work = counts.work(sync.attention_ratio)
+    return store.reserve(store.get(address), 1, prompt_tokens=work, context_tokens=counts.prompt_tokens, prefill_counts=counts)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [PrefillCounts(8000, 8000), PrefillCounts(8000, 1600), PrefillCounts(3000, 3000, (1000, 1000, 1000))],
+    ids=["cold", "cached-prefix", "batched"],
+)
+def test_a_remote_pick_is_counted_at_the_receivers_attention_ratio(counts):
+    """Mid-way through a rolling change of `attention_ratio`, a pick's work was counted in the
+    sender's units: tokens alone (ratio 0) beside work at 1e-4 in one endpoint's backlog."""
+    sender, sender_store, _ = make_sync(ratio=0.0)
+    receiver, receiver_store, _ = make_sync(ratio=1e-4)
+    reserve_counted(sender, sender_store, ADDRS[1], counts)
+    assert [e[0] for e in sender._queue] == ["p", "w"]
+    assert sender._queue[0][4] == counts.work(0.0)  # what an older receiver applies
+    assert receiver.apply(batch("peer", *sender._queue)) == 1
+    assert receiver_store.get(ADDRS[1]).prefill_tokens == counts.work(1e-4) > counts.work(0.0)
+    # ... and back: the pick of the replica at 1e-4 counts at 0 on the one at 0
+    reserve_counted(receiver, receiver_store, ADDRS[0], counts)
+    assert sender.apply(batch("other", *receiver._queue)) == 1
+    assert sender_store.get(ADDRS[0]).prefill_tokens == counts.work(0.0)
+
+
+def test_a_remote_pick_without_counts_keeps_the_senders_work():
+    """An older replica sends no "w": its work is applied as sent; and its receiver, which does
+    not know "w", rejects that event alone and still applies the pick."""
+    receiver, store, _ = make_sync(ratio=1e-4)
+    assert receiver.apply(batch("old", ["p", 1, ADDRS[0], 1, 8000, 8000, 2.0])) == 1
+    assert store.get(ADDRS[0]).prefill_tokens == 8000
+    # counts for another id change nothing
+    assert receiver.apply(batch("old", ["p", 2, ADDRS[1], 1, 500, 500, 2.0], ["w", 3, 8000, 8000, []])) == 1
+    assert store.get(ADDRS[1]).prefill_tokens == 500
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        ["w", 2, 100, 200, []],  # more uncached than the prompt
+        ["w", 2, float("inf"), 10, []],
+        ["w", 2, 1 << 25, 10, []],
+        ["w", 2, 100, -1, []],
+        ["w", 2, 100, 100, [float("nan")]],
+        ["w", 2, 100, 100, [1 << 24, 1 << 24]],  # lengths summing past MAX_COUNT
+        ["w", 2, 100, 100, None],
+        ["w", 2, 100, 100, [1] * ((1 << 16) + 1)],
+        ["w", 2, 100, 100],
+    ],
+)
+def test_malformed_prefill_counts_are_rejected_alone(counts):
+    receiver, store, _ = make_sync(ratio=1e-4)
+    assert receiver.apply(batch("peer", ["p", 2, ADDRS[1], 1, 100, 100, 2.0], counts)) == 1
+    assert rejected(receiver, "event") == 1
+    assert store.get(ADDRS[1]).prefill_tokens == 100  # the sender's work, as from an older replica
 
 
 def test_bad_input_is_ignored_not_raised(caplog):
@@ -303,6 +366,27 @@ async def test_picks_reach_the_other_replica_and_redis_loss_is_survived(redis_se
         await a.aclose()
         await b.aclose()
     assert store_a.open_reservations == 0 and store_b.open_reservations == 0
+
+
+async def test_replicas_at_different_attention_ratios_count_each_others_picks_in_their_own_units(redis_server):
+    a, store_a, _ = make_sync(url=redis_server.url, ratio=0.0)
+    b, store_b, _ = make_sync(url=redis_server.url, ratio=1e-4)
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.connected and b.connected)
+        counts = PrefillCounts(8000, 2000)  # 2,000 uncached after 6,000 cached
+        from_a = reserve_counted(a, store_a, ADDRS[0], counts)
+        from_b = reserve_counted(b, store_b, ADDRS[1], counts)
+        await until(lambda: store_b.get(ADDRS[0]).inflight == 1 and store_a.get(ADDRS[1]).inflight == 1)
+        assert store_b.get(ADDRS[0]).prefill_tokens == store_b.get(ADDRS[1]).prefill_tokens == counts.work(1e-4) == 4800
+        assert store_a.get(ADDRS[1]).prefill_tokens == store_a.get(ADDRS[0]).prefill_tokens == counts.work(0.0) == 2000
+        from_a.release()
+        from_b.release()
+        await until(lambda: store_b.get(ADDRS[0]).inflight == 0 and store_a.get(ADDRS[1]).inflight == 0)
+    finally:
+        await a.aclose()
+        await b.aclose()
 
 
 async def test_a_malformed_message_on_the_channel_does_not_end_the_subscription(redis_server):
