@@ -26,18 +26,20 @@ def gateway_base(url: str) -> str:
     before those (a gateway mounted under `/gw`) is kept.
 
     Raises:
-        ValueError: not an http(s) URL with a host, an invalid [IPv6] host or port, a query string or a
-            fragment, or another OpenAI path (`/v1/models`, `/v1/v1`, `/chat/completions`):
-            the message names `--url`.
+        ValueError: not an http(s) URL with a host, an invalid [IPv6] host, a port outside
+            1-65535, a query string or a fragment, or another OpenAI path (`/v1/models`,
+            `/v1/v1`, `/chat/completions`): the message names `--url`.
     """
     try:
         parts = urllib.parse.urlsplit(url.strip())  # a bad [IPv6] host raises here
     except ValueError as exc:
         raise ValueError(f"--url has an invalid host ({exc}): {url!r}") from None
     try:
-        parts.port  # noqa: B018 - urllib checks the port only when it is read
+        port = parts.port  # urllib checks the port only when it is read (0..65535)
     except ValueError:
         raise ValueError(f"--url has an invalid port: {url!r}") from None
+    if port == 0:  # urllib takes it; no server listens on it and every request failed to connect
+        raise ValueError(f"--url has an invalid port (1-65535, or none for the scheme's): {url!r}")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--url must be an http:// or https:// URL with a host (http://127.0.0.1:8080), got {url!r}")
     if parts.query or parts.fragment:

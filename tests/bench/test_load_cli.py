@@ -70,6 +70,8 @@ def test_the_gateway_base_drops_the_openai_path_in_any_case(url: str):
         ("http://gw:8080/chat/completions", "is not a gateway base path"),
         ("localhost:8080", "http:// or https:// URL with a host"),
         ("http://gw:80x/", "invalid port"),
+        ("http://gw:0", "invalid port \\(1-65535"),  # taken: every request then failed to connect
+        ("http://gw:65536/", "invalid port"),
         ("http://[::1:8080/", "invalid host"),  # urllib's own 'Invalid IPv6 URL', naming no option
         ("http://[gw]:8080/", "invalid host"),
     ],
