@@ -558,6 +558,14 @@ def test_ttft_estimate_refuses_an_infinite_weight_or_figure(param):
     assert build("ttft-estimate-scorer", {param: 0.5}).params.model_dump()[param] == 0.5
 
 
+@pytest.mark.parametrize("param", ["alpha", "beta", "gamma"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_compute_aware_weights_must_be_finite(param, value):
+    """An infinite weight was taken and every score was inf / inf = NaN."""
+    with pytest.raises(PluginConfigError, match=param):
+        build("compute-aware-scorer", {param: value})
+
+
 def test_one_gpu_label_setting_names_the_gpu_for_every_table():
     """`scheduling.prefill_model.gpu_label` picks the label for the fit's prior and for the
     scorer's decode model alike: two settings could name two labels and disagree about a GPU."""

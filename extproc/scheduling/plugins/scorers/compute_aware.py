@@ -11,7 +11,7 @@
   dropped and α, β renormalised, so the score stays in [0, 1].
 
 Parameters:
-    alpha, beta, gamma (float ≥ 0, defaults 0.4 / 0.4 / 0.2; at least one > 0).
+    alpha, beta, gamma (finite float ≥ 0, defaults 0.4 / 0.4 / 0.2; at least one > 0).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def components(endpoints: Sequence[Endpoint]) -> list[dict[str, float | None]]:
 @register("compute-aware-scorer")
 class ComputeAwareScorer(Plugin):
     class Params(Params):
-        alpha: float = Field(default=0.4, ge=0)
-        beta: float = Field(default=0.4, ge=0)
-        gamma: float = Field(default=0.2, ge=0)
+        # finite: an inf weight made every score inf / inf = NaN
+        alpha: float = Field(default=0.4, ge=0, allow_inf_nan=False)
+        beta: float = Field(default=0.4, ge=0, allow_inf_nan=False)
+        gamma: float = Field(default=0.2, ge=0, allow_inf_nan=False)
 
         @model_validator(mode="after")
         def _some_weight(self):
