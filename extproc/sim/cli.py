@@ -23,12 +23,16 @@ def sim(
     model: str | None = typer.Option(None, help="served model name (default: the profile's model)"),
     speed: float = typer.Option(1.0, help="simulated seconds per wall second (10 = 10× faster)"),
     stream_interval: int = typer.Option(1, help="output tokens per streamed chunk (vLLM --stream-interval)"),
-    num_gpu_blocks: int | None = typer.Option(None, min=1, help="KV pool size in blocks (default: from GPU memory)"),
+    num_gpu_blocks: int | None = typer.Option(
+        None, min=1, help="KV pool size in blocks (default: from GPU memory and --gpu-memory-utilization; not with it)"
+    ),
     max_num_seqs: int | None = typer.Option(None, min=1, help="most running requests (default: vLLM's per-GPU default)"),
     max_num_batched_tokens: int | None = typer.Option(None, min=1, help="token budget per step (default: per GPU)"),
     block_size: int | None = typer.Option(None, min=1, help="KV block size in tokens (default 16)"),
     max_model_len: int | None = typer.Option(None, min=1, help="context limit in tokens (default: the model's)"),
-    gpu_memory_utilization: float | None = typer.Option(None, help="fraction of HBM vLLM may use (default 0.9)"),
+    gpu_memory_utilization: float | None = typer.Option(
+        None, help="fraction of HBM vLLM may use, which sizes the KV pool (default 0.9; not with --num-gpu-blocks)"
+    ),
     max_waiting: int | None = typer.Option(None, min=0, help="reject new requests while this many wait"),
     queue_full_status: int = typer.Option(429, help="status for those rejections: 429 or 503"),
     legacy_metrics: bool = typer.Option(False, help="emit vllm:gpu_cache_usage_perc / time_per_output_token"),
@@ -84,7 +88,8 @@ def sim(
         )
     except SimOptionError as exc:
         option = _OPTION_OF.get(exc.option, exc.option.replace("_", "-"))
-        raise fail(f"--{option} {exc.problem}".replace("needs kv_events_endpoint", "needs --kv-events-endpoint or --kv-events-port")) from None
+        problem = exc.problem.replace("needs kv_events_endpoint", "needs --kv-events-endpoint or --kv-events-port")
+        raise fail(f"--{option} {problem.replace('which num_gpu_blocks', 'which --num-gpu-blocks')}") from None
 
     async def main() -> None:
         stop = stop_on_signals()

@@ -163,6 +163,10 @@ def _check_options(
         raise SimOptionError("num_gpu_blocks", f"must be ≤ {MAX_GPU_BLOCKS}, got {num_gpu_blocks}")
     if gpu_memory_utilization is not None and not (0 < gpu_memory_utilization <= 1):  # also refuses NaN
         raise SimOptionError("gpu_memory_utilization", f"must be a fraction in (0, 1], got {gpu_memory_utilization}")
+    if gpu_memory_utilization is not None and num_gpu_blocks is not None:  # the fraction was silently ignored
+        raise SimOptionError(
+            "gpu_memory_utilization", f"sizes the KV pool, which num_gpu_blocks ({num_gpu_blocks}) already sets: give one, not both"
+        )
     if queue_full_status not in (429, 503):
         raise SimOptionError("queue_full_status", f"must be 429 or 503, got {queue_full_status}")
     if load_shape not in LOAD_SHAPES:

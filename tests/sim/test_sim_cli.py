@@ -110,6 +110,18 @@ def test_a_bad_sim_option_is_one_line_naming_the_option(option: str, value: str,
     assert len(lines) == 1 and lines[0].startswith(f"error: {option} ") and message in lines[0], result.output
 
 
+def test_num_gpu_blocks_and_gpu_memory_utilization_are_not_given_together() -> None:
+    """With --num-gpu-blocks the fraction sized nothing and was silently ignored."""
+    from extproc.sim.server import SimOptionError, SimServer
+
+    result = CliRunner().invoke(app, ["sim", "--gpu-memory-utilization", "0.5", "--num-gpu-blocks", "1000"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == "error: --gpu-memory-utilization sizes the KV pool, which --num-gpu-blocks (1000) already sets: give one, not both"
+    with pytest.raises(SimOptionError, match="which num_gpu_blocks"):
+        SimServer(num_gpu_blocks=1000, gpu_memory_utilization=0.5)
+    assert SimServer(num_gpu_blocks=1000).config.num_gpu_blocks == 1000
+
+
 def test_the_sim_server_and_fault_updates_refuse_the_same_values_without_the_cli() -> None:
     from extproc.sim.faults import parse_fault_update
     from extproc.sim.server import SimOptionError, SimServer
