@@ -453,8 +453,10 @@ class Datastore:
             elif ep.models == models and ep.labels == cfg.labels and not relinked:
                 return ep
             gpu = cfg.labels.get(self._gpu_label, "")
-            if ep.gpu != gpu:
+            if ep.gpu.casefold() != gpu.casefold():
                 # Another GPU (or a mislabelled one fixed): what was learned was of the old one.
+                # Case alone names the same GPU (the tables match any case): "H100" → "h100"
+                # threw away what was learned.
                 ep.prefill_fit = PrefillFit(self._prior_for(cfg.labels))
             self._unindex(ep)
             ep.models, ep.labels, ep.gpu = models, dict(cfg.labels), gpu

@@ -234,6 +234,18 @@ def test_a_changed_gpu_label_restarts_the_prefill_fit_at_that_gpus_speed():
     assert ep.prefill_fit.samples == 1
 
 
+def test_a_gpu_label_changed_only_in_case_keeps_the_prefill_fit():
+    """The per-GPU tables match labels in any case, so "H100" → "h100" on a reload names the
+    same GPU: the fit it had learned was thrown away."""
+    store = Datastore([EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "H100"})], prefill_s_per_token_by_gpu=PREFILL_S_PER_TOKEN_BY_GPU)
+    (ep,) = store.all()
+    ep.prefill_fit.add(1000, 0.2, 1.0)
+    store.add_endpoint(EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "h100"}))
+    assert ep.prefill_fit.samples == 1 and ep.gpu == "h100"
+    store.add_endpoint(EndpointConfig(address="10.0.0.1:8000", models=["m"], labels={"gpu": "a100"}))
+    assert ep.prefill_fit.samples == 0 and ep.prefill_fit.s_per_token == 6.73e-5  # another GPU: learned again
+
+
 def test_an_ipv6_endpoint_is_found_in_any_spelling_of_its_address():
     store = Datastore([EndpointConfig(address="[2001:db8::1]:8000", models=["m"])])
     (ep,) = store.all()
