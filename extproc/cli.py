@@ -1,4 +1,4 @@
-"""The `llm-extproc` command: serve | envoy-config | agent | sim | demo | up | bench | load | analyze.
+"""The `llm-extproc` command: serve | check-config | envoy-config | agent | sim | demo | up | bench | load | analyze.
 
 Each subcommand's options live beside its implementation; heavy imports happen inside the
 command bodies so `llm-extproc --help` stays fast.
@@ -12,7 +12,7 @@ from extproc.agent.cli import agent
 from extproc.bench.cli import analyze, bench, demo, up
 from extproc.bench.load_cli import load
 from extproc.clitools import FileMetavarCommand
-from extproc.server.cli import envoy_config, serve
+from extproc.server.cli import check_config, envoy_config, serve
 from extproc.sim.cli import sim
 
 __all__ = ["app", "main"]
@@ -46,6 +46,7 @@ def _root(
 
 for _name, _command in [
     ("serve", serve),
+    ("check-config", check_config),
     ("envoy-config", envoy_config),
     ("sim", sim),
     ("agent", agent),

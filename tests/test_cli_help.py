@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from extproc.cli import app
 
-COMMANDS = ["", "serve", "envoy-config", "sim", "agent", "demo", "up", "bench", "load", "analyze"]
+COMMANDS = ["", "serve", "check-config", "envoy-config", "sim", "agent", "demo", "up", "bench", "load", "analyze"]
 
 
 def test_version():

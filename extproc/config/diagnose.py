@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from extproc.config.secrets import HIDDEN, hides_value
 from extproc.config_base import ConfigProblem, is_key_mark, key_in, key_text, path_text
 
 __all__ = ["describe_error", "describe_errors", "did_you_mean", "known_keys_at", "late_problems", "undefined_profile", "unknown_model", "unknown_plugin_type"]
@@ -91,7 +92,8 @@ def describe_error(err: Mapping[str, Any], root: type[BaseModel], data: Any, mis
     `(path, text)`: the path by `path_text` ("" for a check of the whole input whose text
     names the keys itself), an unknown key with the nearest known one (`did_you_mean`), a
     required key with its `missing_hints` entry (by path), a section's `ConfigProblem` at its
-    own path below the section, and the offending value when the message does not show it."""
+    own path below the section, and the offending value when the message does not show it
+    (`HIDDEN` below a `SECRET_KEYS` key)."""
     # a mapping's key itself is wrong: name the mapping and the key
     if err["loc"] and is_key_mark(err["loc"][-1], _at(data, err["loc"][:-1])):
         key = err["loc"][-2]
@@ -105,6 +107,8 @@ def describe_error(err: Mapping[str, Any], root: type[BaseModel], data: Any, mis
         return _join(loc, cause.where), cause.message
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (dict, list)) else None
+    if shown is not None and hides_value(err["loc"]):  # an API key pasted where its digest goes
+        shown = HIDDEN
     if shown is not None and len(shown) > 80:
         shown = shown[:77] + "..."
     msg = err["msg"].removeprefix("Value error, ")

@@ -16,6 +16,7 @@ import yaml
 
 from extproc.config.diagnose import describe_error, late_problems
 from extproc.config.schema import Config
+from extproc.config.secrets import mask_urls
 from extproc.models import DEFAULT_MODEL
 
 __all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "worker_index", "ENV_OVERRIDES", "WORKER_ENV"]
@@ -67,8 +68,9 @@ elided. A megabyte key or name was echoed whole, in every message naming it."""
 def _one_line(problem: str) -> str:
     """A problem as one indented line of at most `MAX_PROBLEM_CHARS`: a line break in a name
     the message lists unquoted (a profile named "a\\nb" among the defined ones) is written as
-    `\\n`, not broken, and a huge name's middle is left out (the count said)."""
-    text = problem.replace("\r", "\\r").replace("\n", "\\n")
+    `\\n`, not broken, and a huge name's middle is left out (the count said); a URL's
+    credentials are masked (`mask_urls`: a Redis URL given where a mapping goes was echoed)."""
+    text = mask_urls(problem).replace("\r", "\\r").replace("\n", "\\n")
     if len(text) > MAX_PROBLEM_CHARS:
         head, tail = MAX_PROBLEM_CHARS * 2 // 3, MAX_PROBLEM_CHARS // 4
         text = f"{text[:head]} … ({len(text) - head - tail} characters left out) … {text[-tail:]}"

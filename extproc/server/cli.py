@@ -1,13 +1,19 @@
-"""`llm-extproc serve`: run the ext_proc server until SIGTERM/SIGINT; `llm-extproc envoy-config`:
-the Envoy bootstrap for the same configuration."""
+"""`llm-extproc serve`: run the ext_proc server until SIGTERM/SIGINT; `llm-extproc check-config`:
+check its configuration without starting it; `llm-extproc envoy-config`: the Envoy bootstrap for
+the same configuration."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import typer
 
 from extproc.clitools import FILE
 
-__all__ = ["envoy_config", "serve"]
+if TYPE_CHECKING:
+    from extproc.config import Config
+
+__all__ = ["check_config", "envoy_config", "serve"]
 
 
 def serve(
@@ -27,28 +33,13 @@ def serve(
     import sys
 
     from extproc.clitools import fail, setup_logging, skip_final_collection, stop_on_signals
-    from extproc.config import ConfigError, default_config, load_config
     from extproc.config.loader import worker_index
     from extproc.pipeline.tokens import TokenizerLoadError
     from extproc.replicas.workers import run_workers
     from extproc.server.app import ExtProcApp
 
     setup_logging(log_level)
-    try:
-        if config:
-            if endpoint:
-                raise ConfigError("--endpoint only applies without --config (list endpoints in the file)")
-            cfg = load_config(config)
-        else:
-            cfg = default_config(endpoint or None)
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
-    from extproc.server.overrides_api import load_admin_token
-
-    try:
-        load_admin_token()  # an unreadable token file stops the start with its variable named
-    except ValueError as exc:
-        raise fail(str(exc)) from None
+    cfg = _loaded(config, endpoint)
     if workers > 1:
         argv = [sys.executable, "-m", "extproc", "serve", "--log-level", log_level]
         argv += ["--config", config] if config else [a for e in endpoint for a in ("--endpoint", e)]
@@ -83,6 +74,50 @@ def serve(
 
     asyncio.run(run())
     skip_final_collection()
+
+
+def _loaded(config: str, endpoint: list[str]) -> Config:
+    """The configuration as `serve` starts with it: `config` (a YAML file) or the embedded
+    default with `endpoint`s, and the admin token's environment (an unreadable token file stops
+    the start with its variable named, never its content).
+
+    Raises:
+        typer.Exit: (2) after printing every problem found, each as `error: ...` on stderr.
+    """
+    from extproc.config import ConfigError, default_config, load_config
+    from extproc.server.overrides_api import load_admin_token
+
+    cfg, problems = None, []
+    try:
+        if config:
+            if endpoint:
+                raise ConfigError("--endpoint only applies without --config (list endpoints in the file)")
+            cfg = load_config(config)
+        else:
+            cfg = default_config(endpoint or None)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        load_admin_token()
+    except ValueError as exc:
+        problems.append(str(exc))
+    if cfg is None or problems:
+        for problem in problems:
+            typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
+    return cfg
+
+
+def check_config(
+    config: str = typer.Option(..., "--config", "-c", metavar=FILE, help="the YAML configuration `serve --config` would load"),
+) -> None:
+    """Check a configuration without starting anything: loaded as `serve` loads it (the same
+    checks, the admin token's environment included), every problem printed and exit 2, or one
+    line saying what it configures and exit 0. Credentials are never printed."""
+    from extproc.config.summary import config_summary
+
+    cfg = _loaded(config, [])
+    typer.echo(f"OK: {config}: {config_summary(cfg)}")
 
 
 def envoy_config(

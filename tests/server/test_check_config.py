@@ -1,0 +1,61 @@
+"""`llm-extproc check-config`: a configuration checked as `serve` loads it, nothing started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from extproc.cli import app
+
+VALID = """\
+models:
+  - name: Qwen/Qwen3-8B
+endpoints:
+  - {address: "10.0.0.1:8000", models: [Qwen/Qwen3-8B]}
+  - {address: "10.0.0.2:8000", models: [Qwen/Qwen3-8B]}
+scheduling: {profile: least-inflight}
+"""
+
+
+def _check(tmp_path: Path, text: str, env: dict[str, str] | None = None):
+    path = tmp_path / "config.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path, CliRunner().invoke(app, ["check-config", "--config", str(path)], env=env or {})
+
+
+def test_a_valid_config_is_one_ok_line(tmp_path: Path) -> None:
+    path, result = _check(tmp_path, VALID)
+    assert result.exit_code == 0, result.output
+    assert result.output == (
+        f"OK: {path}: 1 model (Qwen/Qwen3-8B); endpoints from static (2 endpoints); profile least-inflight (of 5); "
+        "listens on 127.0.0.1:9002 (ext_proc), 127.0.0.1:9090 (admin)\n"
+    )
+
+
+def test_every_problem_is_printed_and_the_exit_is_2(tmp_path: Path) -> None:
+    """Both config problems, and the admin token file `serve` would also refuse."""
+    bad = VALID.replace("profile: least-inflight", "profile: least-inflight, prefill_model: {attention_ratio: 0.2}")
+    bad = bad.replace("10.0.0.2:8000", "vllm.local:8000")
+    _, result = _check(tmp_path, bad, env={"LLM_EXTPROC_ADMIN_TOKEN_FILE": str(tmp_path / "absent")})
+    assert result.exit_code == 2
+    assert "endpoints[1].address" in result.output and "scheduling.prefill_model.attention_ratio: 0.2 is above" in result.output
+    assert "LLM_EXTPROC_ADMIN_TOKEN_FILE: cannot read" in result.output
+    assert not result.output.startswith("OK")
+
+
+@pytest.mark.parametrize(
+    "ratelimit",
+    [
+        '{enabled: true, backend: redis, redis: {url: "redis://app:hunter2@10.0.0.9:6379/0"}}',  # valid: the summary names it
+        '{enabled: true, backend: redis, redis_url: "redis://app:hunter2@10.0.0.9:6379/0"}',  # an unknown key echoes its value
+        '{enabled: true, backend: redis, redis: "redis://:hunter2@10.0.0.9:6379/0"}',  # a URL where a mapping goes
+        '{tenants: {a: {api_key_sha256: "sk-hunter2"}}}',  # the key itself where its digests go
+    ],
+    ids=["summary", "unknown-key", "not-a-mapping", "api-key"],
+)
+def test_credentials_are_never_printed(tmp_path: Path, ratelimit: str) -> None:
+    _, result = _check(tmp_path, VALID + f"ratelimit: {ratelimit}\n")
+    assert "hunter2" not in result.output, result.output
+    assert ("10.0.0.9:6379" in result.output) == ("10.0.0.9" in ratelimit)  # where it points is still said
