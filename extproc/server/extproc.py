@@ -444,7 +444,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         observer, record, routed, admission, reservation = s.observer, s.record, s.routed, s.admission, s.reservation
         if observer is not None:
             try:
-                observer.on_end("complete")
+                result = observer.on_end("complete")
+                if result.outcome == "complete" and result.output_tokens is not None and routed is not None:
+                    # Only completed responses: a cut stream would bias the estimate low.
+                    self._pipeline.note_output(routed.request.served_model, result.output_tokens, routed.request.n)
             except Exception:
                 log.exception("stream observer failed at end of stream")
         if record is not None and routed is not None and self._log is not None:
