@@ -4,6 +4,7 @@ caps max_tokens in the decode cost while the KV reservation keeps max_tokens
 
 from __future__ import annotations
 
+import aiohttp
 import grpc
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -89,6 +90,9 @@ async def _teach(app, stub) -> None:
     assert est.cap(MODEL) == 213  # p95 of 190..214: the 24th of 25
     gauge = app.metrics.registry.get_sample_value("llm_extproc_output_tokens_estimate", {"model": MODEL})
     assert gauge == 213
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{app.admin_port}/api/v1/endpoints") as resp:
+        shown = (await resp.json())["output_estimates"][MODEL]
+    assert (shown["estimate_tokens"], shown["samples"], shown["quantile"]) == (213, 25, 0.95)
 
 
 async def test_a_huge_max_tokens_is_priced_on_the_learned_length_but_reserved_in_full(make_app):
