@@ -190,6 +190,14 @@ class Metrics:
             registry=registry,
         )
 
+        self.output_tokens_estimate = Gauge(
+            "llm_extproc_output_tokens_estimate",
+            "Per model, the learned output length (tokens per sequence: a high quantile of recent completed "
+            "responses, models[].output_estimate) that caps max_tokens in the scheduler's decode cost; absent "
+            "until min_samples completions were observed.",
+            ["model"],
+            registry=registry,
+        )
         self.truncations = Counter(
             "llm_extproc_truncation_requests_total",
             "Requests whose over-long prompt was cut by head + tail truncation, per model.",

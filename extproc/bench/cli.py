@@ -293,6 +293,11 @@ def bench(
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput SLO: TTFT limit (ms)"),
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="goodput SLO: mean inter-token latency limit (ms)"),
     request_timeout: float = typer.Option(120.0, "--request-timeout", help="per-request limit (simulated seconds)"),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", min=1, help="send this max_tokens on every request (at least its output length), "
+        "min_tokens its output length and no ignore_eos, as clients with a huge budget do; default: max_tokens = "
+        "the output length",
+    ),
     extproc_config: Path | None = typer.Option(
         None, "--extproc-config", help="YAML merged into llm-extproc's config for the llm-extproc policies "
         "(e.g. scheduling.profiles.load-aware with other scorer weights)",
@@ -343,7 +348,7 @@ def bench(
         console.print(f"--speed auto: {speed_value:g}")
     options = BenchOptions(
         policies=chosen, workload=workload, rate_scales=scales, duration_s=duration, stack=settings,
-        replay=ReplayOptions(speed=speed_value, request_timeout_s=request_timeout),
+        replay=ReplayOptions(speed=speed_value, request_timeout_s=request_timeout, max_tokens=max_tokens),
         outputs=Outputs(json_path=json_path, plot_path=plot, requests_path=requests_out),
         slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
     )  # fmt: skip

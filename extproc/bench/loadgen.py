@@ -76,6 +76,11 @@ class LoadGenConfig:
             that session (in arrival order) ended, and not before its own arrival time.
         think_time_s: with `closed_loop_sessions`, the wait after the previous turn ended
             (trace seconds; wall = this / speed).
+        max_tokens: when set, every request asks for this `max_tokens` (tokens; at least its
+            output length) with `min_tokens` its output length and no `ignore_eos`, as clients
+            that send a huge `max_tokens` do: an engine (the simulator: its log-normal draw,
+            median 150 tokens) then stops at the output length or later, at its own end of
+            sequence. None: `max_tokens = min_tokens = output length` with `ignore_eos`.
     """
 
     base_url: str
@@ -93,6 +98,7 @@ class LoadGenConfig:
     continuous_usage_stats: bool = False
     closed_loop_sessions: bool = False
     think_time_s: float = 0.0
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -107,6 +113,8 @@ class LoadGenConfig:
             raise ValueError(f"duration_s must be >= 0, got {self.duration_s}")
         if not (self.think_time_s >= 0 and math.isfinite(self.think_time_s)):
             raise ValueError(f"think_time_s must be a finite number >= 0, got {self.think_time_s}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 @dataclass(slots=True)
@@ -300,17 +308,19 @@ class LoadGenerator:
         stream_options: dict[str, bool] = {"include_usage": True}
         if self.config.continuous_usage_stats:
             stream_options["continuous_usage_stats"] = True
-        return orjson.dumps(
-            {
-                "model": self.config.model,
-                "messages": messages,
-                "stream": True,
-                "stream_options": stream_options,
-                "max_tokens": request.output_tokens,
-                "min_tokens": request.output_tokens,
-                "ignore_eos": True,
-            }
-        )
+        body: dict[str, object] = {
+            "model": self.config.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": stream_options,
+            "max_tokens": request.output_tokens,
+            "min_tokens": request.output_tokens,
+            "ignore_eos": True,
+        }
+        if self.config.max_tokens is not None:  # a client's huge budget: the engine stops by itself
+            body["max_tokens"] = max(self.config.max_tokens, request.output_tokens)
+            del body["ignore_eos"]
+        return orjson.dumps(body)
 
     async def run(self, requests: Iterable[TraceRequest], *, handle_signals: bool = False) -> RunRecord:
         """Replay `requests`; returns when all sent requests ended (or were cancelled by `stop()`).
@@ -422,7 +432,7 @@ class LoadGenerator:
             scheduled_s=request.arrival_s,
             lag_s=now - target,
             input_tokens=request.input_tokens,
-            max_tokens=request.output_tokens,
+            max_tokens=request.output_tokens if self.config.max_tokens is None else max(self.config.max_tokens, request.output_tokens),
             session=request.session,
             sent_wall_s=now - t0,
             time_scale=self.config.speed,

@@ -231,6 +231,8 @@ class ReplayOptions:
             (`LoadGenConfig.closed_loop_sessions`), plus `think_time_s` (simulated seconds).
         route_debug: keep each answer's `x-llm-route-debug` header (llm-extproc with
             `scheduling.explain_header` on) in the per-request lines.
+        max_tokens: send this `max_tokens` on every request (`LoadGenConfig.max_tokens`;
+            tokens), None: each request's output length.
     """
 
     speed: float = 1.0
@@ -241,6 +243,7 @@ class ReplayOptions:
     closed_loop_sessions: bool = False
     think_time_s: float = 0.0
     route_debug: bool = False
+    max_tokens: int | None = None
 
 
 class Interrupts:
@@ -350,6 +353,7 @@ async def replay(
         closed_loop_sessions=options.closed_loop_sessions,
         think_time_s=options.think_time_s,
         debug_header=ROUTE_DEBUG_HEADER if options.route_debug else None,
+        max_tokens=options.max_tokens,
     )
     label = label or stack.policy.name
     bar = _progress_bar(console, label) if options.progress else None

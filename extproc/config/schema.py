@@ -56,6 +56,7 @@ __all__ = [
     "WarmupConfig",
     "PrefillModelConfig",
     "TruncationConfig",
+    "OutputEstimateConfig",
     "AdmissionConfig",
     "DecisionLogConfig",
     "DiscoveryConfig",
@@ -259,6 +260,40 @@ class TruncationConfig(Strict):
         return yaml_off(v)
 
 
+class OutputEstimateConfig(Strict):
+    """How many output tokens a model's requests really produce, learned from completed
+    responses (`extproc.pipeline.output_estimate`): the scheduler's decode terms
+    (`ttft-estimate-scorer`) and an endpoint's in-flight decode context use
+    `min(max_tokens, estimate)` as a request's output length; the KV reservation keeps
+    `max_tokens`. Clients that send `max_tokens: 32768` for 300-token answers otherwise make the
+    decode terms dominate the cost (docs/decisions/0275).
+
+    Attributes:
+        enabled: learn and cap (false: `max_tokens` as the decode length, as before).
+        quantile: which quantile of recent output lengths is the estimate, in (0, 1] (1: the
+            window's longest). High, so that requests whose `max_tokens` is their real length
+            are rarely capped.
+        window: how many recent completed responses the quantile is taken over (count, ≥ 1).
+        min_samples: completions needed before any cap (count, 1..window); before then the
+            decode length is `max_tokens`. Only observed responses count
+            (`telemetry.sample_rate` of them).
+    """
+
+    enabled: bool = True
+    quantile: float = Field(default=0.95, gt=0, le=1, allow_inf_nan=False)
+    window: int = Field(default=1000, ge=1)
+    min_samples: int = Field(default=20, ge=1)
+
+    @model_validator(mode="after")
+    def _samples_fit(self) -> OutputEstimateConfig:
+        if self.min_samples > self.window:
+            raise ValueError(
+                f"output_estimate.min_samples ({self.min_samples}) must be at most window ({self.window}): "
+                "the window never holds more lengths than that"
+            )
+        return self
+
+
 class ModelConfig(Strict):
     """One served model.
 
@@ -273,6 +308,8 @@ class ModelConfig(Strict):
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
+        output_estimate: the learned output length that caps `max_tokens` in the decode terms
+            of scheduling (`OutputEstimateConfig`; the KV reservation keeps `max_tokens`).
         truncation: head + tail truncation of over-long prompts (off by default); a mode alone
             (`truncation: head-tail`) keeps the other settings' defaults.
         token_encoder: `auto` (tiktoken built from the tokenizer when it is a byte-level BPE
@@ -287,6 +324,7 @@ class ModelConfig(Strict):
     max_model_len: int = Field(default=40960, ge=16)
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
+    output_estimate: OutputEstimateConfig = Field(default_factory=OutputEstimateConfig)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
     token_encoder: Literal["auto", "tokenizers"] = "auto"
 

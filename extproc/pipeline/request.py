@@ -36,6 +36,7 @@ from extproc.errors import (
 )
 from extproc.metrics import Metrics
 from extproc.pipeline.offload import OffloadGate
+from extproc.pipeline.output_estimate import OutputEstimates
 from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
@@ -147,6 +148,9 @@ class Routed:
         result: the scheduling cycle (scores, for explanations), or None in tier mode.
         timings_s: seconds per phase (parse, tokenize, truncate when it ran, schedule, total).
         expected_output_tokens: max_tokens, or the model's expectation without it (tokens).
+        decode_output_tokens: the output length decode estimates use (tokens): max_tokens
+            capped by the model's learned output length (`OutputEstimates.decode_tokens`); 0:
+            `expected_output_tokens`.
         prefix: the prefix index's view of the request (None without one).
         session: the request's session key (None without one).
         predicted_ttft_s: predicted seconds to first token per endpoint address (when the
@@ -164,6 +168,7 @@ class Routed:
     result: ProfileResult | None
     timings_s: dict[str, float]
     expected_output_tokens: int = 0
+    decode_output_tokens: int = 0
     prefix: PrefixMatch | None = None
     session: bytes | None = None
     predicted_ttft_s: dict[str, float] | None = None
@@ -316,6 +321,8 @@ class RequestPipeline:
             for name in (m.name, *m.aliases):
                 self._aliases[name] = m.name
         self._metrics = metrics
+        self.output_estimates = OutputEstimates((m.name, m.output_estimate) for m in config.models)
+        """Per model, the learned output length that caps max_tokens in decode estimates."""
         self._executor = ThreadPoolExecutor(max_workers=tokenize_threads, thread_name_prefix="tokenize") if tokenize_threads else None
         self._rng = rng or random.Random()
         self._max_body = config.limits.max_body_bytes
@@ -356,6 +363,15 @@ class RequestPipeline:
     def served_models(self) -> list[str]:
         """Every name a client may use (canonical names and aliases), sorted."""
         return sorted(self._aliases)
+
+    def note_output(self, model: str, tokens: int, n: int = 1) -> None:
+        """A completed response of `model` (canonical name) produced `tokens` output tokens over
+        `n` sequences: feed the model's output-length estimate (`output_estimates`) and its
+        gauge. Call only for completed responses: an aborted or failed one stopped early and
+        would bias the estimate low. An unknown model is ignored."""
+        estimate = self.output_estimates.observe(model, tokens, n)
+        if estimate is not None:
+            self._metrics.child(self._metrics.output_tokens_estimate, model).set(estimate)
 
     def encoders(self) -> dict[str, dict[str, str]]:
         """Per served model (canonical name): the token encoder in use ("tiktoken" or
@@ -543,6 +559,7 @@ class RequestPipeline:
             timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
             return self._routed(Routed(req, None, tier, 0, None, timings, attention_ratio=self.attention_ratio), cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
+        decode = self.output_estimates.decode_tokens(model.name, parsed.max_tokens, expected)
         # Taken again after counting: endpoints may have left meanwhile.
         pool = self._store.for_model(model.name) if subset is None else self._in_subset(model.name, subset)
         healthy = [ep for ep in pool if ep.healthy]
@@ -558,6 +575,7 @@ class RequestPipeline:
             stale_after_s=cfg.scheduling.metrics.stale_after_s,
             panic_threshold=cfg.scheduling.health_check.panic_threshold,
             attention_ratio=self.attention_ratio,
+            decode_output_tokens=decode,
         )
         session = None
         if self.prefix is not None:
@@ -583,6 +601,7 @@ class RequestPipeline:
             result,
             timings,
             expected_output_tokens=expected,
+            decode_output_tokens=decode,
             prefix=ctx.prefix,
             session=session,
             predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
@@ -698,7 +717,9 @@ class RequestPipeline:
             prompt_tokens=routed.prefill_tokens,
             prefill_counts=routed.prefill_counts,
             settle_after_s=self._config.admission.kv.settle_after_s,
-            context_tokens=routed.request.prompt_tokens + routed.expected_output_tokens * routed.request.n // 2,
+            # In-flight decode context: half the expected output, capped like the decode terms
+            # (the KV reservation above keeps max_tokens).
+            context_tokens=routed.request.prompt_tokens + (routed.decode_output_tokens or routed.expected_output_tokens) * routed.request.n // 2,
         )
 
     def _priority(self, value: str | None, trusted: str | None) -> str:

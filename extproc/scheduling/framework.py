@@ -45,7 +45,12 @@ class SchedulingContext:
 
     Attributes:
         request: the parsed request (prompt tokens, max_tokens, n, ...).
-        expected_output_tokens: max_tokens when given, else the model's estimate (tokens).
+        expected_output_tokens: max_tokens when given, else the model's estimate (tokens): what
+            the KV cache is reserved for (`kv-fit-filter`).
+        decode_output_tokens: the output length the decode-cost terms use (tokens):
+            `min(max_tokens, the model's learned output-length quantile)`
+            (`extproc.pipeline.output_estimate`); None: `expected_output_tokens`. Read it
+            through `decode_tokens`.
         default_block_size: block size when an endpoint does not export its own (tokens).
         now: `time.monotonic()` at the start of the cycle (seconds).
         rng: randomness for tie-breaks.
@@ -73,7 +78,14 @@ class SchedulingContext:
     session_endpoint: str | None = None
     panic_threshold: float = 0.5
     attention_ratio: float = PREFILL_ATTENTION_RATIO
+    decode_output_tokens: int | None = None
     data: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Output tokens the request is expected to decode (tokens): `decode_output_tokens`
+        when set, else `expected_output_tokens`. For decode-time estimates, never for KV."""
+        return self.expected_output_tokens if self.decode_output_tokens is None else self.decode_output_tokens
 
     def uncached_tokens(self, ep: Endpoint) -> int:
         """The request's prefill work on `ep` (tokens): its prompt less the prefix believed

@@ -158,6 +158,9 @@ class AdminServer:
                 # Which encoder counts each model's tokens (tiktoken once cross-checked, else
                 # tokenizers and why): docs/decisions/0200.
                 "token_encoders": self._pipeline.encoders() if self._pipeline is not None else None,
+                # Per model, the learned output length capping max_tokens in the decode cost
+                # (docs/decisions/0275).
+                "output_estimates": self._pipeline.output_estimates.summary() if self._pipeline is not None else None,
                 "replica_sync": self._replicas.summary() if self._replicas is not None else None,
                 # How much each learned value rests on: `prefill_samples` first tokens for the
                 # prefill speed; stream statistics from this share of responses only.

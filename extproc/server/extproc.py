@@ -437,14 +437,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def _end_stream(self, s: _Stream) -> None:
         """A stream's end, however it came: close the observer (success judged from what it
-        saw, never the gRPC status), write the decision-log line, settle the rate-limit charge
-        and release the reservation. Never raises past the release."""
+        saw, never the gRPC status; a completed response's output length feeds its model's
+        output-length estimate, `RequestPipeline.note_output`), write the decision-log line,
+        settle the rate-limit charge and release the reservation. Never raises past the release."""
         if s.first_token is not None:
             s.first_token.cancel()
         observer, record, routed, admission, reservation = s.observer, s.record, s.routed, s.admission, s.reservation
         if observer is not None:
             try:
-                observer.on_end("complete")
+                result = observer.on_end("complete")
+                if result.outcome == "complete" and result.output_tokens is not None and routed is not None:
+                    # Only completed responses: a cut stream would bias the estimate low.
+                    self._pipeline.note_output(routed.request.served_model, result.output_tokens, routed.request.n)
             except Exception:
                 log.exception("stream observer failed at end of stream")
         if record is not None and routed is not None and self._log is not None:

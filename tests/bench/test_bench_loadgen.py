@@ -309,6 +309,17 @@ def test_body_for_a_length_only_request(synth: PromptSynthesizer, qwen_counter: 
         LoadGenerator(LoadGenConfig("http://x")).body(TraceRequest(0.0, 700, 9), 0)
 
 
+def test_a_huge_max_tokens_budget_leaves_the_end_to_the_engine() -> None:
+    """`max_tokens` set: every request asks for that budget (never below its own length), as
+    clients with a huge budget do; `min_tokens` keeps its length and the engine ends it."""
+    gen = LoadGenerator(LoadGenConfig("http://x", max_tokens=16384))
+    body = orjson.loads(gen.body(_req(0.0, 300), 0))
+    assert (body["max_tokens"], body["min_tokens"]) == (16384, 300) and "ignore_eos" not in body
+    assert orjson.loads(gen.body(_req(0.0, 20000), 1))["max_tokens"] == 20000
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        LoadGenConfig("http://x", max_tokens=0)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"base_url": "localhost:80"}, {"speed": 0.0}, {"request_timeout_s": 0}, {"max_requests": -1}, {"think_time_s": -1}],

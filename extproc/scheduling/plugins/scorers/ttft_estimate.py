@@ -74,6 +74,13 @@ decision 0180). Scored on differences, seconds of decode and seconds of prefill 
 Each endpoint's predicted TTFT is kept in `ctx.data["predicted_ttft_s"]` for the route-debug
 header.
 
+`expected_output` in the decode terms is `SchedulingContext.decode_tokens`: the request's
+`max_tokens` capped by the model's learned output length (a high quantile of its recent
+completed outputs, `extproc.pipeline.output_estimate`), not `max_tokens` itself, which clients
+often set far above what they get (32768 for a 300-token answer made the step floor alone
+price an idle A100 34 s dearer than an H100 at the default weight, 0.25 × 32768 × 4.1 ms,
+and piled requests onto the H100s whatever their queues; decision 0275).
+
 Parameters:
     relearn_after_s (float > 0, default 10): forget an idle endpoint's fit this old (seconds).
     work_weight (finite float ≥ 0, default 1): weight of the delay imposed on later requests.
@@ -227,7 +234,9 @@ class TTFTEstimateScorer(Plugin):
         predicted = [f.predict(ep.prefill_ahead(ctx.now) + max(1, w)) for ep, f, w in zip(endpoints, fits, work)]
         ctx.data["predicted_ttft_s"] = {ep.address: p for ep, p in zip(endpoints, predicted)}
         p = self.params
-        per_step = p.decode_weight * ctx.expected_output_tokens
+        # Decode terms' output count: max_tokens capped by the model's learned output length
+        # (`SchedulingContext.decode_tokens`, decision 0275), not the KV reservation's max_tokens.
+        per_step = p.decode_weight * ctx.decode_tokens
         prefill = [t + p.work_weight * f.s_per_token * w for f, t, w in zip(fits, predicted, work)]
         cost = []
         for c, ep, f, w in zip(prefill, endpoints, fits, work):
