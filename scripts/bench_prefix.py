@@ -357,8 +357,12 @@ def main() -> None:
         capacity_runs = [r for r in report["workloads"]["mooncake-conv"]["runs"] if r["policy"] in cap_policies]
         for m in (float(x) for x in args.capacity_multiples.split(",")):
             capacity_runs += run(prepared, cap_policies, m, args, console)
-        lines, caps = capacity_table(capacity_runs)
-        report["capacity"] = {"workload": "mooncake-conv", "runs": capacity_runs, **caps}
+        report["capacity"] = {"workload": "mooncake-conv", "runs": capacity_runs}
+        if any(r["policy"] == BASELINE and r["scale"] == 1.0 for r in capacity_runs):
+            lines, caps = capacity_table(capacity_runs)
+            report["capacity"].update(caps)
+        else:  # more multiples of a policy, to be tabled with a run that has the baseline's bound
+            lines = [f"No {BASELINE} run at 1× here: recompute with `--capacity-from` and a report that has one.", ""]
         md += ["### Capacity at equal p99 TTFT (mooncake-conv)", "", *lines]
         _write(out, md, report)
     print("\n".join(md))
