@@ -52,8 +52,24 @@ def test_every_problem_is_printed_and_the_exit_is_2(tmp_path: Path) -> None:
         '{enabled: true, backend: redis, redis_url: "redis://app:hunter2@10.0.0.9:6379/0"}',  # an unknown key echoes its value
         '{enabled: true, backend: redis, redis: "redis://:hunter2@10.0.0.9:6379/0"}',  # a URL where a mapping goes
         '{tenants: {a: {api_key_sha256: "sk-hunter2"}}}',  # the key itself where its digests go
+        # redis-py splits the user information at the last "@": a password may hold "@"
+        '{enabled: true, backend: redis, redis: "redis://app:p@ss-hunter2@10.0.0.9:6379/0"}',
+        # or "/" or a quote: no URL to redis-py, but still the password the user wrote
+        '{enabled: true, backend: redis, redis: "redis://app:pa/hunter2@10.0.0.9:6379/0"}',
+        """{enabled: true, backend: redis, redis: "redis://app:it's-hunter2@10.0.0.9:6379/0"}""",
+        # redis-py's documented form for a socket's password, valid: the summary names it
+        '{enabled: true, backend: redis, redis: {url: "unix:///run/redis.sock?db=0&password=hunter2"}}',
+        '{enabled: true, backend: redis, redis: {url: "redis://10.0.0.9:6379/0?password=hunter2"}}',
+        # credentials under keys the schema does not know, echoed as an unknown key's value
+        '{redis: {passwd: hunter2}}',
+        '{redis: {auth: hunter2}}',
+        '{tenants: {a: {api_key: sk-hunter2}}}',
+        '{tenants: {a: {apiKey: sk-hunter2}}}',
     ],
-    ids=["summary", "unknown-key", "not-a-mapping", "api-key"],
+    ids=[
+        "summary", "unknown-key", "not-a-mapping", "api-key", "at-in-password", "slash-in-password", "quote-in-password",
+        "socket-query-password", "query-password", "passwd-key", "auth-key", "api_key-key", "apiKey-key",
+    ],
 )
 def test_credentials_are_never_printed(tmp_path: Path, ratelimit: str) -> None:
     _, result = _check(tmp_path, VALID + f"ratelimit: {ratelimit}\n")
