@@ -75,3 +75,32 @@ def test_credentials_are_never_printed(tmp_path: Path, ratelimit: str) -> None:
     _, result = _check(tmp_path, VALID + f"ratelimit: {ratelimit}\n")
     assert "hunter2" not in result.output, result.output
     assert ("10.0.0.9:6379" in result.output) == ("10.0.0.9" in ratelimit)  # where it points is still said
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis://10.0.0.9:99999/0", "Port out of range"),
+        ("http://10.0.0.9:6379/0", "must specify one of the following schemes"),
+        ("redis://10.0.0.9:6379/0?db=zero", "Invalid value for 'db'"),
+        ("redis://app:pa/hunter2@10.0.0.9:6379/0", "percent-encode"),  # redis-py's message quoted "pa" as the port
+    ],
+)
+def test_a_redis_url_the_client_refuses_is_refused_as_serve_would_fail(tmp_path: Path, url: str, reason: str) -> None:
+    """`serve` builds its Redis client from the URL at start (rate limits, replica sync): one
+    redis-py cannot parse stopped it with a traceback after check-config said OK."""
+    from extproc.ratelimit.config import RedisConfig
+    from extproc.ratelimit.redis_client import redis_client
+
+    with pytest.raises(ValueError):  # what serve's start met
+        redis_client(RedisConfig.model_construct(url=url, timeout_ms=50))
+    _, result = _check(tmp_path, VALID + f'ratelimit: {{enabled: true, backend: redis, redis: {{url: "{url}"}}}}\n')
+    assert result.exit_code == 2, result.output
+    assert "ratelimit.redis.url: not a Redis URL redis-py accepts" in result.output and reason in result.output
+    assert "hunter2" not in result.output and "'pa'" not in result.output
+
+
+def test_redis_port_0_is_refused(tmp_path: Path) -> None:
+    """redis-py parses port 0 and every connection then fails: refused like `load --url`'s."""
+    _, result = _check(tmp_path, VALID + 'ratelimit: {redis: {url: "redis://10.0.0.9:0/0"}}\n')
+    assert result.exit_code == 2 and "ratelimit.redis.url: port 0 is not a port" in result.output, result.output
