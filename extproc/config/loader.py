@@ -111,7 +111,8 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     """Load a YAML file.
 
     Raises:
-        ConfigError: unreadable file, invalid YAML, or invalid values.
+        ConfigError: unreadable file, invalid YAML (nesting too deep for the parser included),
+            or invalid values.
     """
     p = Path(path)
     try:
@@ -129,7 +130,12 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"configuration {p} is not valid YAML{where}: {problem}") from None
-    return config_from_mapping(raw or {}, source=str(p), env=env)
+    except RecursionError:  # PyYAML's composer recurses once per level: `[[[...]]]` 5,000 deep
+        raise ConfigError(f"configuration {p} nests too deeply (lists or mappings hundreds of levels deep)") from None
+    try:
+        return config_from_mapping(raw or {}, source=str(p), env=env)
+    except RecursionError:  # a check walking a value hundreds of levels deep
+        raise ConfigError(f"invalid configuration in {p}: it nests too deeply (lists or mappings hundreds of levels deep)") from None
 
 
 def default_config(endpoints: list[str] | None = None, *, env: Mapping[str, str] | None = None) -> Config:

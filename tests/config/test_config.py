@@ -115,6 +115,15 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "absent.yaml", env={})
 
 
+def test_a_file_nested_deeper_than_the_parser_goes_is_a_config_error(tmp_path) -> None:
+    """PyYAML recurses once per level: 5,000 nested lists ended check-config and serve in a
+    RecursionError traceback."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("models: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config(deep, env={})
+
+
 def test_a_profile_named_like_a_builtin_overrides_only_what_it_sets() -> None:
     """New weights for load-aware must not silently drop its filters (a dead endpoint would get traffic)."""
     cfg = config_from_mapping(minimal(scheduling={"profiles": {"load-aware": {"scorers": [{"type": "queue-depth-scorer", "weight": 3}]}}}))
