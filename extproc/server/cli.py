@@ -113,10 +113,19 @@ def check_config(
 ) -> None:
     """Check a configuration without starting anything: loaded as `serve` loads it (the same
     checks, the admin token's environment included), every problem printed and exit 2, or one
-    line saying what it configures and exit 0. Credentials are never printed."""
+    line saying what it configures and exit 0. Credentials are never printed. Each model's
+    tokenizer is loaded as `serve` loads it (a missing tokenizer directory or an unknown
+    `builtin:` name passed the schema and stopped `serve`)."""
     from extproc.config.summary import config_summary
+    from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.server.app import load_models
 
     cfg = _loaded(config, [])
+    try:
+        load_models(cfg)
+    except TokenizerLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"OK: {config}: {config_summary(cfg)}")
 
 

@@ -104,3 +104,19 @@ def test_redis_port_0_is_refused(tmp_path: Path) -> None:
     """redis-py parses port 0 and every connection then fails: refused like `load --url`'s."""
     _, result = _check(tmp_path, VALID + 'ratelimit: {redis: {url: "redis://10.0.0.9:0/0"}}\n')
     assert result.exit_code == 2 and "ratelimit.redis.url: port 0 is not a port" in result.output, result.output
+
+
+@pytest.mark.parametrize("tokenizer", ["/nonexistent/tokenizer-dir", "builtin:nope"])
+def test_a_tokenizer_serve_cannot_load_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    """`serve` loads every model's tokenizer before it listens and stops on one it cannot: the
+    check said OK to both."""
+    from extproc.config import load_config
+    from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.server.app import load_models
+
+    text = VALID.replace("  - name: Qwen/Qwen3-8B\n", f'  - name: Qwen/Qwen3-8B\n    tokenizer: "{tokenizer}"\n')
+    path, result = _check(tmp_path, text)
+    with pytest.raises(TokenizerLoadError):  # what serve's start meets
+        load_models(load_config(path, env={}))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and tokenizer.removeprefix("builtin:") in result.output
