@@ -133,7 +133,8 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     except RecursionError:  # PyYAML's composer recurses once per level: `[[[...]]]` 5,000 deep
         raise ConfigError(f"configuration {p} nests too deeply (lists or mappings hundreds of levels deep)") from None
     try:
-        return config_from_mapping(raw or {}, source=str(p), env=env)
+        # An empty file is an empty mapping; `0`, `""` or `false` alone is not one (was read as empty)
+        return config_from_mapping({} if raw is None else raw, source=str(p), env=env)
     except RecursionError:  # a check walking a value hundreds of levels deep
         raise ConfigError(f"invalid configuration in {p}: it nests too deeply (lists or mappings hundreds of levels deep)") from None
 

@@ -115,6 +115,19 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "absent.yaml", env={})
 
 
+@pytest.mark.parametrize(("text", "kind"), [("0", "int"), ("false", "bool"), ('""', "str"), ("[]", "list")])
+def test_a_falsy_top_level_is_not_read_as_an_empty_mapping(tmp_path, text: str, kind: str) -> None:
+    """Only an empty file is an empty configuration: a file holding `0` was told "models: required
+    key is missing", as if it were a mapping without models."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=f"top level must be a mapping, got {kind}$"):
+        load_config(path, env={})
+    path.write_text("")
+    with pytest.raises(ConfigError, match="models: required key is missing"):
+        load_config(path, env={})
+
+
 def test_a_file_nested_deeper_than_the_parser_goes_is_a_config_error(tmp_path) -> None:
     """PyYAML recurses once per level: 5,000 nested lists ended check-config and serve in a
     RecursionError traceback."""
