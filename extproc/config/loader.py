@@ -128,7 +128,11 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
         mark = getattr(exc, "problem_mark", None)
         if mark is not None:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc)
+        elif isinstance(exc, yaml.reader.ReaderError):  # a control character: a position, no mark
+            at = exc.position
+            where = f" at line {text.count(chr(10), 0, at) + 1}, column {at - text.rfind(chr(10), 0, at)}"
+        # A ReaderError's str() runs on to a second line ('in "<unicode string>", position 1')
+        problem = (getattr(exc, "problem", None) or str(exc)).splitlines()[0]
         raise ConfigError(f"configuration {p} is not valid YAML{where}: {problem}") from None
     except RecursionError:  # PyYAML's composer recurses once per level: `[[[...]]]` 5,000 deep
         raise ConfigError(f"configuration {p} nests too deeply (lists or mappings hundreds of levels deep)") from None

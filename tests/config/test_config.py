@@ -115,6 +115,15 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "absent.yaml", env={})
 
 
+def test_a_control_character_is_one_line_naming_where(tmp_path) -> None:
+    """PyYAML's reader error ran on to a second line and named no line or column."""
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  - name: a\x00b\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert str(err.value) == f"configuration {path} is not valid YAML at line 2, column 12: unacceptable character #x0000: special characters are not allowed"
+
+
 @pytest.mark.parametrize(("text", "kind"), [("0", "int"), ("false", "bool"), ('""', "str"), ("[]", "list")])
 def test_a_falsy_top_level_is_not_read_as_an_empty_mapping(tmp_path, text: str, kind: str) -> None:
     """Only an empty file is an empty configuration: a file holding `0` was told "models: required
