@@ -318,7 +318,8 @@ class ModelConfig(Strict):
         default_output_tokens: expected output length when a request sets no max_tokens
             (tokens); the KV estimate uses it instead of the max_model_len worst case.
         output_estimate: the learned output length that caps `max_tokens` in the decode terms
-            of scheduling (`OutputEstimateConfig`; the KV reservation keeps `max_tokens`).
+            of scheduling (`OutputEstimateConfig`; the KV reservation keeps `max_tokens`); a
+            switch alone (`output_estimate: off`) keeps the other settings' defaults.
         truncation: head + tail truncation of over-long prompts (off by default); a mode alone
             (`truncation: head-tail`) keeps the other settings' defaults.
         token_encoder: `auto` (tiktoken built from the tokenizer when it is a byte-level BPE
@@ -341,6 +342,12 @@ class ModelConfig(Strict):
     @classmethod
     def _mode_alone(cls, v: Any) -> Any:
         return {"mode": v} if isinstance(v, str | bool) else v  # `truncation: head-tail`
+
+    @field_validator("output_estimate", mode="before")
+    @classmethod
+    def _switch_alone(cls, v: Any) -> Any:
+        # `output_estimate: off` (YAML reads false), like `truncation: off`: was refused as not a mapping
+        return {"enabled": v} if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _output_room(self) -> ModelConfig:
