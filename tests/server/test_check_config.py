@@ -120,3 +120,22 @@ def test_a_tokenizer_serve_cannot_load_is_refused(tmp_path: Path, tokenizer: str
         load_models(load_config(path, env={}))
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and tokenizer.removeprefix("builtin:") in result.output
+
+
+def test_a_decision_log_path_serve_cannot_open_is_refused_and_nothing_is_created(tmp_path: Path) -> None:
+    """`serve` opens decision_log.path at start and stops on one it cannot open (a directory;
+    a path below a file); check-config said OK. A good path is checked without creating it."""
+    from extproc.config.schema import DecisionLogConfig
+    from extproc.telemetry.decision_log import DecisionLog
+
+    (tmp_path / "a-file").write_text("")
+    for path, why in [(tmp_path, "Is a directory"), (tmp_path / "a-file" / "d.log", "Not a directory")]:
+        with pytest.raises(OSError):  # what serve's start meets
+            DecisionLog(DecisionLogConfig(path=str(path))).start()
+        _, result = _check(tmp_path, VALID + f'decision_log: {{path: "{path}"}}\n')
+        assert result.exit_code == 2, result.output
+        assert f"error: cannot open decision_log.path {path}: {why}" in result.output
+    fresh = tmp_path / "logs" / "decisions.jsonl"
+    _, result = _check(tmp_path, VALID + f'decision_log: {{path: "{fresh}"}}\n')
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "logs").exists()
