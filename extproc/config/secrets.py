@@ -21,13 +21,13 @@ SECRET_KEYS = frozenset({"api_key_sha256", "password", "token", "secret"})
 """Configuration keys whose values are never echoed in a problem line; so are those of any key
 `hides_value` finds a credential word in."""
 
-_SECRET_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "secrets", "token", "auth", "credential", "credentials", "bearer"})
+_SECRET_WORDS = frozenset({"password", "passwd", "pass", "pwd", "pw", "passphrase", "secret", "secrets", "token", "auth", "credential", "credentials", "bearer"})
 """Words (a key split at `_`, `-`, `.`) that name a credential: an unknown key such as
 `passwd:` beside `redis.url`, or `auth:`, holds one as surely as `password:` does."""
 
-_SECRET_JOINED = ("apikey", "password", "secret")
+_SECRET_JOINED = ("apikey", "accesskey", "privatekey", "password", "secret")
 """Credential names found in a key with its separators removed (`api_key:`, `apiKey:`,
-`apikey_sha256:` — each a place a user pastes an API key)."""
+`apikey_sha256:`, `access_key:`, `private_key:` — each a place a user pastes a key)."""
 
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(\S*)@")

@@ -65,10 +65,13 @@ def test_every_problem_is_printed_and_the_exit_is_2(tmp_path: Path) -> None:
         '{redis: {auth: hunter2}}',
         '{tenants: {a: {api_key: sk-hunter2}}}',
         '{tenants: {a: {apiKey: sk-hunter2}}}',
+        '{redis: {pw: hunter2}}',
+        '{redis: {accessKey: hunter2}}',
     ],
     ids=[
         "summary", "unknown-key", "not-a-mapping", "api-key", "at-in-password", "slash-in-password", "quote-in-password",
-        "socket-query-password", "query-password", "passwd-key", "auth-key", "api_key-key", "apiKey-key",
+        "socket-query-password", "query-password", "passwd-key", "auth-key", "api_key-key", "apiKey-key", "pw-key",
+        "accessKey-key",
     ],
 )
 def test_credentials_are_never_printed(tmp_path: Path, ratelimit: str) -> None:
