@@ -30,11 +30,24 @@ _SECRET_JOINED = ("apikey", "accesskey", "privatekey", "password", "secret")
 `apikey_sha256:`, `access_key:`, `private_key:` — each a place a user pastes a key)."""
 
 
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(\S*)@")
-"""A URL's user information (`user:password@`, or a password alone): from `://` to the last `@`
-before the next white space. A password may hold `@`, `/` or a quote (redis-py splits at the
-last `@`; one with `/` is not even a URL it accepts, but it is still the user's password), so
-nothing but white space ends it."""
+_TOKEN = re.compile(r"\S+")
+"""A run of non-white-space: a URL's user information (`user:password@`, or a password alone)
+runs from its `://` to the token's last `@`. A password may hold `@`, `/` or a quote (redis-py
+splits at the last `@`; one with `/` is not even a URL it accepts, but it is still the user's
+password), so nothing but white space ends it. Found by `str.find`/`rfind` on each token, not
+by one pattern: scheme, `://`, any non-space run, `@` backtracks, quadratic on a long token of
+many `://` and no `@` (6 s at 64 KB; a problem line is masked before it is shortened)."""
+
+
+def _mask_token(match: re.Match[str]) -> str:
+    """One token with its user information, from `://` to its last `@`, replaced by `***`."""
+    token = match.group(0)
+    sep = token.find("://")
+    at = token.rfind("@")
+    if sep < 0 or at < sep + 3:  # no URL, or no user information (a scheme left out: masked all the same)
+        return token
+    return f"{token[: sep + 3]}***{token[at:]}"
+
 
 _QUERY_SECRET = re.compile(r"(?i)([?&](?:password|passwd|pass|pwd|secret|token|auth|api_?key)=)[^&#\s'\"]*")
 """A credential in a URL's query string (`unix:///run/redis.sock?password=...`: redis-py's
@@ -46,7 +59,7 @@ def mask_urls(text: str) -> str:
     whether `redis://secret@host` names a user or a password depends on the client, so the whole
     of it goes; so does a credential in a query string (`?password=***`). A password holding
     white space is not recognised (percent-encode it: `%20`)."""
-    return _QUERY_SECRET.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+    return _QUERY_SECRET.sub(r"\1***", _TOKEN.sub(_mask_token, text))
 
 
 def hides_value(loc: Iterable[object]) -> bool:
