@@ -385,6 +385,11 @@ def test_a_late_problem_found_twice_is_one_line():
             "scheduling.profiles.p.picker: plugin 'max-score-picker': invalid parameters: lead_min_score_unmatched needs lead_scorer",
             id="floor-without-lead",
         ),
+        pytest.param(  # restoring decision 0265's 0.5 on the default profile: the built-in's lead_scorer is not kept
+            {"load-aware": {"picker": {"type": "max-score-picker", "params": {"lead_min_score_unmatched": 0.5}}}},
+            "(a picker given for a built-in profile replaces the built-in's whole: load-aware's is lead_scorer: ttft-estimate-scorer)",
+            id="builtin-picker-replaced-whole",
+        ),
     ],
 )
 def test_a_picker_lead_that_names_no_scorer_is_refused(profiles, line):
