@@ -74,3 +74,9 @@ class LLMRequest:
     body_bytes: ByteCount = ByteCount(0)
     token_ids: list[int] | None = field(default=None, repr=False)
     prompt_lengths: tuple[int, ...] = ()
+
+    @property
+    def sequences(self) -> int:
+        """Output sequences the engine decodes for it (count): `n` for each prompt, every
+        prompt of a batched completion (`prompt_lengths`) its own."""
+        return max(1, self.n) * max(1, len(self.prompt_lengths))

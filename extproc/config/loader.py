@@ -111,7 +111,8 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     """Load a YAML file.
 
     Raises:
-        ConfigError: unreadable file, invalid YAML, or invalid values.
+        ConfigError: unreadable file, invalid YAML (nesting too deep for the parser included),
+            or invalid values.
     """
     p = Path(path)
     try:
@@ -127,9 +128,19 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
         mark = getattr(exc, "problem_mark", None)
         if mark is not None:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc)
+        elif isinstance(exc, yaml.reader.ReaderError):  # a control character: a position, no mark
+            at = exc.position
+            where = f" at line {text.count(chr(10), 0, at) + 1}, column {at - text.rfind(chr(10), 0, at)}"
+        # A ReaderError's str() runs on to a second line ('in "<unicode string>", position 1')
+        problem = (getattr(exc, "problem", None) or str(exc)).splitlines()[0]
         raise ConfigError(f"configuration {p} is not valid YAML{where}: {problem}") from None
-    return config_from_mapping(raw or {}, source=str(p), env=env)
+    except RecursionError:  # PyYAML's composer recurses once per level: `[[[...]]]` 5,000 deep
+        raise ConfigError(f"configuration {p} nests too deeply (lists or mappings hundreds of levels deep)") from None
+    try:
+        # An empty file is an empty mapping; `0`, `""` or `false` alone is not one (was read as empty)
+        return config_from_mapping({} if raw is None else raw, source=str(p), env=env)
+    except RecursionError:  # a check walking a value hundreds of levels deep
+        raise ConfigError(f"invalid configuration in {p}: it nests too deeply (lists or mappings hundreds of levels deep)") from None
 
 
 def default_config(endpoints: list[str] | None = None, *, env: Mapping[str, str] | None = None) -> Config:

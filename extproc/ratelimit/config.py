@@ -89,7 +89,8 @@ class RedisConfig(Strict):
     """The shared Redis backend.
 
     Attributes:
-        url: `redis://host:port/db` (or `rediss://` for TLS; credentials in the URL are never logged).
+        url: `redis://host:port/db` (or `rediss://` for TLS, `unix:///path?db=N` for a socket;
+            credentials in the URL are never logged). Checked with redis-py's own parser at load.
         key_prefix: prefix of every key (one hash per tenant scope, expiring by itself).
         timeout_ms: connect and command timeout (milliseconds); one decision is one round trip.
         on_error: `open` admits without counting while Redis is unreachable; `closed` refuses
@@ -103,6 +104,25 @@ class RedisConfig(Strict):
     timeout_ms: int = Field(default=50, ge=1)
     on_error: Literal["open", "closed"] = "open"
     log_interval_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_accepts(cls, v: str) -> str:
+        # Parsed as the client will parse it (redis-py's own parser): a URL it refuses (port
+        # 99999, http://) passed the config check and `serve` then died with a traceback when
+        # the rate limiter or replica sync built its client.
+        from redis.connection import parse_url
+
+        try:
+            port = parse_url(v).get("port")
+        except ValueError as exc:
+            reason = str(exc)
+            if "@" in v and "cast to integer" in reason:  # redis-py quotes the "port", there a piece of the password
+                reason = "its port is not a number; percent-encode any '/', '@', '#' or '?' in its user name or password"
+            raise ValueError(f"not a Redis URL redis-py accepts: {reason}") from None
+        if port == 0:
+            raise ValueError("port 0 is not a port a Redis server listens on (1-65535)")
+        return v
 
 
 class RateLimitConfig(Strict):

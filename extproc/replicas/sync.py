@@ -145,8 +145,11 @@ _U64 = 1 << 64
 
 
 def redis_location(url: str) -> str:
-    """`host:port/db` of a Redis URL, without scheme, user or password (for logs)."""
+    """`host:port/db` of a Redis URL, or `unix:/path` of a socket's, without user, password or
+    query string (for logs; a socket's password goes in its query, `?password=`)."""
     parts = urlsplit(url)
+    if parts.scheme.lower() == "unix":  # was "?:6379/run/redis.sock"
+        return f"unix:{parts.path}"
     return f"{parts.hostname or '?'}:{parts.port or 6379}{parts.path or ''}"
 
 

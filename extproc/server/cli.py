@@ -113,10 +113,28 @@ def check_config(
 ) -> None:
     """Check a configuration without starting anything: loaded as `serve` loads it (the same
     checks, the admin token's environment included), every problem printed and exit 2, or one
-    line saying what it configures and exit 0. Credentials are never printed."""
+    line saying what it configures and exit 0. Credentials are never printed. Each model's
+    tokenizer is loaded as `serve` loads it (a missing tokenizer directory or an unknown
+    `builtin:` name passed the schema and stopped `serve`), and `decision_log.path` is checked
+    openable without creating it (a directory there stopped `serve`)."""
     from extproc.config.summary import config_summary
+    from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.server.app import load_models
+    from extproc.telemetry.decision_log import log_path_problem
 
     cfg = _loaded(config, [])
+    problems = []
+    try:
+        load_models(cfg)
+    except TokenizerLoadError as exc:
+        problems.append(str(exc))
+    log_path = cfg.decision_log.path
+    if log_path is not None and (why := log_path_problem(log_path)) is not None:
+        problems.append(f"cannot open decision_log.path {log_path}: {why}")  # serve's words for it
+    for problem in problems:
+        typer.echo(f"error: {problem}", err=True)
+    if problems:
+        raise typer.Exit(2)
     typer.echo(f"OK: {config}: {config_summary(cfg)}")
 
 

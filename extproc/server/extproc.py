@@ -448,7 +448,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 result = observer.on_end("complete")
                 if result.outcome == "complete" and result.output_tokens is not None and routed is not None:
                     # Only completed responses: a cut stream would bias the estimate low.
-                    self._pipeline.note_output(routed.request.served_model, result.output_tokens, routed.request.n)
+                    # per sequence: a batched completion's usage sums every prompt's choices
+                    self._pipeline.note_output(routed.request.served_model, result.output_tokens, routed.request.sequences)
             except Exception:
                 log.exception("stream observer failed at end of stream")
         if record is not None and routed is not None and self._log is not None:

@@ -45,8 +45,8 @@ def load_admin_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The admin write token from the environment, or None when none is configured.
 
     Raises:
-        ValueError: the token file cannot be read or is empty (message names the variable,
-            never the content).
+        ValueError: the token file cannot be read, is not UTF-8 or is empty (message names the
+            variable, never the content).
     """
     env = os.environ if environ is None else environ
     path = env.get(TOKEN_FILE_ENV)
@@ -55,6 +55,8 @@ def load_admin_token(environ: Mapping[str, str] | None = None) -> str | None:
             token = open(path, encoding="utf-8").read().strip()
         except OSError as exc:
             raise ValueError(f"{TOKEN_FILE_ENV}: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:  # its own message quoted a byte and named no variable
+            raise ValueError(f"{TOKEN_FILE_ENV}: {path} is not UTF-8 text") from None
         if not token:
             raise ValueError(f"{TOKEN_FILE_ENV}: {path} is empty")
         return token

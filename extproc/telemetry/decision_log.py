@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import logging.handlers
+import os
 import queue
 import sys
 import time
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from extproc.pipeline.request import Routed
     from extproc.pipeline.truncate import Truncation
 
-__all__ = ["DecisionLog", "DecisionRecord", "read_decision_log", "tenant_hash"]
+__all__ = ["DecisionLog", "DecisionRecord", "log_path_problem", "read_decision_log", "tenant_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,26 @@ class _Listener(logging.handlers.QueueListener):
 
     def prepare(self, record: Any) -> logging.LogRecord:
         return logging.makeLogRecord({"msg": record.as_dict(), "levelno": logging.INFO, "levelname": "INFO"})
+
+
+
+def log_path_problem(path: str | Path) -> str | None:
+    """Why `DecisionLog.start` could not open `path`, found without creating anything (for
+    `llm-extproc check-config`), or None when it looks openable: the path is a directory, or is
+    not writable; or the nearest existing ancestor of a path not yet there is not a directory,
+    or not writable (start creates the missing directories). The text reads like the `OSError`
+    start would raise. Permission checks are `os.access`'s: root passes them all."""
+    p = Path(path)
+    if p.is_dir():
+        return "Is a directory"
+    if p.exists():
+        return None if os.access(p, os.W_OK) else "Permission denied"
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"Not a directory ({parent})"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"Permission denied ({parent})"
 
 
 class DecisionLog:

@@ -115,6 +115,37 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "absent.yaml", env={})
 
 
+def test_a_control_character_is_one_line_naming_where(tmp_path) -> None:
+    """PyYAML's reader error ran on to a second line and named no line or column."""
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  - name: a\x00b\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert str(err.value) == f"configuration {path} is not valid YAML at line 2, column 12: unacceptable character #x0000: special characters are not allowed"
+
+
+@pytest.mark.parametrize(("text", "kind"), [("0", "int"), ("false", "bool"), ('""', "str"), ("[]", "list")])
+def test_a_falsy_top_level_is_not_read_as_an_empty_mapping(tmp_path, text: str, kind: str) -> None:
+    """Only an empty file is an empty configuration: a file holding `0` was told "models: required
+    key is missing", as if it were a mapping without models."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=f"top level must be a mapping, got {kind}$"):
+        load_config(path, env={})
+    path.write_text("")
+    with pytest.raises(ConfigError, match="models: required key is missing"):
+        load_config(path, env={})
+
+
+def test_a_file_nested_deeper_than_the_parser_goes_is_a_config_error(tmp_path) -> None:
+    """PyYAML recurses once per level: 5,000 nested lists ended check-config and serve in a
+    RecursionError traceback."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("models: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config(deep, env={})
+
+
 def test_a_profile_named_like_a_builtin_overrides_only_what_it_sets() -> None:
     """New weights for load-aware must not silently drop its filters (a dead endpoint would get traffic)."""
     cfg = config_from_mapping(minimal(scheduling={"profiles": {"load-aware": {"scorers": [{"type": "queue-depth-scorer", "weight": 3}]}}}))
@@ -353,6 +384,11 @@ def test_a_late_problem_found_twice_is_one_line():
             {"p": {"scorers": [{"type": "ttft-estimate-scorer"}], "picker": {"type": "max-score-picker", "params": {"lead_min_score_unmatched": 0.5}}}},
             "scheduling.profiles.p.picker: plugin 'max-score-picker': invalid parameters: lead_min_score_unmatched needs lead_scorer",
             id="floor-without-lead",
+        ),
+        pytest.param(  # restoring decision 0265's 0.5 on the default profile: the built-in's lead_scorer is not kept
+            {"load-aware": {"picker": {"type": "max-score-picker", "params": {"lead_min_score_unmatched": 0.5}}}},
+            "(a picker given for a built-in profile replaces the built-in's whole: load-aware's is lead_scorer: ttft-estimate-scorer)",
+            id="builtin-picker-replaced-whole",
         ),
     ],
 )

@@ -313,6 +313,7 @@ def test_drop_endpoint_forgets_the_remote_reservations_on_it():
 
 def test_config_and_log_location_keep_secrets_out():
     assert redis_location("redis://user:s3cret@redis.internal:6380/2") == "redis.internal:6380/2"
+    assert redis_location("unix://user@/run/redis.sock?db=1&password=s3cret") == "unix:/run/redis.sock"
     with pytest.raises(ValueError, match="owner_timeout_s"):
         ReplicasConfig(sync="redis", heartbeat_s=1.0, owner_timeout_s=1.5)
 

@@ -52,10 +52,93 @@ def test_every_problem_is_printed_and_the_exit_is_2(tmp_path: Path) -> None:
         '{enabled: true, backend: redis, redis_url: "redis://app:hunter2@10.0.0.9:6379/0"}',  # an unknown key echoes its value
         '{enabled: true, backend: redis, redis: "redis://:hunter2@10.0.0.9:6379/0"}',  # a URL where a mapping goes
         '{tenants: {a: {api_key_sha256: "sk-hunter2"}}}',  # the key itself where its digests go
+        # redis-py splits the user information at the last "@": a password may hold "@"
+        '{enabled: true, backend: redis, redis: "redis://app:p@ss-hunter2@10.0.0.9:6379/0"}',
+        # or "/" or a quote: no URL to redis-py, but still the password the user wrote
+        '{enabled: true, backend: redis, redis: "redis://app:pa/hunter2@10.0.0.9:6379/0"}',
+        """{enabled: true, backend: redis, redis: "redis://app:it's-hunter2@10.0.0.9:6379/0"}""",
+        # redis-py's documented form for a socket's password, valid: the summary names it
+        '{enabled: true, backend: redis, redis: {url: "unix:///run/redis.sock?db=0&password=hunter2"}}',
+        '{enabled: true, backend: redis, redis: {url: "redis://10.0.0.9:6379/0?password=hunter2"}}',
+        # credentials under keys the schema does not know, echoed as an unknown key's value
+        '{redis: {passwd: hunter2}}',
+        '{redis: {auth: hunter2}}',
+        '{tenants: {a: {api_key: sk-hunter2}}}',
+        '{tenants: {a: {apiKey: sk-hunter2}}}',
+        '{redis: {pw: hunter2}}',
+        '{redis: {accessKey: hunter2}}',
     ],
-    ids=["summary", "unknown-key", "not-a-mapping", "api-key"],
+    ids=[
+        "summary", "unknown-key", "not-a-mapping", "api-key", "at-in-password", "slash-in-password", "quote-in-password",
+        "socket-query-password", "query-password", "passwd-key", "auth-key", "api_key-key", "apiKey-key", "pw-key",
+        "accessKey-key",
+    ],
 )
 def test_credentials_are_never_printed(tmp_path: Path, ratelimit: str) -> None:
     _, result = _check(tmp_path, VALID + f"ratelimit: {ratelimit}\n")
     assert "hunter2" not in result.output, result.output
     assert ("10.0.0.9:6379" in result.output) == ("10.0.0.9" in ratelimit)  # where it points is still said
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis://10.0.0.9:99999/0", "Port out of range"),
+        ("http://10.0.0.9:6379/0", "must specify one of the following schemes"),
+        ("redis://10.0.0.9:6379/0?db=zero", "Invalid value for 'db'"),
+        ("redis://app:pa/hunter2@10.0.0.9:6379/0", "percent-encode"),  # redis-py's message quoted "pa" as the port
+    ],
+)
+def test_a_redis_url_the_client_refuses_is_refused_as_serve_would_fail(tmp_path: Path, url: str, reason: str) -> None:
+    """`serve` builds its Redis client from the URL at start (rate limits, replica sync): one
+    redis-py cannot parse stopped it with a traceback after check-config said OK."""
+    from extproc.ratelimit.config import RedisConfig
+    from extproc.ratelimit.redis_client import redis_client
+
+    with pytest.raises(ValueError):  # what serve's start met
+        redis_client(RedisConfig.model_construct(url=url, timeout_ms=50))
+    _, result = _check(tmp_path, VALID + f'ratelimit: {{enabled: true, backend: redis, redis: {{url: "{url}"}}}}\n')
+    assert result.exit_code == 2, result.output
+    assert "ratelimit.redis.url: not a Redis URL redis-py accepts" in result.output and reason in result.output
+    assert "hunter2" not in result.output and "'pa'" not in result.output
+
+
+def test_redis_port_0_is_refused(tmp_path: Path) -> None:
+    """redis-py parses port 0 and every connection then fails: refused like `load --url`'s."""
+    _, result = _check(tmp_path, VALID + 'ratelimit: {redis: {url: "redis://10.0.0.9:0/0"}}\n')
+    assert result.exit_code == 2 and "ratelimit.redis.url: port 0 is not a port" in result.output, result.output
+
+
+@pytest.mark.parametrize("tokenizer", ["/nonexistent/tokenizer-dir", "builtin:nope"])
+def test_a_tokenizer_serve_cannot_load_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    """`serve` loads every model's tokenizer before it listens and stops on one it cannot: the
+    check said OK to both."""
+    from extproc.config import load_config
+    from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.server.app import load_models
+
+    text = VALID.replace("  - name: Qwen/Qwen3-8B\n", f'  - name: Qwen/Qwen3-8B\n    tokenizer: "{tokenizer}"\n')
+    path, result = _check(tmp_path, text)
+    with pytest.raises(TokenizerLoadError):  # what serve's start meets
+        load_models(load_config(path, env={}))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and tokenizer.removeprefix("builtin:") in result.output
+
+
+def test_a_decision_log_path_serve_cannot_open_is_refused_and_nothing_is_created(tmp_path: Path) -> None:
+    """`serve` opens decision_log.path at start and stops on one it cannot open (a directory;
+    a path below a file); check-config said OK. A good path is checked without creating it."""
+    from extproc.config.schema import DecisionLogConfig
+    from extproc.telemetry.decision_log import DecisionLog
+
+    (tmp_path / "a-file").write_text("")
+    for path, why in [(tmp_path, "Is a directory"), (tmp_path / "a-file" / "d.log", "Not a directory")]:
+        with pytest.raises(OSError):  # what serve's start meets
+            DecisionLog(DecisionLogConfig(path=str(path))).start()
+        _, result = _check(tmp_path, VALID + f'decision_log: {{path: "{path}"}}\n')
+        assert result.exit_code == 2, result.output
+        assert f"error: cannot open decision_log.path {path}: {why}" in result.output
+    fresh = tmp_path / "logs" / "decisions.jsonl"
+    _, result = _check(tmp_path, VALID + f'decision_log: {{path: "{fresh}"}}\n')
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "logs").exists()

@@ -132,3 +132,27 @@ async def _route_huge(app, stub) -> tuple[str, int, int]:
         r.release()
     await wait_until(lambda: app.store.open_reservations == 0)
     return chosen, blocks, context
+
+
+async def test_a_batched_completion_teaches_its_length_per_sequence(make_app):
+    """A completion of 4 prompts with n=2 decodes 8 sequences, and its usage sums them: counted
+    per choice of one prompt (÷ n alone) it read 400 tokens for 100-token answers."""
+    cfg = _config()
+    cfg["models"][0]["output_estimate"] = {"min_samples": 1, "window": 10}
+    app = await make_app(**cfg)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers_msg("POST", "/v1/completions"))
+        await call.read()
+        await call.write(body_msg(orjson.dumps({"model": MODEL, "prompt": ["one", "two", "three", "four"], "n": 2, "max_tokens": 1000})))
+        await call.read()
+        await call.write(_headers(b"application/json"))
+        await call.read()
+        usage = {"prompt_tokens": 8, "completion_tokens": 800, "total_tokens": 808}
+        choices = [{"index": i, "text": "x", "finish_reason": "stop"} for i in range(8)]
+        await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=orjson.dumps({"choices": choices, "usage": usage}), end_of_stream=True)))
+        await call.read()
+        await call.done_writing()
+        await call.read()
+        await wait_until(lambda: app.store.open_reservations == 0)
+    assert app.pipeline.output_estimates.cap(MODEL) == 100

@@ -152,6 +152,10 @@ def test_token_from_file_wins_and_unreadable_file_is_a_clear_error(tmp_path):
     assert load_admin_token({}) is None
     with pytest.raises(ValueError, match=TOKEN_FILE_ENV):
         load_admin_token({TOKEN_FILE_ENV: str(tmp_path / "missing")})
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfehunter2")
+    with pytest.raises(ValueError, match=f"^{TOKEN_FILE_ENV}: .* is not UTF-8 text$"):  # was the codec's message alone
+        load_admin_token({TOKEN_FILE_ENV: str(binary)})
 
 
 def test_serve_stops_with_a_clear_message_when_the_token_file_is_unreadable(tmp_path):

@@ -62,7 +62,11 @@ class MaxScorePicker(Plugin):
             floors = sorted(f for f in {"lead_min_score", "lead_min_score_unmatched"} & self.model_fields_set if getattr(self, f) is not None)
             if floors and not self.lead_scorer:
                 verb = "need" if len(floors) > 1 else "needs"
-                raise ValueError(f"{' and '.join(floors)} {verb} lead_scorer (the scorer whose value it bounds); without it nothing is bounded")
+                raise ValueError(
+                    f"{' and '.join(floors)} {verb} lead_scorer (the scorer whose value it bounds); without it nothing is bounded "
+                    "(a picker given for a built-in profile replaces the built-in's whole: load-aware's is "
+                    "lead_scorer: ttft-estimate-scorer)"
+                )
             return self
 
     def pick(self, ctx: SchedulingContext, scored: Sequence[ScoredEndpoint]) -> PickResult:
