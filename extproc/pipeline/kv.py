@@ -15,6 +15,7 @@ Formulas (../DESIGN section 5; vLLM's own accounting):
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,5 +155,22 @@ def blocks_for_request(prompt_tokens: int, output_tokens: int, block_size: int, 
     full_prompt = prompt_tokens // block_size
     tail = prompt_tokens - full_prompt * block_size
     return full_prompt + max(1, n) * blocks_for_tokens(tail + output_tokens, block_size)
+
+
+def blocks_for_prompts(prompt_lengths: Sequence[int], output_tokens: int, block_size: int, n: int = 1) -> tuple[int, int]:
+    """`(all, largest)` blocks of a batched completion (blocks): every prompt of it is its own
+    engine request with its own n choices (`blocks_for_request` each), so the batch may occupy
+    their sum at most, while the engine can start it once the largest prompt fits (it admits
+    the prompts one by one). One prompt (`prompt_lengths` of one entry) gives the same number
+    twice. Counting the batch's prompt tokens as one prompt with one set of outputs reserved 8
+    blocks where 4 prompts needed 14.
+
+    Raises:
+        ValueError: `prompt_lengths` is empty.
+    """
+    if not prompt_lengths:
+        raise ValueError("a batch has at least one prompt")
+    each = [blocks_for_request(p, output_tokens, block_size, n) for p in prompt_lengths]
+    return sum(each), max(each)
 
 

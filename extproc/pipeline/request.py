@@ -44,7 +44,7 @@ from extproc.pipeline.truncate import TRUNCATE_HEADER, Truncated, Truncation, pr
 from extproc.protocol.jsonlimits import check_json_values, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
-from extproc.scheduling.plugins.filters.kv_fit import blocks_needed
+from extproc.scheduling.plugins.filters.kv_fit import blocks_needed, blocks_to_start
 from extproc.scheduling.registry import build
 from extproc.telemetry.decision_log import DecisionRecord
 from extproc.types import HEALTH_PANIC, LLMRequest, RequestKind, TokenCount
@@ -671,7 +671,7 @@ class RequestPipeline:
         r = ctx.request
         if by.startswith("kv-fit"):
             sized = [ep for ep in pool if ep.engine is not None and ep.engine.num_gpu_blocks]
-            if sized and all(blocks_needed(ctx, ep) > ep.engine.num_gpu_blocks for ep in sized):
+            if sized and all(blocks_to_start(ctx, ep) > ep.engine.num_gpu_blocks for ep in sized):
                 return ValidationError(
                     f"this request can never fit: {r.prompt_tokens} prompt + {ctx.expected_output_tokens} output tokens "
                     f"with n={r.n} need more KV cache than any endpoint has in total; reduce n, max_tokens or the prompt",
@@ -719,7 +719,7 @@ class RequestPipeline:
             settle_after_s=self._config.admission.kv.settle_after_s,
             # In-flight decode context: half the expected output, capped like the decode terms
             # (the KV reservation above keeps max_tokens).
-            context_tokens=routed.request.prompt_tokens + (routed.decode_output_tokens or routed.expected_output_tokens) * routed.request.n // 2,
+            context_tokens=routed.request.prompt_tokens + (routed.decode_output_tokens or routed.expected_output_tokens) * routed.request.sequences // 2,
         )
 
     def _priority(self, value: str | None, trusted: str | None) -> str:

@@ -187,14 +187,15 @@ class RateLimiter:
         return out
 
     def output_budget(self, request: LLMRequest) -> int:
-        """Output tokens reserved: `max_tokens` × n, else the model's `default_output_tokens`
-        (within what its context leaves after the prompt) × n."""
+        """Output tokens reserved: `max_tokens` × the sequences decoded (n for each prompt of a
+        batched completion, `LLMRequest.sequences`), else the model's `default_output_tokens`
+        (within what its context leaves after the prompt) × those sequences."""
         if request.max_tokens is not None:
             per = request.max_tokens
         else:
             default, max_len = self._models.get(request.served_model, (512, 1 << 30))
             per = min(default, max(1, max_len - request.prompt_tokens))
-        return per * max(1, request.n)
+        return per * request.sequences
 
     def cost(self, request: LLMRequest) -> int:
         """Tokens charged at admission (`RateLimitConfig.cost`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.models import ARCHITECTURES_DIR
-from extproc.pipeline.kv import ModelArchitecture, blocks_for_request, blocks_for_tokens, load_architecture
+from extproc.pipeline.kv import ModelArchitecture, blocks_for_prompts, blocks_for_request, blocks_for_tokens, load_architecture
 
 
 @pytest.mark.parametrize(
@@ -57,6 +57,17 @@ def test_missing_field_is_named():
 )
 def test_blocks_for_request(prompt, output, n, expected):
     assert blocks_for_request(prompt, output, 16, n) == expected
+
+
+def test_blocks_for_prompts_counts_each_prompt_of_a_batch():
+    # 4 prompts of 20 tokens, 10 output tokens, n=1, blocks of 16: each 1 full prompt block +
+    # ceil((4 + 10) / 16) = 2 blocks; all 8, the largest 2. As one 80-token prompt with one
+    # output it was 5 + 1 = 6.
+    assert blocks_for_prompts([20, 20, 20, 20], 10, 16) == (8, 2)
+    assert blocks_for_prompts([100, 20], 10, 16, n=2) == (blocks_for_request(100, 10, 16, 2) + blocks_for_request(20, 10, 16, 2), blocks_for_request(100, 10, 16, 2))
+    assert blocks_for_prompts([100], 28, 16) == (8, 8)  # one prompt: the same number twice
+    with pytest.raises(ValueError, match="at least one prompt"):
+        blocks_for_prompts([], 10, 16)
 
 
 def test_blocks_for_tokens():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import orjson
@@ -47,6 +48,9 @@ async def test_cost_is_prompt_plus_output_budget_or_size():
     assert lim.cost(_req(10, max_tokens=20, n=2)) == 50
     assert lim.cost(_req(10)) == 110  # the model's default_output_tokens (100)
     assert lim.cost(_req(950)) == 950 + 50  # within the context left (1000 - 950)
+    # A batched completion decodes n choices for each of its prompts: 3 prompts × n=2 × 20.
+    batch = dataclasses.replace(_req(30, max_tokens=20, n=2), prompt_lengths=(10, 10, 10))
+    assert lim.cost(batch) == 30 + 120
     size = _limiter(cost="size", size_cost_base=3)
     assert size.cost(_req(body_bytes=100)) == 3 + 1
     assert size.cost(_req(body_bytes=10 * 1024 + 5)) == 3 + 10

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from extproc.datastore.prefill_fit import prefill_work
 from extproc.scheduling.framework import Filter, Picker, Scorer
+from extproc.scheduling.plugins.filters.kv_fit import blocks_needed, blocks_to_start
 from extproc.scheduling.plugins.scorers.ttft_estimate import predicted_ttft_s
 from extproc.scheduling.registry import PluginConfigError, build, registered
 
@@ -92,6 +94,19 @@ def test_kv_fit_filter_counts_engine_usage_and_our_reservations(store):
     assert build("kv-fit-filter").filter(context(), [a, b, c]) == [a, c]
     # headroom_fraction keeps 25 % of 16 = 4 blocks free: a no longer fits.
     assert build("kv-fit-filter", {"headroom_fraction": 0.25}).filter(context(), [a, b, c]) == [c]
+
+
+def test_kv_fit_reserves_a_batch_whole_and_starts_it_once_its_largest_prompt_fits(store):
+    """A batched completion's prompts are each their own engine request: all of them are
+    reserved, but an endpoint with room for the largest can start the batch."""
+    a, b, _ = store.all()
+    ctx = context(prompt=400, output=28)
+    ctx.request = dataclasses.replace(ctx.request, prompt_lengths=(100, 100, 100, 100))
+    # each prompt: 6 full blocks + ceil((4 + 28) / 16) = 8 blocks; the batch 32.
+    assert (blocks_needed(ctx, a), blocks_to_start(ctx, a)) == (32, 8)
+    a.engine = engine(kv=0.5, blocks=16)  # 8 free: the largest prompt fits
+    b.engine = engine(kv=0.5, blocks=14)  # 7 free: it does not
+    assert build("kv-fit-filter").filter(ctx, [a, b]) == [a]
 
 
 def test_kv_fit_uses_each_endpoints_block_size(store):

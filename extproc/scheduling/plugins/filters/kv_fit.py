@@ -1,7 +1,10 @@
 """`kv-fit-filter`: KV-cache admission — drop endpoints whose free KV blocks cannot hold the request.
 
 Blocks needed = ceil over (prompt tokens + expected output) with the prompt blocks shared by
-the `n` choices (`extproc.pipeline.kv.blocks_for_request`); expected output = `max_tokens` when
+the `n` choices (`extproc.pipeline.kv.blocks_for_request`), for each prompt of a batched
+completion; the endpoint must have its largest prompt's free (`blocks_to_start`: the engine
+admits a batch's prompts one by one) and all of them are reserved (`blocks_needed`). Expected
+output = `max_tokens` when
 given, else the model's `default_output_tokens` (not the `max_model_len` worst case, which
 would starve the fleet). Free blocks = `num_gpu_blocks × (1 − kv_cache_usage_perc)` from the
 engine's metrics minus our own unsettled reservations on that endpoint.
@@ -21,18 +24,29 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from extproc.datastore.endpoints import Endpoint
-from extproc.pipeline.kv import blocks_for_request
+from extproc.pipeline.kv import blocks_for_prompts
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["KVFitFilter", "free_blocks", "blocks_needed"]
+__all__ = ["KVFitFilter", "blocks_to_start", "free_blocks", "blocks_needed"]
+
+
+def _blocks(ctx: SchedulingContext, ep: Endpoint) -> tuple[int, int]:
+    r = ctx.request
+    return blocks_for_prompts(r.prompt_lengths or (r.prompt_tokens,), ctx.expected_output_tokens, ctx.block_size(ep), r.n)
 
 
 def blocks_needed(ctx: SchedulingContext, ep: Endpoint) -> int:
-    """KV blocks the request may occupy on `ep` (blocks)."""
-    r = ctx.request
-    return blocks_for_request(r.prompt_tokens, ctx.expected_output_tokens, ctx.block_size(ep), r.n)
+    """KV blocks the request may occupy on `ep` (blocks): every prompt of a batched completion
+    with its own n choices (`extproc.pipeline.kv.blocks_for_prompts`); what is reserved."""
+    return _blocks(ctx, ep)[0]
+
+
+def blocks_to_start(ctx: SchedulingContext, ep: Endpoint) -> int:
+    """KV blocks `ep` must have free to start the request (blocks): its largest prompt with its
+    n choices; the engine admits a batch's prompts one by one. For one prompt, `blocks_needed`."""
+    return _blocks(ctx, ep)[1]
 
 
 def free_blocks(ep: Endpoint) -> int | None:
@@ -56,6 +70,6 @@ class KVFitFilter(Plugin):
                 out.append(ep)
                 continue
             headroom = int(self.params.headroom_fraction * (ep.engine.num_gpu_blocks or 0))
-            if blocks_needed(ctx, ep) <= free - headroom:
+            if blocks_to_start(ctx, ep) <= free - headroom:
                 out.append(ep)
         return out
