@@ -312,7 +312,10 @@ class ModelConfig(Strict):
         tokenizer: a local directory with `tokenizer.json`/`tokenizer_config.json`, or
             `builtin:qwen3`.
         architecture: a `config.json` path or directory, or `builtin:<name>`
-            (see `extproc.models.builtin_architectures()`).
+            (see `extproc.models.builtin_architectures()`); read when the config loads, so a
+            missing or malformed one is a configuration error. The router counts KV in the
+            engines' own blocks (`num_gpu_blocks`, `block_size` from their metrics), so today
+            only the simulator's profiles use these numbers.
         max_model_len: context limit enforced as vLLM does (tokens).
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
@@ -348,6 +351,26 @@ class ModelConfig(Strict):
     def _switch_alone(cls, v: Any) -> Any:
         # `output_estimate: off` (YAML reads false), like `truncation: off`: was refused as not a mapping
         return {"enabled": v} if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _architecture_loads(self) -> ModelConfig:
+        # Read at load time, so that `check-config` and `serve` refuse a missing or malformed
+        # config.json, an unknown built-in or an unknown KV dtype alike (both passed silently).
+        from extproc.models import ARCHITECTURES_DIR, builtin_architectures
+        from extproc.pipeline.kv import load_architecture
+
+        if self.architecture.startswith("builtin:"):
+            name = self.architecture.removeprefix("builtin:")
+            if name not in builtin_architectures():
+                raise ValueError(f"architecture {self.architecture!r}: unknown built-in; built-in architectures: {builtin_architectures()}")
+            where: str | os.PathLike[str] = ARCHITECTURES_DIR / f"{name}.json"
+        else:
+            where = os.path.expanduser(self.architecture)
+        try:
+            load_architecture(where).kv_bytes_per_token(self.dtype)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"architecture {self.architecture!r} (dtype {self.dtype!r}): {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _output_room(self) -> ModelConfig:

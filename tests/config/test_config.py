@@ -64,8 +64,14 @@ def test_default_config_serves_the_default_model():
         (minimal(listen={"grpc": "0.0.0.0:5000", "admin": "127.0.0.1:5000"}), ["listen.grpc", "different ports"]),
         (minimal(scheduling={"prefill_model": {"attention_ratio": 2e-1}}),  # a typo of 2e-5
          ["scheduling.prefill_model.attention_ratio: 0.2 is above 0.001", "201,000 tokens of work", "2e-05"]),
+        # Both passed check-config and serve silently (a new user's trial).
+        ({**minimal(), "models": [{"name": "m", "architecture": "/nonexistent/config.json"}]},
+         ["models[0]: architecture '/nonexistent/config.json'", "No such file"]),
+        ({**minimal(), "models": [{"name": "m", "architecture": "builtin:nope"}]}, ["unknown built-in", "qwen3-8b"]),
+        ({**minimal(), "models": [{"name": "m", "dtype": "fp9"}]}, ["dtype 'fp9'", "unknown dtype"]),
     ],
-    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed", "grpc-admin-one-port", "attention-ratio-typo"],
+    ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed", "grpc-admin-one-port", "attention-ratio-typo",
+         "missing-architecture", "unknown-builtin-architecture", "unknown-kv-dtype"],
 )
 def test_errors_name_the_key_and_value(raw, needles):
     with pytest.raises(ConfigError) as info:
