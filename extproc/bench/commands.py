@@ -238,7 +238,7 @@ async def run_up(policy: Policy, settings: StackSettings, console: Console) -> i
             console.print(f"  logs: {logs.path}", highlight=False, soft_wrap=True)
             console.print(
                 f"try: curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' "
-                f"-d '{{\"model\": \"{_model(settings)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+                f"-d '{{\"model\": \"{_model(settings)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 20}}'",
                 highlight=False, soft_wrap=True,
             )
             console.print("Ctrl-C stops everything.", highlight=False)

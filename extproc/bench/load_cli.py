@@ -88,5 +88,5 @@ def load(
     outcomes = Counter(r.error or "ok" for r in record.results)
     endpoints = Counter(r.endpoint for r in record.results if r.error is None)
     typer.echo(f"sent {len(record.results)} in {record.wall_duration_s:.1f} s: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
-    typer.echo("served by: " + ", ".join(f"{k} {v}" for k, v in endpoints.most_common()))
+    typer.echo("served by: " + (", ".join(f"{k} {v}" for k, v in endpoints.most_common()) or "none (no request succeeded)"))
     raise typer.Exit(0 if outcomes.get("ok") else 1)

@@ -80,3 +80,15 @@ def test_a_url_that_is_not_a_gateway_base_is_refused_naming_the_option(url: str,
     with pytest.raises(ValueError, match=message) as info:
         gateway_base(url)
     assert str(info.value).startswith("--url")
+
+
+async def test_a_run_where_nothing_succeeded_says_so(tmp_path: Path):
+    """Every request refused (a model the server does not serve): `served by:` was printed empty."""
+    sim = SimProcess("h100-qwen3-8b", name="sim", workdir=tmp_path, speed=20.0)
+    await sim.start()
+    try:
+        done = _load("--url", sim.url, "--rate", "50", "--requests", "2", "--model", "no-such-model")
+    finally:
+        await sim.aclose()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "served by: none (no request succeeded)" in done.stdout
