@@ -356,19 +356,14 @@ class ModelConfig(Strict):
     def _architecture_loads(self) -> ModelConfig:
         # Read at load time, so that `check-config` and `serve` refuse a missing or malformed
         # config.json, an unknown built-in or an unknown KV dtype alike (both passed silently).
-        from extproc.models import ARCHITECTURES_DIR, builtin_architectures
+        from extproc.models import builtin_architecture_path
         from extproc.pipeline.kv import load_architecture
 
-        if self.architecture.startswith("builtin:"):
-            name = self.architecture.removeprefix("builtin:")
-            if name not in builtin_architectures():
-                raise ValueError(f"architecture {self.architecture!r}: unknown built-in; built-in architectures: {builtin_architectures()}")
-            where: str | os.PathLike[str] = ARCHITECTURES_DIR / f"{name}.json"
-        else:
-            where = os.path.expanduser(self.architecture)
+        source = self.architecture
         try:
+            where = builtin_architecture_path(source.removeprefix("builtin:")) if source.startswith("builtin:") else os.path.expanduser(source)
             load_architecture(where).kv_bytes_per_token(self.dtype)
-        except (OSError, ValueError) as exc:
+        except (LookupError, OSError, ValueError) as exc:
             raise ValueError(f"architecture {self.architecture!r} (dtype {self.dtype!r}): {exc}") from None
         return self
 

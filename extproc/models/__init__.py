@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-__all__ = ["ARCHITECTURES_DIR", "builtin_architectures", "builtin_tokenizer_dir", "DEFAULT_MODEL"]
+__all__ = ["ARCHITECTURES_DIR", "builtin_architecture_path", "builtin_architectures", "builtin_tokenizer_dir", "DEFAULT_MODEL"]
 
 ARCHITECTURES_DIR = Path(__file__).parent / "architectures"
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
@@ -19,6 +19,18 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 def builtin_architectures() -> list[str]:
     """Names accepted after `builtin:` in `architecture`."""
     return sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json"))
+
+
+def builtin_architecture_path(name: str) -> Path:
+    """The `config.json` subset of a built-in architecture (`builtin:<name>`).
+
+    Raises:
+        LookupError: unknown name (the message lists the known ones).
+    """
+    path = ARCHITECTURES_DIR / f"{name}.json"
+    if not path.is_file():
+        raise LookupError(f"unknown built-in architecture {name!r}; built-in architectures: {builtin_architectures()}")
+    return path
 
 
 def builtin_tokenizer_dir(name: str) -> Path:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from extproc.models import ARCHITECTURES_DIR
+from extproc.models import builtin_architecture_path
 from extproc.pipeline.kv import ModelArchitecture, load_architecture
 
 __all__ = [
@@ -189,7 +189,7 @@ class Profile:
 @cache
 def architecture(name: str) -> ModelArchitecture:
     """A built-in architecture by name (cached)."""
-    return load_architecture(ARCHITECTURES_DIR / f"{name}.json")
+    return load_architecture(builtin_architecture_path(name))
 
 
 # --- Llama-3(.1) rows: calibration §10 table, fuller (max) form --------------------------------
