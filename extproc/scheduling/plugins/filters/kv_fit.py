@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from extproc.datastore.endpoints import Endpoint
-from extproc.pipeline.kv import blocks_for_prompts
+from extproc.pipeline.kv import blocks_for_prompts, blocks_for_request
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
 from extproc.scheduling.registry import register
@@ -34,7 +34,10 @@ __all__ = ["KVFitFilter", "blocks_to_start", "free_blocks", "blocks_needed"]
 
 def _blocks(ctx: SchedulingContext, ep: Endpoint) -> tuple[int, int]:
     r = ctx.request
-    return blocks_for_prompts(r.prompt_lengths or (r.prompt_tokens,), ctx.expected_output_tokens, ctx.block_size(ep), r.n)
+    if not r.prompt_lengths:  # one prompt, every request but a batched completion: once, per endpoint
+        blocks = blocks_for_request(r.prompt_tokens, ctx.expected_output_tokens, ctx.block_size(ep), r.n)
+        return blocks, blocks
+    return blocks_for_prompts(r.prompt_lengths, ctx.expected_output_tokens, ctx.block_size(ep), r.n)
 
 
 def blocks_needed(ctx: SchedulingContext, ep: Endpoint) -> int:
