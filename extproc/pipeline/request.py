@@ -149,8 +149,8 @@ class Routed:
         timings_s: seconds per phase (parse, tokenize, truncate when it ran, schedule, total).
         expected_output_tokens: max_tokens, or the model's expectation without it (tokens).
         decode_output_tokens: the output length decode estimates use (tokens): max_tokens
-            capped by the model's learned output length (`OutputEstimates.decode_tokens`); 0:
-            `expected_output_tokens`.
+            capped by the model's learned output length (`OutputEstimates.decode_tokens`); None
+            (a route not scheduled by the profile): `expected_output_tokens`.
         prefix: the prefix index's view of the request (None without one).
         session: the request's session key (None without one).
         predicted_ttft_s: predicted seconds to first token per endpoint address (when the
@@ -168,13 +168,19 @@ class Routed:
     result: ProfileResult | None
     timings_s: dict[str, float]
     expected_output_tokens: int = 0
-    decode_output_tokens: int = 0
+    decode_output_tokens: int | None = None
     prefix: PrefixMatch | None = None
     session: bytes | None = None
     predicted_ttft_s: dict[str, float] | None = None
     body: bytes | None = None
     truncation: Truncation | None = None
     attention_ratio: float = PREFILL_ATTENTION_RATIO
+
+    @property
+    def decode_tokens(self) -> int:
+        """Output tokens the request is expected to decode (tokens): `decode_output_tokens`, or
+        `expected_output_tokens` without it. For decode estimates, never for KV."""
+        return self.expected_output_tokens if self.decode_output_tokens is None else self.decode_output_tokens
 
     @property
     def prefill_counts(self) -> PrefillCounts:
@@ -719,7 +725,7 @@ class RequestPipeline:
             settle_after_s=self._config.admission.kv.settle_after_s,
             # In-flight decode context: half the expected output, capped like the decode terms
             # (the KV reservation above keeps max_tokens).
-            context_tokens=routed.request.prompt_tokens + (routed.decode_output_tokens or routed.expected_output_tokens) * routed.request.sequences // 2,
+            context_tokens=routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2,
         )
 
     def _priority(self, value: str | None, trusted: str | None) -> str:
