@@ -297,6 +297,11 @@ class LoadGenerator:
             ordered = ordered[: self.config.max_requests]
         return ordered
 
+    def max_tokens(self, request: TraceRequest) -> int:
+        """The `max_tokens` sent for `request` (tokens): its output length, or the configured
+        budget (`LoadGenConfig.max_tokens`) when that is larger."""
+        return request.output_tokens if self.config.max_tokens is None else max(self.config.max_tokens, request.output_tokens)
+
     def body(self, request: TraceRequest, index: int) -> bytes:
         """The JSON body sent for `request` (bytes)."""
         if request.messages is not None:
@@ -313,13 +318,11 @@ class LoadGenerator:
             "messages": messages,
             "stream": True,
             "stream_options": stream_options,
-            "max_tokens": request.output_tokens,
+            "max_tokens": self.max_tokens(request),
             "min_tokens": request.output_tokens,
-            "ignore_eos": True,
         }
-        if self.config.max_tokens is not None:  # a client's huge budget: the engine stops by itself
-            body["max_tokens"] = max(self.config.max_tokens, request.output_tokens)
-            del body["ignore_eos"]
+        if self.config.max_tokens is None:  # else a client's huge budget: the engine stops by itself
+            body["ignore_eos"] = True
         return orjson.dumps(body)
 
     async def run(self, requests: Iterable[TraceRequest], *, handle_signals: bool = False) -> RunRecord:
@@ -432,7 +435,7 @@ class LoadGenerator:
             scheduled_s=request.arrival_s,
             lag_s=now - target,
             input_tokens=request.input_tokens,
-            max_tokens=request.output_tokens if self.config.max_tokens is None else max(self.config.max_tokens, request.output_tokens),
+            max_tokens=self.max_tokens(request),
             session=request.session,
             sent_wall_s=now - t0,
             time_scale=self.config.speed,

@@ -180,7 +180,6 @@ class _Listener(logging.handlers.QueueListener):
         return logging.makeLogRecord({"msg": record.as_dict(), "levelno": logging.INFO, "levelname": "INFO"})
 
 
-
 def log_path_problem(path: str | Path) -> str | None:
     """Why `DecisionLog.start` could not open `path`, found without creating anything (for
     `llm-extproc check-config`), or None when it looks openable: the path is a directory, or is
