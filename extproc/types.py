@@ -76,6 +76,13 @@ class LLMRequest:
     prompt_lengths: tuple[int, ...] = ()
 
     @property
+    def largest_prompt(self) -> int:
+        """The longest prompt's tokens (tokens): of a batched completion's prompts
+        (`prompt_lengths`), else `prompt_tokens`. Each prompt is its own engine request, so
+        this, not the batch's sum, bounds the output its context leaves."""
+        return max(self.prompt_lengths) if self.prompt_lengths else int(self.prompt_tokens)
+
+    @property
     def sequences(self) -> int:
         """Output sequences the engine decodes for it (count): `n` for each prompt, every
         prompt of a batched completion (`prompt_lengths`) its own."""

@@ -189,12 +189,13 @@ class RateLimiter:
     def output_budget(self, request: LLMRequest) -> int:
         """Output tokens reserved: `max_tokens` × the sequences decoded (n for each prompt of a
         batched completion, `LLMRequest.sequences`), else the model's `default_output_tokens`
-        (within what its context leaves after the prompt) × those sequences."""
+        (within what its context leaves after the largest prompt, as the router's expected
+        output; each prompt of a batch is its own engine request) × those sequences."""
         if request.max_tokens is not None:
             per = request.max_tokens
         else:
             default, max_len = self._models.get(request.served_model, (512, 1 << 30))
-            per = min(default, max(1, max_len - request.prompt_tokens))
+            per = min(default, max(1, max_len - request.largest_prompt))
         return per * request.sequences
 
     def cost(self, request: LLMRequest) -> int:

@@ -51,6 +51,11 @@ async def test_cost_is_prompt_plus_output_budget_or_size():
     # A batched completion decodes n choices for each of its prompts: 3 prompts × n=2 × 20.
     batch = dataclasses.replace(_req(30, max_tokens=20, n=2), prompt_lengths=(10, 10, 10))
     assert lim.cost(batch) == 30 + 120
+    # Without max_tokens, each prompt's own context bounds its output (the largest prompt's, as
+    # the router's expected output), not the batch's summed prompts: 3 × 400 tokens leave 600
+    # each, so the default (100) stands for every sequence.
+    long_batch = dataclasses.replace(_req(1200), prompt_lengths=(400, 400, 400))
+    assert lim.cost(long_batch) == 1200 + 3 * 100
     size = _limiter(cost="size", size_cost_base=3)
     assert size.cost(_req(body_bytes=100)) == 3 + 1
     assert size.cost(_req(body_bytes=10 * 1024 + 5)) == 3 + 10
