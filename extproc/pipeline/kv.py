@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPE_BYTES", "ModelArchitecture", "load_architecture", "blocks_for_tokens", "blocks_for_request"]
+__all__ = ["DTYPE_BYTES", "MAX_CONFIG_JSON_BYTES", "ModelArchitecture", "load_architecture", "blocks_for_tokens", "blocks_for_request"]
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -121,20 +121,35 @@ class ModelArchitecture:
         return self.num_parameters * DTYPE_BYTES.get(self.torch_dtype, 2) // max(1, tensor_parallel)
 
 
+# An HF config.json is a few KB (a multimodal one's nested configs some tens of KB); a larger
+# file is not one (a weights file named by mistake), and is refused before it is read whole.
+MAX_CONFIG_JSON_BYTES = 4 << 20
+
+
 def load_architecture(path: str | Path) -> ModelArchitecture:
-    """Read a `config.json` (or a directory holding one).
+    """Read a `config.json` (or a directory holding one), at most `MAX_CONFIG_JSON_BYTES`.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not JSON, or a required field is missing.
+        ValueError: not a regular file (a FIFO or a device would block or never end the
+            read), over `MAX_CONFIG_JSON_BYTES`, not UTF-8 JSON (nesting too deep for the
+            parser included), or a required field is missing.
     """
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    if p.exists() and not p.is_file():
+        raise ValueError(f"{p}: not a regular file")
+    with p.open("rb") as f:
+        raw = f.read(MAX_CONFIG_JSON_BYTES + 1)
+    if len(raw) > MAX_CONFIG_JSON_BYTES:
+        raise ValueError(f"{p}: over {MAX_CONFIG_JSON_BYTES} bytes; a model's config.json is a few KB")
     try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not valid JSON ({exc})") from None
+        cfg = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p}: not valid UTF-8 JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{p}: not a model's config.json (JSON nested too deep)") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: expected a JSON object")
     return ModelArchitecture.from_hf_config(cfg)

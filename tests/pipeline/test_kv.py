@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from extproc.models import ARCHITECTURES_DIR
-from extproc.pipeline.kv import ModelArchitecture, blocks_for_prompts, blocks_for_request, blocks_for_tokens, load_architecture
+from extproc.pipeline.kv import MAX_CONFIG_JSON_BYTES, ModelArchitecture, blocks_for_prompts, blocks_for_request, blocks_for_tokens, load_architecture
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,30 @@ def test_mla():
 def test_missing_field_is_named():
     with pytest.raises(ValueError, match="num_hidden_layers"):
         ModelArchitecture.from_hf_config({"hidden_size": 1, "num_attention_heads": 1})
+
+
+def test_unreadable_config_json_is_a_value_error_not_a_hang_or_a_crash(tmp_path):
+    # A FIFO blocked the config load for ever, /dev/zero read until memory ran out, and JSON
+    # nested past the parser's recursion limit escaped as a RecursionError (a traceback).
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_architecture(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_architecture("/dev/zero")
+    big = tmp_path / "model.safetensors"
+    big.write_bytes(b" " * (MAX_CONFIG_JSON_BYTES + 1))
+    with pytest.raises(ValueError, match="over"):
+        load_architecture(big)
+    deep = tmp_path / "config.json"
+    deep.write_text("[" * 200_000)
+    with pytest.raises(ValueError, match="nested too deep"):
+        load_architecture(tmp_path)  # the directory: its config.json
+    deep.write_bytes(b"{\"num_hidden_layers\": \"\xff\"}")  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match="UTF-8"):
+        load_architecture(deep)
+    with pytest.raises(FileNotFoundError):
+        load_architecture(tmp_path / "absent.json")
 
 
 @pytest.mark.parametrize(
