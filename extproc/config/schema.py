@@ -310,7 +310,8 @@ class ModelConfig(Strict):
         name: canonical name, as the engines serve it (`--served-model-name`).
         aliases: other names clients may send.
         tokenizer: a local directory with `tokenizer.json`/`tokenizer_config.json`, or
-            `builtin:qwen3`.
+            `builtin:qwen3`. This path and `architecture`'s expand `~`; a relative one is
+            relative to the process's working directory, not to the config file.
         architecture: a `config.json` path or directory, or `builtin:<name>`
             (see `extproc.models.builtin_architectures()`); read when the config loads, so a
             missing or malformed one is a configuration error. The router counts KV in the

@@ -268,7 +268,8 @@ class TokenCounter:
 
     @classmethod
     def from_source(cls, source: str, *, encoder: str = "auto") -> TokenCounter:
-        """Load from `builtin:qwen3` or a local directory holding `tokenizer.json` (`encoder`:
+        """Load from `builtin:qwen3` or a local directory holding `tokenizer.json` (`~` the
+        user's home; a relative path from the working directory, as `architecture`'s) (`encoder`:
         see the class).
 
         Never touches the network (HF_HUB_OFFLINE, local_files_only).
@@ -282,7 +283,7 @@ class TokenCounter:
             except LookupError as exc:
                 raise TokenizerLoadError(str(exc)) from None
         else:
-            path = Path(source)
+            path = Path(source).expanduser()  # `~` as in a model's `architecture` path
             if not (path / "tokenizer.json").is_file():
                 raise TokenizerLoadError(f"tokenizer {source!r}: no tokenizer.json in that directory")
         try:

@@ -110,6 +110,16 @@ def test_bad_tokenizer_source(source):
     assert source.split(":")[-1] in str(info.value)
 
 
+def test_tokenizer_path_under_home(tmp_path, monkeypatch):
+    # `~` is the user's home, as for a model's `architecture` path (which expanded it while a
+    # tokenizer's `~/...` was refused as missing: one config, two rules).
+    shutil.copytree(builtin_tokenizer_dir("qwen3"), tmp_path / "tok")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    counter = TokenCounter.from_source("~/tok")
+    reference = TokenCounter.from_source("builtin:qwen3")
+    assert counter.count_text("Hello there").token_ids == reference.count_text("Hello there").token_ids
+
+
 # --- the fast encoder and its load-time cross-check ------------------------------------------
 
 
