@@ -676,17 +676,22 @@ class RequestPipeline:
         by = result.rejected_by or "?"
         r = ctx.request
         if by.startswith("kv-fit"):
+            # A batch's prompts start one by one: its largest is what must fit, so name it.
+            prompt = (
+                f"its largest prompt ({r.largest_prompt} of the batch's {r.prompt_tokens} prompt tokens)"
+                if r.prompt_lengths else f"{r.prompt_tokens} prompt"
+            )  # fmt: skip
             sized = [ep for ep in pool if ep.engine is not None and ep.engine.num_gpu_blocks]
             if sized and all(blocks_to_start(ctx, ep) > ep.engine.num_gpu_blocks for ep in sized):
                 return ValidationError(
-                    f"this request can never fit: {r.prompt_tokens} prompt + {ctx.expected_output_tokens} output tokens "
+                    f"this request can never fit: {prompt} + {ctx.expected_output_tokens} output tokens "
                     f"with n={r.n} need more KV cache than any endpoint has in total; reduce n, max_tokens or the prompt",
                     param="n" if r.n > 1 else "max_tokens",
                     code="kv_cache_too_small",
                 )
             kv = self._config.admission.kv
             msg = (
-                f"no endpoint has enough free KV cache for this request ({r.prompt_tokens} prompt + "
+                f"no endpoint has enough free KV cache for this request ({prompt} + "
                 f"{ctx.expected_output_tokens} output tokens, n={r.n}); retry later"
             )
             if kv.reject_status == 429:

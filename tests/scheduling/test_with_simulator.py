@@ -188,3 +188,46 @@ async def test_sheddable_refused_before_standard_before_critical(stack):
     assert 'llm_extproc_priority_claims_bounded_total{action="downgraded",claimed="critical"} 3.0' in text
     for h in hogs:
         h.cancel()
+
+
+async def _batch(stub, prompts: list[str], max_tokens: int, n: int = 1, hold: bool = False):
+    """One batched-completion decision over ext_proc: "routed", or (status, error code, message)
+    when refused; `hold` as in `decide`."""
+    body = orjson.dumps({"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "n": n})
+    hdrs = {":method": b"POST", ":path": b"/v1/completions"}
+    call = stub.Process()
+    await call.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hdrs.items()]))))
+    await call.read()
+    await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    reply = await call.read()
+    if reply.WhichOneof("response") == "immediate_response":
+        error = orjson.loads(reply.immediate_response.body)["error"]
+        result = (reply.immediate_response.status.code, error["code"], error["message"])
+    else:
+        result = "routed"
+    if hold:
+        return result, call
+    call.cancel()
+    return result
+
+
+async def test_batch_reserves_every_prompt_and_releases_them_all(stack):
+    # 64 blocks of 16 tokens. 8 prompts of ~300 tokens with 64 output tokens each: ~23 blocks
+    # each, ~184 in all — more than the pool, while each prompt alone fits: routed, not a 400.
+    app, (a,), stub = await stack({"speed": 0.5, "num_gpu_blocks": 64})
+    ep = app.store.get(f"127.0.0.1:{a.port}")
+    await until(lambda: ep.engine is not None)
+    prompts = [" ".join(["tok"] * 300)] * 8
+    result, call = await _batch(stub, prompts, max_tokens=64, hold=True)
+    assert result == "routed"
+    assert ep.reserved_blocks > 64  # every prompt's blocks, not one prompt's
+    call.cancel()  # the client goes away before the engine answers
+    await until(lambda: ep.inflight == 0)
+    assert ep.reserved_blocks == 0
+    # One prompt longer than the whole pool is still 'can never fit', batched or not, and the
+    # refusal names that prompt (the batch's sum read as the prompt to shorten).
+    status, code, message = await _batch(stub, [" ".join(["tok"] * 300)] * 3 + [" ".join(["tok"] * 2000)], max_tokens=16)
+    assert (status, code) == (400, "kv_cache_too_small")
+    assert "its largest prompt (2000 of the batch's 2900 prompt tokens)" in message
+    assert ep.reserved_blocks == 0 and ep.inflight == 0
