@@ -292,7 +292,13 @@ class ReplicaSync:
         rid = self._next_rid = self._next_rid + 1
         self._local[r] = rid
         ep = r.endpoint
-        self._enqueue(["p", rid, ep.address, r.blocks, r.prompt_tokens, r.context_tokens, round(r.settle_at - r.created_at, 3)])
+        # A batched completion reserves every sequence's blocks and decode context (up to
+        # `limits.max_prompts` × n of 128), which may pass the bound the receivers accept; any
+        # count at the bound already exceeds every engine, so sending the bound loses nothing,
+        # while sending more had every other replica drop the pick as malformed.
+        blocks, context = min(r.blocks, MAX_COUNT), min(r.context_tokens, MAX_COUNT)
+        work = min(r.prompt_tokens, MAX_PREFILL_WORK)
+        self._enqueue(["p", rid, ep.address, blocks, work, context, round(r.settle_at - r.created_at, 3)])
         c = r.prefill_counts
         if c is not None:  # right after its pick: one batch holds both (module doc)
             self._enqueue(["w", rid, c.prompt_tokens, c.uncached, list(c.prompt_lengths)])

@@ -17,7 +17,7 @@ from extproc.prefix.hashing import chain_block_hashes
 from extproc.prefix.tracker import PrefixTracker
 from extproc.ratelimit.config import RedisConfig
 from extproc.replicas.config import ReplicasConfig
-from extproc.replicas.sync import MAX_PEERS, ReplicaSync, redis_location
+from extproc.replicas.sync import MAX_COUNT, MAX_PEERS, ReplicaSync, redis_location
 
 MODEL = "m"
 ADDRS = ["10.0.0.1:8000", "10.0.0.2:8000"]
@@ -92,6 +92,18 @@ def test_local_reservations_are_queued_as_pick_first_token_release():
     kinds = [e[0] for e in sync._queue]
     assert kinds == ["p", "f", "r"]
     assert sync._queue[0][2:] == [ADDRS[0], 3, 100, 150, 2.0]
+
+
+def test_a_batch_reserving_more_than_the_channel_bound_still_reaches_the_others():
+    """A batched completion reserves every sequence's blocks (1,024 prompts × n=128 may), far
+    past MAX_COUNT: the other replicas dropped such a pick as malformed and routed on to the
+    endpoint as if it were idle. Sent at the bound (more than any engine holds), it counts."""
+    sync, store, _ = make_sync()
+    store.reserve(store.get(ADDRS[0]), 1 << 26, prompt_tokens=100, settle_after_s=2.0, context_tokens=1 << 31)
+    other, other_store, _ = make_sync()
+    assert other.apply(batch("peer", *sync._queue)) == 1
+    ep = other_store.get(ADDRS[0])
+    assert (ep.inflight, ep.reserved_blocks, ep.context_tokens) == (1, MAX_COUNT, MAX_COUNT)
 
 
 def test_a_replica_not_heard_from_has_its_reservations_released():
