@@ -441,7 +441,8 @@ class RequestPipeline:
                 truncation mode is not `off`).
             record: a decision-log record to fill with what is learnt (model, prompt tokens,
                 output budget, truncation), even when the request is refused later; or None.
-            before_count: awaited with (served model, max_tokens, n, body bytes) once the body is
+            before_count: awaited with (served model, max_tokens, sequences: n for each prompt
+                of a batched completion, body bytes) once the body is
                 parsed and before its tokens are counted; may raise an `ExtProcError` to refuse
                 cheaply (the rate limiter's precheck).
             subset: a hard filter on the model's endpoints (the Endpoint Picker Protocol's subset
@@ -480,7 +481,8 @@ class RequestPipeline:
         if record is not None:
             record.model = runtime.config.name
         if before_count is not None:
-            await before_count(runtime.config.name, parsed.max_tokens, parsed.n, len(body))
+            batch = len(parsed.prompts) or len(parsed.prompt_token_ids)  # 0: a chat or responses request
+            await before_count(runtime.config.name, parsed.max_tokens, parsed.n * max(1, batch), len(body))
         t1 = time.perf_counter()
         model = runtime.config
         counted = self._count(parsed, runtime, len(body))

@@ -225,7 +225,8 @@ class RateLimiter:
         """Refuse before the prompt is tokenized when even the request's least possible cost
         does not fit now (charges nothing; `admit` decides for real).
 
-        The least cost is the prompt's floor + `max_tokens` × n (1 × n without max_tokens), or
+        The least cost is the prompt's floor + `max_tokens` × n (1 × n without max_tokens; `n`:
+        the sequences decoded, n for each prompt of a batched completion), or
         the size cost. The prompt's floor is 1 token for a tenant's first request, then this
         body's bytes × the tenant's lowest tokens per byte so far × `PROMPT_FLOOR_MARGIN`: a
         flood of long prompts that the window or pacing bucket cannot hold is refused before

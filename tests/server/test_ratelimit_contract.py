@@ -24,6 +24,7 @@ from tests.server.test_contract import MODEL, body_msg, chat_body, error_of, exc
 
 SECRET = "sk-live-ratelimit-0123456789"
 AUTH = {"authorization": f"Bearer {SECRET}".encode()}
+MISSES = "llm_extproc_tokenizer_cache_misses_total"
 RATE_HEADERS = {f"x-ratelimit-{a}-{b}" for a in ("limit", "remaining", "reset") for b in ("tokens", "requests")}
 
 
@@ -78,18 +79,24 @@ async def test_over_the_limit_is_a_429_with_openai_headers_and_admitted_response
     assert SECRET not in exposed and SECRET not in caplog.text
 
 
+async def _hold_fresh(app, stub, max_tokens: int):
+    """Hold one admitted chat request of a never-seen prompt open (its charge kept); returns the
+    call and the tokenizer's cache misses after counting it."""
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
+    await call.read()
+    await call.write(body_msg(chat_body(f"fresh text {uuid.uuid4().hex}", max_tokens=max_tokens)))
+    assert (await call.read()).WhichOneof("response") == "request_body"
+    misses = app.metrics.registry.get_sample_value(MISSES, {"model": MODEL}) or 0
+    assert misses > 0  # the request was tokenized and counted
+    return call, misses
+
+
 async def test_a_full_window_refuses_before_tokenizing(make_app):
     app = await make_app(ratelimit=_limited(1_000))
-    misses = "llm_extproc_tokenizer_cache_misses_total"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
         stub = pb_grpc.ExternalProcessorStub(ch)
-        call = stub.Process()  # held open: keeps 10 + 900 tokens
-        await call.write(headers_msg("POST", "/v1/chat/completions", extra=AUTH))
-        await call.read()
-        await call.write(body_msg(chat_body(f"fresh text {uuid.uuid4().hex}", max_tokens=900)))
-        assert (await call.read()).WhichOneof("response") == "request_body"
-        before = app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0
-        assert before > 0  # the first request was tokenized and counted
+        call, before = await _hold_fresh(app, stub, 900)  # keeps 10 + 900 tokens
         _, r = await exchange(
             stub, headers_msg("POST", "/v1/chat/completions", extra=AUTH), body_msg(chat_body(f"a prompt never seen before {uuid.uuid4().hex} " * 20, max_tokens=100))
         )
@@ -97,7 +104,7 @@ async def test_a_full_window_refuses_before_tokenizing(make_app):
         # The least cost: the prompt's floor (its bytes × the tenant's tokens per byte so far × 0.5) + 100.
         assert status == 429 and re.search(r"Requested (\d+)\.", body["error"]["message"])
         assert 101 < int(re.search(r"Requested (\d+)\.", body["error"]["message"]).group(1)) < 1000
-        assert (app.metrics.registry.get_sample_value(misses, {"model": MODEL}) or 0) == before, "refused without tokenizing"
+        assert (app.metrics.registry.get_sample_value(MISSES, {"model": MODEL}) or 0) == before, "refused without tokenizing"
         call.cancel()
 
 
@@ -399,3 +406,18 @@ async def test_a_refusal_at_the_headers_has_its_decision_log_line(make_app, tmp_
     assert (line["status"], line["reason"], line["kind"]) == (429, "rate_limit_exceeded", "chat")
     assert line["tenant"] is not None and line["model"] is None and line["prompt_tokens"] is None
     assert line["tenant"] == next(x["tenant"] for x in lines if x["outcome"] == "routed")  # the same tenant
+
+
+async def test_a_batch_whose_outputs_cannot_fit_is_refused_before_tokenizing(make_app):
+    # The least cost of a batched completion counts n choices for every prompt: 4 prompts of
+    # 200 output tokens (800) cannot fit the 490 left, though one prompt's 200 would.
+    app = await make_app(ratelimit=_limited(1_000))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        call, before = await _hold_fresh(app, stub, 500)  # keeps 10 + 500 tokens
+        batch = orjson.dumps({"model": MODEL, "prompt": [f"never seen {uuid.uuid4().hex}" for _ in range(4)], "max_tokens": 200})
+        _, r = await exchange(stub, headers_msg("POST", "/v1/completions", extra=AUTH), body_msg(batch))
+        status, body, _ = error_of(r)
+        assert status == 429 and int(re.search(r"Requested (\d+)\.", body["error"]["message"]).group(1)) >= 800
+        assert (app.metrics.registry.get_sample_value(MISSES, {"model": MODEL}) or 0) == before, "refused without tokenizing"
+        call.cancel()
