@@ -362,7 +362,11 @@ class ModelConfig(Strict):
 
         source = self.architecture
         try:
-            where = builtin_architecture_path(source.removeprefix("builtin:")) if source.startswith("builtin:") else os.path.expanduser(source)
+            # A path from the working directory, as `tokenizer`; absolute, so a refusal says where it looked.
+            where = (
+                builtin_architecture_path(source.removeprefix("builtin:")) if source.startswith("builtin:")
+                else os.path.abspath(os.path.expanduser(source))
+            )  # fmt: skip
             load_architecture(where).kv_bytes_per_token(self.dtype)
         except (LookupError, OSError, ValueError) as exc:
             raise ValueError(f"architecture {self.architecture!r} (dtype {self.dtype!r}): {exc}") from None

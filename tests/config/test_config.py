@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from extproc.config import ConfigError, default_config, load_config
 from extproc.config.loader import config_from_mapping
 from extproc.config.schema import BUILTIN_PROFILES, SAFE_FILTERS
+from extproc.models import ARCHITECTURES_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +80,18 @@ def test_errors_name_the_key_and_value(raw, needles):
         config_from_mapping(raw, env={})
     for needle in needles:
         assert needle in str(info.value)
+
+
+def test_a_relative_architecture_path_is_looked_up_from_the_working_directory(tmp_path, monkeypatch):
+    # The refusal names the absolute path it read, so a config checked from another directory
+    # says where the file was looked for (it named only 'models/m').
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping({**minimal(), "models": [{"name": "m", "architecture": "models/m"}]}, env={})
+    assert f"No such file or directory: '{tmp_path / 'models' / 'm'}'" in str(info.value)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    shutil.copy(ARCHITECTURES_DIR / "qwen3-8b.json", tmp_path / "models" / "m" / "config.json")
+    assert config_from_mapping({**minimal(), "models": [{"name": "m", "architecture": "models/m"}]}, env={}).models[0].architecture == "models/m"
 
 
 def test_the_server_starts_each_endpoints_fit_at_its_gpus_prefill_speed():
