@@ -620,11 +620,10 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("session-affinity-scorer", 1.0),
             _p("weight-override-scorer"),
         ],
-        # The balancers choose only among the endpoints the TTFT cost rates within a quarter of
-        # the best prefill cost: on a request whose prefix an endpoint holds (decision 0240) and,
-        # since decision 0270, on every other one too (one whole prefill cost in decision 0265
-        # let them send a cold 41k-token prompt to an endpoint predicted at twice the best).
-        picker=_p("max-score-picker", lead_scorer="ttft-estimate-scorer", lead_min_score_unmatched=0.8),
+        # On a request whose prefix an endpoint holds, the balancers choose only among the
+        # endpoints the TTFT cost rates within a quarter of the best prefill cost (decision 0240);
+        # on any other request, within one whole prefill cost (decision 0265).
+        picker=_p("max-score-picker", lead_scorer="ttft-estimate-scorer", lead_min_score_unmatched=0.5),
     ),
     # GIE-style weighted prefix affinity (the inference extension's default shape: prefix 3,
     # queue 1, KV utilisation 1), for comparison and for users who want it; the default profile

@@ -15,15 +15,17 @@ holds unless the load is clearly unbalanced) with "clearly" measured by the cost
 which already counts the warm engine's queue and decode batch, so affinity still breaks by
 itself once the warm engine is saturated. Requests no candidate holds a prefix of (no shared
 prefix, or shorter than `prefix.min_match_tokens`) are picked on the total alone, unless
-`lead_min_score_unmatched` is set: then the same restriction applies with that floor. The
-default profile sets it to 0.8 too (decision 0270): a prefix-free request may not go to an
-endpoint costing more than a quarter of its best prefill cost `P` above the cheapest. Decision
-0265's 0.5 (one whole `P`) stopped the balancers sending a cold 7k-token prompt to an A100
-predicted at 0.7 s while an H100 was predicted at 0.2 s, but a long prompt's `P` is seconds:
-on the Mooncake synthetic trace they still sent cold 31-41k-token prompts to endpoints
-predicted at 1.7-2× the best (3.4 s against 1.7 s), the workload's slowest first tokens. Short
-prompts, whose costs differ by little, are still spread by the balancers. Every candidate stays
-in the fallbacks, by total.
+`lead_min_score_unmatched` is set: then the same restriction applies with that (lower) floor.
+At 0.5 (the default profile's) a prefix-free request may not go to an endpoint costing more
+than one whole prefill cost `P` above the cheapest: the balancers still spread short prompts,
+whose costs differ by tens of milliseconds, but can no longer send a cold 7k-token prompt to an
+A100 predicted at 0.7 s while an H100 is predicted at 0.2 s (a shared-system request traced in
+decision 0255; decision 0265 measured the rule: with the cost's decode step floor such votes
+became rare, and the remaining slow cold prefills there are the cost's own choice). Every
+candidate stays in the fallbacks, by total. At 0.8 on prefix-free requests too (decision
+0270, opt-in) the Mooncake synthetic trace's p99 TTFT fell from 3.5 to 2.5 s, but on short
+prompts a quarter of `P` is a few milliseconds: one endpoint whose first few first tokens were
+slowed by the host (22 ms predicted against 13) was kept out for good and never learned again.
 
 Parameters:
     tie_epsilon (float ≥ 0, default 1e-9): totals this close count as equal.
