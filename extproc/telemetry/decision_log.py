@@ -26,7 +26,7 @@ Writing is off the event loop: `write` puts the record on a bounded queue (a ful
 the line and counts it) and the standard library's `QueueListener` thread serialises it and
 hands it to a `RotatingFileHandler`, which rotates by size (`max_bytes`, `backup_count` old
 files `path.1` … `path.N`). A failed write (disk full) drops that line and counts it too, with
-one warning a minute. The reader (`read_decision_log`) turns a log into trace requests.
+one warning a minute. The reader (`extproc.bench.decisions.read_decision_log`) turns a log into trace requests.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import os
 import queue
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,12 +49,11 @@ from extproc.scheduling.plugins.scorers.ttft_estimate import predicted_ttft_s
 if TYPE_CHECKING:
     from prometheus_client import Counter as PromCounter
 
-    from extproc.bench.traces import TraceRequest
     from extproc.config.schema import DecisionLogConfig, ModelConfig
     from extproc.pipeline.request import Routed
     from extproc.pipeline.truncate import Truncation
 
-__all__ = ["DecisionLog", "DecisionRecord", "log_path_problem", "read_decision_log", "tenant_hash"]
+__all__ = ["DETECT_KEYS", "DecisionLog", "DecisionRecord", "log_path_problem", "tenant_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -247,37 +244,3 @@ class DecisionLog:
         if self._handler is not None:
             self._handler.close()
             self._handler = None
-
-
-def read_decision_log(path: str | Path, skipped: Counter | None = None) -> Iterator[TraceRequest]:
-    """Requests of a decision log as trace requests, for `llm-extproc analyze`.
-
-    `input_tokens` is the prompt as the client sent it (before truncation), `output_tokens` the
-    output budget, `arrival_s` the decision time. Lines without a prompt count (refused before
-    counting) are skipped and counted as `not_counted`.
-
-    Raises:
-        TraceFormatError: a line is not a JSON object or a field is malformed (names the line).
-    """
-    from extproc.bench.traces import TraceFormatError, TraceRequest, iter_jsonl
-
-    path = Path(path)
-    skipped = Counter() if skipped is None else skipped
-    for number, row in iter_jsonl(path):
-        if not isinstance(row, dict) or not DETECT_KEYS <= set(row):
-            raise TraceFormatError(path, f"not a decision-log line (needs {sorted(DETECT_KEYS)})", line=number)
-        prompt = row["prompt_tokens"]
-        cut = row.get("truncation")
-        if isinstance(cut, dict) and isinstance(cut.get("tokens_before"), int):
-            prompt = cut["tokens_before"]
-        if prompt is None:
-            skipped["not_counted"] += 1
-            continue
-        budget = row["output_budget"]
-        when = row["time"]
-        for key, value in (("prompt_tokens", prompt), ("output_budget", budget)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TraceFormatError(path, f"{key!r} must be a positive integer, got {value!r}", line=number)
-        if not isinstance(when, int | float) or isinstance(when, bool) or when < 0:
-            raise TraceFormatError(path, f"'time' must be a non-negative number, got {when!r}", line=number)
-        yield TraceRequest(arrival_s=float(when), input_tokens=prompt, output_tokens=budget)
