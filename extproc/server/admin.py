@@ -92,7 +92,8 @@ class AdminServer:
     ) -> None:
         self._replicas = replicas
         # The write routes' credential: given, else from the environment (None refuses them).
-        self._overrides = OverridesAPI(store, metrics, admin_token if admin_token is not None else load_admin_token())
+        token = admin_token if admin_token is not None else load_admin_token()
+        self._overrides = OverridesAPI(store, metrics, token, share=replicas.override if replicas is not None else None)
         self._reuse_port = reuse_port
         self._pipeline = pipeline
         self._ratelimit = ratelimit

@@ -14,7 +14,8 @@ An Alertmanager alert moves a weight when its labels carry `endpoint` (an `ip:po
 configured endpoint) and `weight_action` (`lower` or `drain`) — the rules in
 deploy/prometheus/alerts.yml put them there; an alert without them only notifies. Annotations
 may set `weight_factor` and `weight_duration_s`. Firing alerts set (or renew) the override; resolved ones are ignored: the
-override runs out by itself (`extproc.datastore.overrides`).
+override runs out by itself (`extproc.datastore.overrides`). With `replicas.sync: redis` an
+override applied here is passed to every other replica (the Service sends each request to one).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -87,9 +88,13 @@ class OverridesAPI:
         store: the endpoints whose `override` field is set.
         metrics: `weight_overrides` counts what was applied.
         token: the bearer token; None refuses every request (403).
+        share: called with `(address, factor, duration_s, reason, source)` for every override
+            applied here, to pass it to the other replicas (`ReplicaSync.override`); None: this
+            replica only.
     """
 
-    def __init__(self, store: Datastore, metrics: Metrics, token: str | None) -> None:
+    def __init__(self, store: Datastore, metrics: Metrics, token: str | None, share: Callable[[str, float, float, str, str], None] | None = None) -> None:
+        self._share = share
         self._store = store
         self._metrics = metrics
         self._token = token.encode() if token else None
@@ -129,6 +134,8 @@ class OverridesAPI:
         except ValueError as exc:
             raise _BadRequest(str(exc)) from None
         self._metrics.weight_overrides.labels(source, action).inc()
+        if self._share is not None:
+            self._share(endpoint, factor, duration, reason, source)
         log.warning("weight override %s on %s (factor %s, %ss, source %s, reason %r)", action, endpoint, factor, duration, source, reason)
         return describe(ov, time.monotonic()) | {"endpoint": endpoint, "action": action}
 
