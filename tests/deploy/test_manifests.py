@@ -21,7 +21,7 @@ from extproc.config.schema import ListenConfig
 from extproc.replicas.unshared import REPLICAS_ENV
 from extproc.server.overrides_api import TOKEN_ENV, TOKEN_FILE_ENV
 from extproc.sim.profiles import PROFILES
-from extproc.stack.deploy import COMPOSE, K8S
+from extproc.stack.deploy import COMPOSE, K8S, gateway_values
 from tests.deploy.conftest import DEPLOY, ROOT, k8s_object, k8s_objects, load_all, render_kustomization
 
 K8S_VERSION = "1.30.0"
@@ -112,8 +112,9 @@ def test_network_policy_admits_only_the_gateway_to_ext_proc():
     (np,) = k8s_objects("NetworkPolicy")
     (grpc_rule,) = [r for r in np["spec"]["ingress"] if any(p["port"] == GRPC_PORT for p in r["ports"])]
     (peer,) = grpc_rule["from"]
-    assert peer["podSelector"]["matchLabels"] == K8S["gateway_selector"]
-    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": K8S["gateway_namespace"]}
+    gateway = gateway_values()  # deploy/istio/values.yaml: the gateway the EnvoyFilter selects
+    assert peer["podSelector"]["matchLabels"] == gateway["selector"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": gateway["namespace"]}
 
 
 def test_agent_daemonset_matches_the_cli():
