@@ -20,7 +20,7 @@ def read_decision_log(path: str | Path, skipped: Counter | None = None) -> Itera
     """Requests of a decision log as trace requests, for `llm-extproc analyze`.
 
     `input_tokens` is the prompt as the client sent it (before truncation), `output_tokens` the
-    output budget, `arrival_s` the decision time. Lines without a prompt count (refused before
+    output budget, `arrival_s` the decision time, `refused` whether llm-extproc refused it. Lines without a prompt count (refused before
     counting) are skipped and counted as `not_counted`.
 
     Raises:
@@ -45,4 +45,4 @@ def read_decision_log(path: str | Path, skipped: Counter | None = None) -> Itera
                 raise TraceFormatError(path, f"{key!r} must be a positive integer, got {value!r}", line=number)
         if not isinstance(when, int | float) or isinstance(when, bool) or when < 0:
             raise TraceFormatError(path, f"'time' must be a non-negative number, got {when!r}", line=number)
-        yield TraceRequest(arrival_s=float(when), input_tokens=prompt, output_tokens=budget)
+        yield TraceRequest(arrival_s=float(when), input_tokens=prompt, output_tokens=budget, refused=row["outcome"] != "routed")

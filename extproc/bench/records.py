@@ -30,6 +30,9 @@ class TraceRequest:
         session: conversation id when the source has one (BurstGPT_3, ShareGPT, MT-Bench,
             synthetic sessions), else None.
         messages: the real chat messages (OpenAI shape) when the source has text, else None.
+        refused: True for a decision-log request llm-extproc refused (`outcome: rejected`): it
+            was offered, so it counts in input lengths and arrivals, but nothing was generated,
+            so `analyze` leaves its output budget out.
     """
 
     arrival_s: float
@@ -38,6 +41,7 @@ class TraceRequest:
     prefix_blocks: tuple[int, ...] | None = None
     session: str | None = None
     messages: list[dict[str, Any]] | None = None
+    refused: bool = False
 
 
 class TraceFormatError(ValueError):

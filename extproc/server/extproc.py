@@ -322,7 +322,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         when written)."""
         if self._log is None:
             return None
-        return DecisionRecord(time=time.time(), kind=s.kind.value, tenant=s.tenant.id if s.tenant is not None else None)  # type: ignore[union-attr]
+        tenant = s.tenant.id if s.tenant is not None else None
+        return DecisionRecord(time=time.time(), kind=s.kind.value, tenant=tenant, request_id=s.hdrs.get("x-request-id") or None)  # type: ignore[union-attr]
 
     def _log_refusal_at_headers(self, s: _Stream, err: ExtProcError) -> None:
         """The decision-log line of a generation request refused at its headers (a tenant over
@@ -578,6 +579,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if routed.result is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
                 headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
+                if record is not None and record.request_id is None:
+                    record.request_id = headers.get("x-request-id")  # the one we set
                 req = routed.request
                 # A truncated prompt's body; an alias: the engines serve the model under its configured name.
                 rewritten = routed.body

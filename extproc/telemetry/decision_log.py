@@ -6,12 +6,14 @@ refusal: at once), so it can carry what the response showed. Fields:
 | field | meaning |
 |---|---|
 | `time` | when the request's body arrived, or its headers for a refusal at the headers (Unix seconds, wall clock) |
+| `request_id` | the request's `x-request-id`: the client's (at most `MAX_REQUEST_ID_CHARS`), or the one llm-extproc set on a routed request without one; null on a refusal without one |
 | `kind` | `chat` or `completion` |
 | `model` | the configured model name it resolved to, or null (unknown model, unparsable body) |
 | `tenant` | a SHA-256 prefix (16 hex digits) of the request's tenant, or null (no tenants yet) |
 | `prompt_tokens` | prompt tokens the engine prefills, after truncation, or null when not counted |
 | `output_budget` | `max_tokens`, else the expected output (`default_output_tokens`) (tokens) |
 | `endpoint` / `tier` | where it went (endpoint or tier mode), or null |
+| `prefix_blocks` / `prefix_tokens` | the prompt's leading blocks (and their tokens) the prefix index believed the chosen endpoint held, or null (no index, not routed) |
 | `predicted_ttft_ms` | the TTFT the scheduler predicted for the chosen endpoint at the pick, cached prefix counted (ms) |
 | `observed_ttft_ms` | the TTFT seen on the response, when telemetry sampled it (ms), else null |
 | `status` | the HTTP status the client got (ours on a refusal, the engine's otherwise), or null |
@@ -20,7 +22,8 @@ refusal: at once), so it can carry what the response showed. Fields:
 | `decision_ms` | time to decide (ms) |
 
 Never prompt text, message content, headers or credentials: only counts, names from the
-configuration, addresses, and the tenant's hash.
+configuration, addresses, the tenant's hash, and the request id (the one header kept: it is how a
+client's complaint is matched to its line).
 
 Writing is off the event loop: `write` puts the record on a bounded queue (a full queue drops
 the line and counts it) and the standard library's `QueueListener` thread serialises it and
@@ -60,6 +63,10 @@ log = logging.getLogger(__name__)
 WRITE_ERROR_LOG_INTERVAL_S = 60.0
 """Least time between two warnings about failed writes (seconds): a full disk fails every line."""
 
+MAX_REQUEST_ID_CHARS = 128
+"""Longest client `x-request-id` recorded (characters; a longer one is cut): the client chooses
+it, and a line stays bounded."""
+
 DETECT_KEYS = frozenset(("time", "kind", "prompt_tokens", "output_budget", "outcome"))
 """Keys every decision-log line has: how `llm-extproc analyze` tells the format."""
 
@@ -86,6 +93,7 @@ class DecisionRecord:
 
     time: float
     kind: str
+    request_id: str | None = None
     model: str | None = None
     tenant: str | None = None
     prompt_tokens: int | None = None
@@ -99,6 +107,8 @@ class DecisionRecord:
     reason: str | None = None
     truncation: Truncation | None = None
     decision_s: float | None = None
+    prefix_blocks: int | None = None
+    prefix_tokens: int | None = None
 
     def counted(self, prompt_tokens: list[int], max_tokens: int | None, model: ModelConfig) -> None:
         """Record the prompt's tokens (summed over prompts) and the output budget: `max_tokens`,
@@ -109,10 +119,14 @@ class DecisionRecord:
     def predict(self, routed: Routed) -> None:
         """Record the TTFT the scheduler predicted for the chosen endpoint (its prefix-aware
         estimate, `ttft-estimate-scorer`); without one in the profile, the endpoint's fit for the
-        request's prefill work and the backlog it joins."""
+        request's prefill work and the backlog it joins. Also the prefix match there: the
+        leading blocks the index believed it held, and their tokens."""
         ep = routed.endpoint
         if ep is None:
             return
+        if routed.prefix is not None:
+            self.prefix_blocks = routed.prefix.matched.get(ep.address, 0)
+            self.prefix_tokens = routed.prefix.cached_tokens(ep.address)
         if routed.predicted_ttft_s and ep.address in routed.predicted_ttft_s:
             self.predicted_ttft_s = routed.predicted_ttft_s[ep.address]
         else:
@@ -122,6 +136,7 @@ class DecisionRecord:
         """The JSON line's fields."""
         return {
             "time": round(self.time, 6),
+            "request_id": None if self.request_id is None else self.request_id[:MAX_REQUEST_ID_CHARS],
             "kind": self.kind,
             "model": self.model,
             "tenant": tenant_hash(self.tenant),
@@ -129,6 +144,8 @@ class DecisionRecord:
             "output_budget": self.output_budget,
             "endpoint": self.endpoint,
             "tier": self.tier,
+            "prefix_blocks": self.prefix_blocks,
+            "prefix_tokens": self.prefix_tokens,
             "predicted_ttft_ms": _ms(self.predicted_ttft_s),
             "observed_ttft_ms": _ms(self.observed_ttft_s),
             "status": self.status,
