@@ -33,13 +33,19 @@ from extproc.datastore.endpoints import Datastore
 from extproc.datastore.overrides import DEFAULT_DURATION_S, DEFAULT_LOWER_FACTOR, set_override
 from extproc.metrics import Metrics
 
-__all__ = ["OverridesAPI", "load_admin_token", "TOKEN_ENV", "TOKEN_FILE_ENV"]
+__all__ = ["OVERRIDE_PAGES", "OverridesAPI", "load_admin_token", "TOKEN_ENV", "TOKEN_FILE_ENV"]
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "LLM_EXTPROC_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "LLM_EXTPROC_ADMIN_TOKEN_FILE"
 _ACTIONS = ("lower", "drain", "clear")
+
+OVERRIDE_PAGES: dict[tuple[str, str], str] = {
+    ("POST", "/api/v1/weights/override"): "lower, drain or clear one endpoint for a while (bearer token)",
+    ("POST", "/api/v1/alerts"): "Alertmanager's webhook: firing alerts with endpoint and weight_action labels move weights (bearer token)",
+}
+"""The write routes, for the admin server's index page."""
 
 
 def load_admin_token(environ: Mapping[str, str] | None = None) -> str | None:
