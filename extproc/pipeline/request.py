@@ -370,6 +370,11 @@ class RequestPipeline:
         """Every name a client may use (canonical names and aliases), sorted."""
         return sorted(self._aliases)
 
+    @property
+    def aliases(self) -> dict[str, list[str]]:
+        """Canonical model name → its aliases (the configured `models[].aliases`, in order)."""
+        return {name: list(rt.config.aliases) for name, rt in self._models.items() if rt.config.aliases}
+
     def note_output(self, model: str, tokens: int, n: int = 1) -> None:
         """A completed response of `model` (canonical name) produced `tokens` output tokens over
         `n` sequences: feed the model's output-length estimate (`output_estimates`) and its

@@ -59,6 +59,7 @@ from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
 from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
 from extproc.server.engine_errors import hold_error_bytes, is_client_error, openai_error_body
+from extproc.server.models_list import is_models_list, with_aliases
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -99,6 +100,7 @@ class _Stream:
         subset: the gateway's subset hint (Endpoint Picker Protocol), or None.
         body: the request body held for the decision (Endpoint Picker Protocol).
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
+        models_list: a `GET /v1/models` whose answer gets the aliases (`extproc.server.models_list`).
     """
 
     hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -120,6 +122,7 @@ class _Stream:
     subset: Callable[[Endpoint], bool] | None = None
     body: bytearray = dataclasses.field(default_factory=bytearray)
     buffering: bool = False
+    models_list: bool = False
 
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
@@ -225,7 +228,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             return  # the proxy's body mode is not ours: nothing more to say
                     elif verdict is not None:  # passthrough, reserved
                         headers = self._routing_headers(verdict.address, None, None, s.hdrs.get("x-request-id"))
-                        yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream)
+                        # GET /v1/models: its answer gets the aliases (not in full duplex: no mode override there).
+                        s.models_list = not self.full_duplex and bool(self._pipeline.aliases) and is_models_list(s.hdrs.get(":method", ""), s.hdrs.get(":path", ""))
+                        mode = responses.MODELS_LIST_MODE if s.models_list else None
+                        yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream, mode=mode)
                     else:
                         yield responses.generation_headers_reply(observe=s.observe, skip_response_headers=self._skip_response_headers)
                 elif phase == "request_body":
@@ -239,6 +245,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     elif s.reservation is not None and not s.observe and self._skip_response_headers:
                         s.first_token = self._predict_first_token(s.reservation)
                     yield response
+                elif phase == "response_headers" and s.models_list:
+                    yield self._models_list_headers(s, msg.response_headers)
+                elif phase == "response_body" and s.models_list:
+                    yield responses.response_body(with_aliases(msg.response_body.body, self._pipeline.aliases))
                 elif phase == "response_headers":
                     yield self._response_headers_reply(s, msg.response_headers)
                 elif phase == "response_body" and s.error_status:
@@ -335,6 +345,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         record.outcome, record.reason, record.status = "rejected", err.code, err.status
         record.decision_s = (time.monotonic_ns() - s.start_ns) / 1e9
         self._log.write(record)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _models_list_headers(s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """`GET /v1/models`'s response headers: a 2xx JSON answer with a body keeps
+        `s.models_list` (its body gets the aliases, so `content-length` goes); anything else
+        goes through as it is."""
+        found = {h.key: (h.raw_value or h.value.encode()).decode("latin-1") for h in msg.headers.headers if h.key in _RESPONSE_HEADERS}
+        s.models_list = (
+            found.get(":status", "").startswith("2")
+            and not msg.end_of_stream
+            and found.get("content-encoding") in (None, "identity")
+            and found.get("content-type", "").startswith("application/json")
+        )
+        return responses.response_headers({}, ("content-length",)) if s.models_list else responses.continue_for("response_headers")
 
     def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """`_on_response_headers` for the stream: sets `s.error_status` when the engine's

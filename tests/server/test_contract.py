@@ -112,11 +112,34 @@ async def test_existing_request_id_is_kept(stub):
 
 
 async def test_headers_only_request_is_routed_in_headers_phase(app, stub):
-    (reply,) = await exchange(stub, headers_msg("GET", "/v1/models", end=True))
+    (reply,) = await exchange(stub, headers_msg("GET", "/health", end=True))
     common = reply.request_headers.response
     assert common.clear_route_cache
     assert set_headers(common)["x-gateway-destination-endpoint"] in ENDPOINTS
     assert not reply.HasField("mode_override")
+
+
+def _models_response_headers(status: bytes = b"200", content_type: bytes = b"application/json") -> pb.ProcessingRequest:
+    hdrs = [base_pb2.HeaderValue(key=":status", raw_value=status), base_pb2.HeaderValue(key="content-type", raw_value=content_type),
+            base_pb2.HeaderValue(key="content-length", raw_value=b"200")]  # fmt: skip
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hdrs)))
+
+
+async def test_the_model_list_gets_the_configured_aliases(app, stub):
+    """The engines list the names they serve; the configured alias (`qwen3-8b`) is added after
+    its model, a copy of its entry, so a client listing models can find every name it may use."""
+    engine = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm", "root": MODEL, "max_model_len": 4096},
+                                         {"id": "other", "object": "model", "created": 1, "owned_by": "vllm"}]}  # fmt: skip
+    body = pb.ProcessingRequest(response_body=pb.HttpBody(body=orjson.dumps(engine), end_of_stream=True))
+    route, r_headers, r_body = await exchange(stub, headers_msg("GET", "/v1/models?x=1", end=True), _models_response_headers(), body)
+    assert route.mode_override.response_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    assert "content-length" in r_headers.response_headers.response.header_mutation.remove_headers
+    listed = orjson.loads(r_body.response_body.response.body_mutation.body)["data"]
+    assert [e["id"] for e in listed] == [MODEL, "qwen3-8b", "other"]
+    assert listed[1] == {**listed[0], "id": "qwen3-8b"}  # root still names the served model
+    # An error answer goes through untouched.
+    _, r_headers, r_body = await exchange(stub, headers_msg("GET", "/v1/models", end=True), _models_response_headers(b"500"), body)
+    assert not r_headers.response_headers.HasField("response") and not r_body.response_body.HasField("response")
 
 
 async def test_other_path_with_body_skips_body_processing(stub):
