@@ -101,6 +101,7 @@ class _Stream:
         body: the request body held for the decision (Endpoint Picker Protocol).
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
         models_list: a `GET /v1/models` whose answer gets the aliases (`extproc.server.models_list`).
+        skip_response_headers: a generation request's response headers skip the server.
     """
 
     hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -123,7 +124,12 @@ class _Stream:
     body: bytearray = dataclasses.field(default_factory=bytearray)
     buffering: bool = False
     models_list: bool = False
+    skip_response_headers: bool = False
 
+
+PRIORITY_APPLIED_HEADER = "x-llm-priority-applied"
+"""Response header naming the class a request ran under when its priority claim was downgraded
+(`admission.priority.claimable` bounds what a client may claim)."""
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
@@ -233,7 +239,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         mode = responses.MODELS_LIST_MODE if s.models_list else None
                         yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream, mode=mode)
                     else:
-                        yield responses.generation_headers_reply(observe=s.observe, skip_response_headers=self._skip_response_headers)
+                        # A downgraded priority claim is told on the response: its headers then cross.
+                        s.skip_response_headers = self._skip_response_headers and not self._priority_downgrade(s.hdrs)
+                        yield responses.generation_headers_reply(observe=s.observe, skip_response_headers=s.skip_response_headers)
                 elif phase == "request_body":
                     if s.done or s.kind is None or s.routed is not None or s.reservation is not None:
                         yield responses.continue_for(phase)
@@ -242,7 +250,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     response = await self._decide(msg.request_body.body, s)
                     if s.routed is not None and s.observe:
                         s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
-                    elif s.reservation is not None and not s.observe and self._skip_response_headers:
+                    elif s.reservation is not None and not s.observe and s.skip_response_headers:
                         s.first_token = self._predict_first_token(s.reservation)
                     yield response
                 elif phase == "response_headers" and s.models_list:
@@ -359,6 +367,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             and found.get("content-type", "").startswith("application/json")
         )
         return responses.response_headers({}, ("content-length",)) if s.models_list else responses.continue_for("response_headers")
+
+    def _priority_downgrade(self, hdrs: dict[str, str]) -> bool:
+        """Whether the request's priority claim will be downgraded (`RequestPipeline.priority_downgrade`)."""
+        trusted = hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None
+        return self._pipeline.priority_downgrade(hdrs.get(self._priority_header), trusted)
 
     def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """`_on_response_headers` for the stream: sets `s.error_status` when the engine's
@@ -707,6 +720,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             reservation.mark_first_token(learn=streamed)
         if routed is not None and routed.truncation is not None:
             extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
+        if routed is not None and routed.priority_applied is not None:
+            extra[PRIORITY_APPLIED_HEADER] = routed.priority_applied  # the claim was downgraded to it
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
         if routed is not None and status >= 400 and msg.end_of_stream:

@@ -820,3 +820,19 @@ async def test_health_panic_of_one_model_is_not_undone_by_another_models_request
     assert registry.get_sample_value("llm_extproc_health_panic_entered_total") == 1.0
     assert registry.get_sample_value("llm_extproc_health_panic") == 1.0
     assert len([r for r in caplog.records if "health panic" in r.getMessage()]) == 1
+
+
+async def test_a_downgraded_claim_keeps_its_response_headers_when_others_skip_them(make_app):
+    """With `telemetry.response_headers: when_needed` unobserved requests skip the response
+    headers; a downgraded priority claim needs them, to say the class applied."""
+    app = await make_app(
+        telemetry={"sample_rate": 0.01, "response_headers": "when_needed"},
+        scheduling={"health_check": {"enabled": False}, "outlier_detection": {"enabled": False}},
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra={"x-llm-priority": b"critical"}))
+        reply = await call.read()
+        call.cancel()
+    assert reply.mode_override.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
