@@ -143,7 +143,8 @@ def server_config(
         kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
             index comes from their events (`Fleet.kv_events`).
 
-    Each model gets the architecture and context limit of its simulator profile; endpoints are
+    Each model gets the architecture and context limit of its simulator profile and its short
+    name (the architecture's: `qwen3-8b`) as an alias; endpoints are
     labelled with their GPU and profile. Shutdown grace is short: a local run has nothing to drain.
     """
     models: dict[str, dict[str, Any]] = {}
@@ -151,7 +152,9 @@ def server_config(
     for address, name in addresses.items():
         p = PROFILES[name]
         models.setdefault(
-            p.model, {"name": p.model, "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len}
+            p.model,
+            # The short name (`qwen3-8b`) as an alias, as deploy/config.example.yaml has it.
+            {"name": p.model, "aliases": [p.arch_name], "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len},
         )
         endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
         if kv_events and address in kv_events:
