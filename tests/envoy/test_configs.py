@@ -226,3 +226,10 @@ def test_envoys_own_413_states_the_limit_it_enforces(path: Path) -> None:
     assert message(cfg) == body_limit_message(limit)
     assert message(rewrite_config(cfg, RunSettings(max_body_bytes=65536, grpc_max_message_bytes=262144))) == body_limit_message(65536)
     assert "65536 bytes" in body_limit_message(65536)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_client_connections_are_bounded(path: Path) -> None:
+    (monitor,) = load_envoy_config(path)["overload_manager"]["resource_monitors"]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert 1000 <= monitor["typed_config"]["max_active_downstream_connections"] <= 1_000_000
