@@ -71,7 +71,11 @@ async def test_a_downgraded_claim_is_told_on_the_response(gateway):
     gets no such header."""
     envoy, _ = gateway
     async with httpx.AsyncClient(base_url=envoy.url, trust_env=False, timeout=30) as c:
-        r = await c.post("/v1/chat/completions", json=chat(max_tokens=4), headers={"x-llm-priority": "critical"})
+        for _ in range(100):  # until a scrape has seen the queues of the test before drain
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=4), headers={"x-llm-priority": "critical"})
+            if r.status_code == 200:
+                break
+            await asyncio.sleep(0.05)
         assert r.status_code == 200, r.text
         assert r.headers["x-llm-priority-applied"] == "standard"
         for headers in ({"x-llm-priority": "sheddable"}, {TRUSTED: "critical"}, {}):
