@@ -32,7 +32,7 @@ import httpx
 import yaml
 
 from extproc.bench.policies import Policy
-from extproc.sim.profiles import PROFILES
+from extproc.sim.profiles import PROFILES, SIM_TOKENIZER
 from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.fleet import DEFAULT_FLEET, Fleet
 from extproc.stack.ports import free_ports
@@ -143,7 +143,8 @@ def server_config(
         kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
             index comes from their events (`Fleet.kv_events`).
 
-    Each model gets the architecture and context limit of its simulator profile; endpoints are
+    Each model gets the architecture and context limit of its simulator profile and the
+    tokenizer the simulator counts with (Qwen3's, whatever the profile's model); endpoints are
     labelled with their GPU and profile. Shutdown grace is short: a local run has nothing to drain.
     """
     models: dict[str, dict[str, Any]] = {}
@@ -151,7 +152,8 @@ def server_config(
     for address, name in addresses.items():
         p = PROFILES[name]
         models.setdefault(
-            p.model, {"name": p.model, "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len}
+            p.model,
+            {"name": p.model, "tokenizer": SIM_TOKENIZER, "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len},
         )
         endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
         if kv_events and address in kv_events:
