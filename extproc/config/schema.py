@@ -382,6 +382,12 @@ class ModelConfig(Strict):
             switch alone (`output_estimate: off`) keeps the other settings' defaults.
         truncation: head + tail truncation of over-long prompts (off by default); a mode alone
             (`truncation: head-tail`) keeps the other settings' defaults.
+        engine_check: what a mismatch between the router's counts and an engine's own does
+            (`extproc.datastore.engine_check`: each engine's `/tokenize` counts of fixed texts and
+            its `max_model_len`, checked when it joins and every 10 minutes): `warn` (an ERROR
+            line, the metric and the admin page; the endpoint keeps its traffic), `drain` (that
+            too, and the endpoint gets no new requests while it differs, where the profile has
+            the `weight-override-filter`, as the default has) or `off` (no check).
         token_encoder: `auto` (tiktoken built from the tokenizer when it is a byte-level BPE
             with a regex split and agrees with `tokenizers` on a load-time cross-check, else
             `tokenizers`) or `tokenizers` (always the reference encoder; docs/decisions/0200).
@@ -398,6 +404,12 @@ class ModelConfig(Strict):
     output_estimate: OutputEstimateConfig = Field(default_factory=OutputEstimateConfig)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
     token_encoder: Literal["auto", "tokenizers"] = "auto"
+    engine_check: Literal["warn", "drain", "off"] = "warn"
+
+    @field_validator("engine_check", mode="before")
+    @classmethod
+    def _check_off(cls, v: Any) -> Any:
+        return yaml_off(v)  # a bare `off` reads as false
 
     @model_validator(mode="before")
     @classmethod
