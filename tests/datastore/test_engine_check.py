@@ -161,26 +161,42 @@ async def test_an_engine_without_tokenize_is_unverified_and_asked_rarely(stack):
         record(request)
         return web.json_response({"detail": "Not Found"}, status=404)
 
-    engine = web.Application()
+    failing: list[str] = []
+
+    async def unavailable(request: web.Request) -> web.Response:
+        if request.headers.get("user-agent") == USER_AGENT:
+            failing.append(request.path)
+        return web.json_response({"detail": "loading"}, status=503)
+
+    engine, sick = web.Application(), web.Application()
     engine.router.add_get("/v1/models", models)
     engine.router.add_route("*", "/{tail:.*}", other)
-    runner = web.AppRunner(engine)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    sick.router.add_route("*", "/{tail:.*}", unavailable)
+    runners, ports = [], []
+    for app_ in (engine, sick):
+        runner = web.AppRunner(app_)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     with socket_free_port() as dead:
         try:
-            app, _ = await stack(endpoints=[{"address": f"127.0.0.1:{port}", "models": [MODEL]}, {"address": dead, "models": [MODEL]}])
-            check = await _outcome(app, f"127.0.0.1:{port}")
+            app, _ = await stack(
+                endpoints=[{"address": f"127.0.0.1:{p}", "models": [MODEL]} for p in ports] + [{"address": dead, "models": [MODEL]}]
+            )
+            check = await _outcome(app, f"127.0.0.1:{ports[0]}")
             assert check.outcome == "unverified" and "serves no /tokenize (HTTP 404)" in check.detail
             unreachable = await _outcome(app, dead)
             assert unreachable.outcome == "unverified" and unreachable.detail.startswith("engine unreachable")
-            await asyncio.sleep(1.5)  # one backoff retry of the dead one at most; none of the other
+            assert (await _outcome(app, f"127.0.0.1:{ports[1]}")).detail.startswith("engine unreachable: HTTP 503")
+            await asyncio.sleep(2.5)  # retries after 1 s and 2 s at most; none of the one without /tokenize
             assert hits == ["/v1/models", "/tokenize"]
-            assert _gauge(app, "unverified") == 2 and _gauge(app, "mismatch") == 0
+            assert 1 <= len(failing) <= 3, failing  # backoff, not a loop
+            assert _gauge(app, "unverified") == 3 and _gauge(app, "mismatch") == 0
         finally:
-            await runner.cleanup()
+            for runner in runners:
+                await runner.cleanup()
 
 
 class socket_free_port:
