@@ -52,3 +52,29 @@ def test_envoy_config_suggests_the_readmes_envoy_command(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert f"check it with: .venv/bin/envoy --mode validate -c {out}" in done.stderr
     assert "site-packages" not in done.stderr
+
+
+def test_the_readmes_smallest_config_names_its_model_directory_and_loads_with_one(tmp_path: Path):
+    """The smallest config shows where the tokenizer and architecture come from (`path:`, the
+    directory the engines load): it loads once that directory holds the engine's files, and the
+    same config without it is refused (it once loaded, counting a Llama with Qwen3's tokenizer)."""
+    import shutil
+
+    import pytest
+
+    from extproc.config import ConfigError
+    from extproc.config.loader import config_from_mapping
+    from extproc.models import ARCHITECTURES_DIR, builtin_tokenizer_dir
+
+    block = re.search(r"The smallest config:\n\n```yaml\n(.*?)```", README, re.S)
+    assert block, "the README shows its smallest config as a YAML block"
+    raw = yaml.safe_load(block.group(1))
+    (model,) = raw["models"]
+    assert model["path"].startswith("/models/")
+    model_dir = tmp_path / "model"
+    shutil.copytree(builtin_tokenizer_dir("qwen3"), model_dir)  # any tokenizer.json: the check is the config's
+    shutil.copy(ARCHITECTURES_DIR / "llama-3.1-8b.json", model_dir / "config.json")
+    cfg = config_from_mapping({**raw, "models": [{**model, "path": str(model_dir)}]}, env={})
+    assert (cfg.models[0].tokenizer, cfg.models[0].architecture) == (str(model_dir), str(model_dir))
+    with pytest.raises(ConfigError, match="must name its `tokenizer`"):
+        config_from_mapping({**raw, "models": [{"name": model["name"]}]}, env={})

@@ -356,38 +356,14 @@ def bench(
     raise typer.Exit(asyncio.run(run_bench(options, console)))
 
 
-_OVERRIDE_MAX_BYTES = 1 << 20
-_BENCH_OWNED_KEYS = frozenset({"listen", "admin", "models", "endpoints"})
-
-
 def _server_overrides(path: Path, profiles) -> dict:  # type: ignore[no-untyped-def]
     """`--extproc-config`: a YAML mapping that makes a valid llm-extproc config once merged into
-    the generated one; anything else exits 2 with the reason."""
-    import yaml
-
-    from extproc.bench.stacks import merge_config, server_config
-    from extproc.config.loader import ConfigError, config_from_mapping
+    the generated one (`extproc.bench.overlay.check_overlay`); anything else exits 2 with the reason."""
+    from extproc.bench.overlay import OverlayError, check_overlay
 
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(_OVERRIDE_MAX_BYTES + 1)
-        if len(raw) > _OVERRIDE_MAX_BYTES:
-            raise _fail(f"--extproc-config: {path} is larger than {_OVERRIDE_MAX_BYTES} bytes")
-        overrides = yaml.safe_load(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise _fail(f"--extproc-config: cannot read {path}: {exc}") from None
-    if not isinstance(overrides, dict):
-        raise _fail(f"--extproc-config: {path} must hold a YAML mapping")
-    owned = sorted(set(overrides) & _BENCH_OWNED_KEYS)
-    if owned:
-        raise _fail(
-            f"--extproc-config: {path} sets {', '.join(owned)}, which the stack owns (its fleet, model and ports); "
-            "change scheduling, admission, limits or telemetry"
-        )
-    sample = server_config({f"127.0.0.1:{8000 + i}": p for i, p in enumerate(profiles)}, profile="load-aware")
-    try:
-        config_from_mapping(merge_config(sample, overrides), source=str(path))
-    except ConfigError as exc:
+        overrides, _ = check_overlay(path, profiles)
+    except OverlayError as exc:
         raise _fail(f"--extproc-config: {exc}") from None
     _console().print(f"--extproc-config: {path} laid over llm-extproc's config for the llm-extproc policies", highlight=False)
     return overrides

@@ -32,7 +32,7 @@ import httpx
 import yaml
 
 from extproc.bench.policies import Policy
-from extproc.sim.profiles import PROFILES
+from extproc.sim.profiles import PROFILES, SIM_TOKENIZER
 from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.fleet import DEFAULT_FLEET, Fleet
 from extproc.stack.ports import free_ports
@@ -143,8 +143,9 @@ def server_config(
         kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
             index comes from their events (`Fleet.kv_events`).
 
-    Each model gets the architecture and context limit of its simulator profile and its short
-    name (the architecture's: `qwen3-8b`) as an alias; endpoints are
+    Each model gets the architecture and context limit of its simulator profile, the tokenizer
+    the simulator counts with (Qwen3's, whatever the profile's model) and its short name (the
+    architecture's: `qwen3-8b`) as an alias; endpoints are
     labelled with their GPU and profile. Shutdown grace is short: a local run has nothing to drain.
     """
     models: dict[str, dict[str, Any]] = {}
@@ -154,7 +155,10 @@ def server_config(
         models.setdefault(
             p.model,
             # The short name (`qwen3-8b`) as an alias, as deploy/config.example.yaml has it.
-            {"name": p.model, "aliases": [p.arch_name], "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len},
+            {
+                "name": p.model, "aliases": [p.arch_name], "tokenizer": SIM_TOKENIZER,
+                "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len,
+            },  # fmt: skip
         )
         endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
         if kv_events and address in kv_events:
@@ -169,15 +173,54 @@ def server_config(
 
 
 def merge_config(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` with `overrides` laid over it: mappings merge key by key (recursively), anything
-    else (lists included) replaces. Neither argument is changed."""
+    """`base` with `overrides` laid over it: mappings merge key by key (recursively), the
+    top-level `models` list entry by entry (`merge_models`), anything else (other lists
+    included) replaces. Neither argument is changed.
+
+    Raises:
+        ValueError: a `models` entry names no model of `base` (`merge_models`).
+    """
     out = copy.deepcopy(dict(base))
     for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+        if key == "models" and isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = merge_models(out[key], value)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = merge_config(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def merge_models(base: Sequence[Any], overrides: Sequence[Any]) -> list[Any]:
+    """`base`'s model entries, each with the `overrides` entry of the same `name` laid over it
+    (`merge_config`): an overlay adds aliases, truncation, `max_model_len`, ... to the models the
+    stack's fleet serves, and cannot add a model no simulator serves.
+
+    Raises:
+        ValueError: an override entry is not a mapping with a `name`, or names no model of `base`.
+    """
+    out = [copy.deepcopy(m) for m in base]
+    by_name = {m.get("name"): i for i, m in enumerate(out) if isinstance(m, Mapping)}
+    for i, entry in enumerate(overrides):
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+            raise ValueError(f"models[{i}] must be a mapping with the name of a model the fleet serves, got {entry!r}")
+        if entry["name"] not in by_name:
+            raise ValueError(
+                f"models[{i}]: {entry['name']!r} is not served by the fleet; its models: {', '.join(map(str, by_name))}"
+            )
+        j = by_name[entry["name"]]
+        out[j] = merge_config(out[j], entry)
+    return out
+
+
+def overlay_max_model_len(overrides: Mapping[str, Any] | None, profiles: Sequence[str]) -> int | None:
+    """The `max_model_len` an overlay's `models` entry sets for the model the fleet of `profiles`
+    serves (tokens), or None when it sets none."""
+    served = {PROFILES[p].model for p in profiles}
+    for entry in (overrides or {}).get("models") or ():
+        if isinstance(entry, Mapping) and entry.get("name") in served and isinstance(entry.get("max_model_len"), int):
+            return entry["max_model_len"]
+    return None
 
 
 def policy_server_config(
@@ -224,6 +267,9 @@ class PolicyStack:
             seed=settings.seed,
             load_shape="vllm-router" if policy.peer == "vllm-router" else "sglang",
             kv_events=policy.kv_events,
+            # An overlay's max_model_len is the engines' too, for every policy's fleet alike, as on a
+            # real fleet (where the check against each engine's /v1/models flags a difference).
+            max_model_len=overlay_max_model_len(settings.server_overrides, settings.profiles),
         )
         self.server: ExtProcServerProcess | None = None
         self.envoy: EnvoyProcess | None = None

@@ -303,20 +303,76 @@ class OutputEstimateConfig(Strict):
         return self
 
 
+def model_sources(name: str, path: Any, tokenizer: Any, architecture: Any) -> dict[str, Any]:
+    """The `tokenizer` and `architecture` a model entry resolves to: each as set, else from
+    `path` (a model directory supplies both; `builtin:<model>` the built-ins of that model),
+    else the built-ins the model's `name` picks (`extproc.models.builtin_model`). A value that
+    is not a string is returned as is, for the field check to refuse.
+
+    Raises:
+        ValueError: one of them is still unset: the message names the model, the fields and an
+            example (a model no built-in serves must name its own).
+    """
+    from extproc.models import builtin_model
+
+    given = {"tokenizer": tokenizer, "architecture": architecture}
+    if isinstance(path, str) and path.startswith("builtin:"):
+        entry = builtin_model(path.removeprefix("builtin:"))
+        if entry is None or entry.tokenizer is None or entry.architecture is None:
+            known = sorted({m.architecture.removeprefix("builtin:") for m in _complete_builtins()})
+            raise ValueError(f"path {path!r}: no built-in model of that name ships both a tokenizer and an architecture; built-in models: {known}")
+        implied = {"tokenizer": entry.tokenizer, "architecture": entry.architecture}
+    elif path is not None and not isinstance(path, str):
+        raise ValueError(f"path must be a model directory (a string), got {type(path).__name__}")
+    elif isinstance(path, str):
+        implied = {"tokenizer": path, "architecture": path}
+    else:
+        entry = builtin_model(name)
+        implied = {"tokenizer": entry.tokenizer, "architecture": entry.architecture} if entry else {"tokenizer": None, "architecture": None}
+    out = {k: v if v is not None else implied[k] for k, v in given.items()}
+    missing = [k for k, v in out.items() if v is None]
+    if missing:
+        what = " and ".join(f"`{k}`" for k in missing)
+        why = (
+            "built-in tokenizers serve Qwen3 models only, and another model's prompts counted by one are silently wrong"
+            if "tokenizer" in missing else "its shape (config.json) is not built in"
+        )
+        raise ValueError(
+            f"model {name!r} matches no built-in {' or '.join(missing)}, so it must name its {what}: set `path:` to "
+            "the model directory the engines load (tokenizer.json, tokenizer_config.json and config.json in it), or "
+            f"set {what} (e.g. `{{name: {name}, path: /models/{name.rsplit('/', 1)[-1]}}}`); {why}"
+        )
+    return out
+
+
+def _complete_builtins() -> list[Any]:
+    """The built-in models that ship both a tokenizer and an architecture."""
+    from extproc.models import BUILTIN_MODELS
+
+    return [m for m in BUILTIN_MODELS if m.tokenizer is not None and m.architecture is not None]
+
+
 class ModelConfig(Strict):
     """One served model.
 
     Attributes:
         name: canonical name, as the engines serve it (`--served-model-name`).
         aliases: other names clients may send.
+        path: the model directory the engines load (`vllm serve PATH`: `tokenizer.json`,
+            `tokenizer_config.json` and `config.json` in it), or `builtin:<model>` for a model
+            whose tokenizer and architecture both ship (`builtin:qwen3-8b`); it supplies
+            `tokenizer` and `architecture` where those are not set.
         tokenizer: a local directory with `tokenizer.json`/`tokenizer_config.json`, or
             `builtin:qwen3`. This path and `architecture`'s expand `~`; a relative one is
-            relative to the process's working directory, not to the config file.
+            relative to the process's working directory, not to the config file. Unset (and no
+            `path`), it is the built-in one of the model `name` names (`extproc.models.
+            builtin_model`: Qwen3's first release); a name matching none is a configuration
+            error, never a silent Qwen3 tokenizer (docs/decisions/0290).
         architecture: a `config.json` path or directory, or `builtin:<name>`
             (see `extproc.models.builtin_architectures()`); read when the config loads, so a
-            missing or malformed one is a configuration error. The router counts KV in the
-            engines' own blocks (`num_gpu_blocks`, `block_size` from their metrics), so today
-            only the simulator's profiles use these numbers.
+            missing or malformed one is a configuration error. Unset, as `tokenizer`. The
+            router counts KV in the engines' own blocks (`num_gpu_blocks`, `block_size` from
+            their metrics), so today only the simulator's profiles use these numbers.
         max_model_len: context limit enforced as vLLM does (tokens).
         dtype: KV-cache dtype (`auto` = the weights' dtype).
         default_output_tokens: expected output length when a request sets no max_tokens
@@ -326,6 +382,12 @@ class ModelConfig(Strict):
             switch alone (`output_estimate: off`) keeps the other settings' defaults.
         truncation: head + tail truncation of over-long prompts (off by default); a mode alone
             (`truncation: head-tail`) keeps the other settings' defaults.
+        engine_check: what a mismatch between the router's counts and an engine's own does
+            (`extproc.datastore.engine_check`: each engine's `/tokenize` counts of fixed texts and
+            its `max_model_len`, checked when it joins and every 10 minutes): `warn` (an ERROR
+            line, the metric and the admin page; the endpoint keeps its traffic), `drain` (that
+            too, and the endpoint gets no new requests while it differs, where the profile has
+            the `weight-override-filter`, as the default has) or `off` (no check).
         token_encoder: `auto` (tiktoken built from the tokenizer when it is a byte-level BPE
             with a regex split and agrees with `tokenizers` on a load-time cross-check, else
             `tokenizers`) or `tokenizers` (always the reference encoder; docs/decisions/0200).
@@ -333,14 +395,29 @@ class ModelConfig(Strict):
 
     name: str = Field(min_length=1)
     aliases: list[str] = Field(default_factory=list)
-    tokenizer: str = "builtin:qwen3"
-    architecture: str = "builtin:qwen3-8b"
+    path: str | None = Field(default=None, min_length=1)
+    tokenizer: str = Field(min_length=1)
+    architecture: str = Field(min_length=1)
     max_model_len: int = Field(default=40960, ge=16)
     dtype: str = "auto"
     default_output_tokens: int = Field(default=512, ge=1)
     output_estimate: OutputEstimateConfig = Field(default_factory=OutputEstimateConfig)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
     token_encoder: Literal["auto", "tokenizers"] = "auto"
+    engine_check: Literal["warn", "drain", "off"] = "warn"
+
+    @field_validator("engine_check", mode="before")
+    @classmethod
+    def _check_off(cls, v: Any) -> Any:
+        return yaml_off(v)  # a bare `off` reads as false
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sources(cls, data: Any) -> Any:
+        # No silent default: a Llama served with Qwen3's tokenizer miscounts every request.
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+            return data  # the field checks say what is wrong
+        return {**data, **model_sources(data["name"], data.get("path"), data.get("tokenizer"), data.get("architecture"))}
 
     @field_validator("truncation", mode="before")
     @classmethod

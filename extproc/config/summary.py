@@ -14,10 +14,11 @@ def _count(n: int, what: str) -> str:
 
 
 def config_summary(cfg: Config) -> str:
-    """One line: models, endpoint sources (the static list's size), the routing profile among
-    those defined, the listen addresses, and the Redis URL when rate limits or replica sync use
-    it (its user information masked)."""
-    models = ", ".join(m.name for m in cfg.models)
+    """One line: models (each with its tokenizer and architecture, so a model counted with
+    another's tokenizer shows), endpoint sources (the static list's size), the routing profile
+    among those defined, the listen addresses, and the Redis URL when rate limits or replica
+    sync use it (its user information masked)."""
+    models = ", ".join(f"{m.name}: tokenizer {m.tokenizer}, architecture {m.architecture}" for m in cfg.models)
     sources = [
         f"static ({_count(len(cfg.endpoints), 'endpoint')})" if p.type == "static" else str(p.type) for p in cfg.discovery.sources
     ]

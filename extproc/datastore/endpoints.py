@@ -115,6 +115,9 @@ class Endpoint:
         draining: discovery dropped it (gone from its source, not ready, or terminating): no new
             picks; it is removed once `inflight` reaches 0 (`Datastore.drain_endpoint`).
         draining_since: `time.monotonic()` when draining began (seconds), or None.
+        engine_check: per configured model it serves, the latest check of the engine's own
+            token counts and `max_model_len` against the router's
+            (`extproc.datastore.engine_check.EngineCheck`), or None before any.
         agent: `host:port` of its node agent (`EndpointConfig.agent`), or None.
         kv_events / kv_events_replay: its engine's KV-event publisher and replay socket
             (`EndpointConfig.kv_events`, `tcp://host:port`), or None.
@@ -151,6 +154,7 @@ class Endpoint:
     override: Any = None
     draining: bool = False
     draining_since: float | None = None
+    engine_check: dict[str, Any] | None = None
     agent: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None

@@ -210,6 +210,9 @@ class AdminServer:
                         "decode_inflight": ep.decode_inflight,
                         "reserved_kv_blocks": ep.reserved_blocks,
                         "last_probe_error": ep.last_probe_error,
+                        # The engine's own token counts and max_model_len against ours, per model
+                        # (docs/decisions/0290): match, mismatch or unverified, and why.
+                        "engine_check": {m: c.describe() for m, c in sorted((ep.engine_check or {}).items())},
                         "stream": _stream(ep),
                         "node": None
                         if ep.node is None

@@ -20,6 +20,7 @@ from extproc.aio import listener_at
 from extproc.config.schema import Config, TLSConfig, is_loopback, parse_host_port
 from extproc.datastore.agent_client import AgentWatcher
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
+from extproc.datastore.engine_check import EngineChecker
 from extproc.datastore.health import HealthChecker
 from extproc.datastore.prefill_fit import PrefillCounts, PrefillPrior
 from extproc.datastore.outliers import OutlierDetector
@@ -171,6 +172,10 @@ class ExtProcApp:
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.store, config.scheduling.health_check)
+        # Each engine's own /tokenize counts and max_model_len against ours (docs/decisions/0290).
+        self.engine_check = EngineChecker(
+            {m.name: (m.max_model_len, m.engine_check) for m in config.models}, self.metrics.registry
+        )
         self._agents = AgentWatcher(self.store, stale_after_s=config.scheduling.metrics.stale_after_s)
         m = config.scheduling.metrics
         self._scraper = (
@@ -215,6 +220,7 @@ class ExtProcApp:
         self.metrics.endpoint_reserved_blocks.labels(ep.address).set_function(lambda ep=ep: ep.reserved_blocks)
         ep.stream_stats = EndpointStreamStats(self.config.telemetry.stats)
         self._checker.add(ep)  # after start: no request before its first probe passes
+        self.engine_check.add(ep)  # before start: checked once the tokenizers are loaded
         if self._scraper is not None:
             self._scraper.add(ep)  # no-op before start(), which scrapes every endpoint
         self._endpoint_changed(ep)
@@ -238,6 +244,7 @@ class ExtProcApp:
             self._scraper.remove(ep)
         self._agents.remove(ep)
         self._checker.forget(ep)
+        self.engine_check.forget(ep)
         self.kv_events.remove(ep.address)  # before the index drop: no late batch re-adds entries
         if self.sync is not None:
             self.sync.drop_endpoint(ep.address)  # the other replicas' requests counted on it
@@ -322,6 +329,7 @@ class ExtProcApp:
         )
         await self.discovery.start()
         await self._checker.start()
+        await self.engine_check.start({name: rt.counter for name, rt in self._models.items()})
         await self._agents.start()
         if self._scraper is not None:
             await self._scraper.start()
@@ -392,6 +400,7 @@ class ExtProcApp:
             self._grpc = None
         await self.discovery.aclose()
         await self._checker.aclose()
+        await self.engine_check.aclose()
         await self._agents.aclose()
         await self.prefix.warmer.aclose()
         if self._scraper is not None:

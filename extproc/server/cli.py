@@ -117,20 +117,36 @@ def _loaded(config: str, endpoint: list[str]) -> Config:
 
 
 def check_config(
-    config: str = typer.Option(..., "--config", "-c", metavar=FILE, help="the YAML configuration `serve --config` would load"),
+    config: str = typer.Option("", "--config", "-c", metavar=FILE, help="the YAML configuration `serve --config` would load"),
+    overlay: str = typer.Option(
+        "", "--overlay", metavar=FILE,
+        help="instead: the YAML `up`, `demo` and `bench --extproc-config` lay over their generated config, checked as they lay it",
+    ),
+    fleet: str = typer.Option(
+        "", "--fleet", help="with --overlay: the simulator profiles of that stack, comma-separated (default: the demo's fleet)"
+    ),
 ) -> None:
     """Check a configuration without starting anything: loaded as `serve` loads it (the same
     checks, the admin token's environment included), every problem printed and exit 2, or one
-    line saying what it configures and exit 0. Credentials are never printed. Each model's
-    tokenizer is loaded as `serve` loads it (a missing tokenizer directory or an unknown
-    `builtin:` name passed the schema and stopped `serve`), and `decision_log.path` is checked
-    openable without creating it (a directory there stopped `serve`)."""
+    line saying what it configures (each model's tokenizer and architecture included) and exit
+    0. Credentials are never printed. Each model's tokenizer is loaded as `serve` loads it (a
+    missing tokenizer directory or an unknown `builtin:` name passed the schema and stopped
+    `serve`), and `decision_log.path` is checked openable without creating it (a directory
+    there stopped `serve`). With `--overlay`, the file is laid over the config `up`/`demo`/`bench`
+    generate for the fleet, as their `--extproc-config` is, and the result is checked."""
     from extproc.config.summary import config_summary
     from extproc.pipeline.tokens import TokenizerLoadError
     from extproc.server.app import load_models
     from extproc.telemetry.decision_log import log_path_problem
 
-    cfg = _loaded(config, [])
+    if bool(config) == bool(overlay):
+        typer.echo("error: give --config FILE (what serve loads) or --overlay FILE (what up, demo and bench lay over "
+                   "their generated config), one of them", err=True)  # fmt: skip
+        raise typer.Exit(2)
+    if fleet and not overlay:
+        typer.echo("error: --fleet only applies with --overlay", err=True)
+        raise typer.Exit(2)
+    cfg = _overlaid(overlay, fleet) if overlay else _loaded(config, [])
     problems = []
     try:
         load_models(cfg)
@@ -143,7 +159,33 @@ def check_config(
         typer.echo(f"error: {problem}", err=True)
     if problems:
         raise typer.Exit(2)
-    typer.echo(f"OK: {config}: {config_summary(cfg)}")
+    what = f"{config}" if config else f"{overlay} over the stack of {fleet or 'the demo fleet'}"
+    typer.echo(f"OK: {what}: {config_summary(cfg)}")
+
+
+def _overlaid(overlay: str, fleet: str) -> Config:
+    """The config `up`/`demo`/`bench --extproc-config OVERLAY` would run the llm-extproc policy
+    with on `fleet` (comma-separated simulator profiles; empty: the demo's).
+
+    Raises:
+        typer.Exit: (2) after printing the problem as `error: ...` on stderr.
+    """
+    from pathlib import Path
+
+    from extproc.bench.overlay import OverlayError, check_overlay
+    from extproc.sim.profiles import PROFILES
+    from extproc.stack.fleet import DEFAULT_FLEET
+
+    profiles = tuple(p.strip() for p in fleet.split(",") if p.strip()) or DEFAULT_FLEET
+    unknown = [p for p in profiles if p not in PROFILES]
+    try:
+        if unknown:
+            raise OverlayError(f"--fleet: unknown simulator profile(s) {unknown}; known: {', '.join(PROFILES)}")
+        _, cfg = check_overlay(Path(overlay), profiles)
+    except OverlayError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    return cfg
 
 
 def envoy_config(

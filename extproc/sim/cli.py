@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES
+from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES, SIM_TOKENIZER
 
 __all__ = ["sim"]
 
@@ -21,6 +21,9 @@ def sim(
     host: str = typer.Option("127.0.0.1", help="listen address"),
     profile: str = typer.Option(DEFAULT_PROFILE, help=_PROFILE_HELP),
     model: str | None = typer.Option(None, help="served model name (default: the profile's model)"),
+    tokenizer: str = typer.Option(
+        SIM_TOKENIZER, help="tokenizer it counts with (/tokenize, usage): builtin:qwen3 or a directory with tokenizer.json"
+    ),
     speed: float = typer.Option(1.0, help="simulated seconds per wall second (10 = 10× faster)"),
     stream_interval: int = typer.Option(1, help="output tokens per streamed chunk (vLLM --stream-interval)"),
     num_gpu_blocks: int | None = typer.Option(
@@ -59,6 +62,7 @@ def sim(
 
     from extproc.clitools import fail, skip_final_collection, stop_on_signals
     from extproc.sim.faults import Faults
+    from extproc.pipeline.tokens import TokenCounter, TokenizerLoadError
     from extproc.sim.server import SimOptionError, SimServer
 
     if kv_events_port is not None and kv_events_endpoint is not None:
@@ -77,13 +81,19 @@ def sim(
     except ValidationError as exc:  # one line naming the option, not pydantic's dump
         first = exc.errors(include_url=False)[0]
         raise fail(f"--fault-{str(first['loc'][0]).replace('_', '-')} {first['msg'].replace('Input should be', 'must be')}, got {first['input']!r}") from None
+    counter = None
+    if tokenizer != SIM_TOKENIZER:  # the default one is shared by every simulator in a process
+        try:
+            counter = TokenCounter.from_source(tokenizer)
+        except TokenizerLoadError as exc:
+            raise fail(f"--tokenizer: {exc}") from None
     try:
         server = SimServer(
             host=host, port=port, profile=profile, model=model, speed=speed, stream_interval=stream_interval,
             num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             max_waiting=max_waiting, queue_full_status=queue_full_status, legacy_metrics=legacy_metrics,
-            load_shape=load_shape, faults=faults, seed=seed,
+            load_shape=load_shape, faults=faults, seed=seed, tokenizer=counter,
             kv_events_endpoint=kv_events_endpoint, kv_events_replay=kv_events_replay_endpoint,
         )
     except SimOptionError as exc:

@@ -32,6 +32,7 @@ __all__ = [
     "Profile",
     "PROFILES",
     "DEFAULT_PROFILE",
+    "SIM_TOKENIZER",
     "get_profile",
     "architecture",
 ]
@@ -283,6 +284,10 @@ def _build() -> dict[str, Profile]:
 
 PROFILES: dict[str, Profile] = _build()
 DEFAULT_PROFILE = "h100-qwen3-8b"
+SIM_TOKENIZER = "builtin:qwen3"
+"""The tokenizer a simulator counts with unless given another (`llm-extproc sim --tokenizer`),
+whatever its profile's model: a simulated Llama fleet tokenizes as Qwen3, and a router in front
+of it must be configured with this tokenizer to count as it does."""
 
 
 def get_profile(name: str) -> Profile:

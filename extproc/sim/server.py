@@ -72,7 +72,7 @@ from extproc.sim.engine import Engine, EngineConfig, RequestTooLargeError, SimRe
 from extproc.sim.faults import Faults, FaultUpdate, parse_fault_update
 from extproc.sim.kv_publisher import KVEventPublisher
 from extproc.sim.metrics import register_metrics
-from extproc.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
+from extproc.sim.profiles import DEFAULT_PROFILE, SIM_TOKENIZER, Profile, get_profile
 from extproc.sim.workload import choose_output_len
 
 __all__ = ["MAX_GPU_BLOCKS", "MAX_SPEED", "SimOptionError", "SimServer", "shared_token_counter", "LOAD_SHAPES"]
@@ -108,7 +108,7 @@ _counter_lock = threading.Lock()
 
 @functools.cache
 def _load_counter() -> TokenCounter:
-    return TokenCounter.from_source("builtin:qwen3")
+    return TokenCounter.from_source(SIM_TOKENIZER)
 
 
 def shared_token_counter() -> TokenCounter:

@@ -51,6 +51,8 @@ class SimProcess(ChildHandle):
             passes the previous run's `port`).
         kv_events: publish vLLM KV-cache events (and serve their replay), each on a free port;
             `kv_events_endpoint` / `kv_events_replay` name them once started.
+        max_model_len: the simulator's context limit (tokens; `sim --max-model-len`), or None
+            for the profile's.
 
     Raises:
         ValueError: unknown profile, or speed / stream_interval out of range.
@@ -70,6 +72,7 @@ class SimProcess(ChildHandle):
         load_shape: str = "sglang",
         port: int = 0,
         kv_events: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"unknown simulator profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -86,6 +89,7 @@ class SimProcess(ChildHandle):
         self.load_shape = load_shape
         self._listen_port = port
         self.kv_events = kv_events
+        self.max_model_len = max_model_len
         self.kv_events_endpoint: str | None = None
         self.kv_events_replay: str | None = None
         self.port: int | None = None
@@ -114,6 +118,7 @@ class SimProcess(ChildHandle):
             "--seed", str(self.seed),
             "--load-shape", self.load_shape,
             *(("--kv-events-port", "0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*") if self.kv_events else ()),
+            *(("--max-model-len", str(self.max_model_len)) if self.max_model_len is not None else ()),
         ]  # fmt: skip
 
     async def start(self, timeout_s: float = 90.0) -> None:
@@ -162,7 +167,7 @@ class Fleet:
     Args:
         profiles: engine profile per endpoint (default `DEFAULT_FLEET`).
         workdir: logs go to `<workdir>/sim-<i>.log`.
-        speed, stream_interval, load_shape, kv_events: as `SimProcess`.
+        speed, stream_interval, load_shape, kv_events, max_model_len: as `SimProcess`.
         seed: endpoint i gets seed `seed + i`.
 
     Raises:
@@ -179,13 +184,14 @@ class Fleet:
         seed: int = 0,
         load_shape: str = "sglang",
         kv_events: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("a fleet needs at least one simulator profile")
         self.sims = [
             SimProcess(
                 p, name=f"sim-{i}", workdir=workdir, speed=speed, stream_interval=stream_interval,
-                seed=seed + i, load_shape=load_shape, kv_events=kv_events,
+                seed=seed + i, load_shape=load_shape, kv_events=kv_events, max_model_len=max_model_len,
             )
             for i, p in enumerate(profiles)
         ]  # fmt: skip

@@ -23,7 +23,7 @@ async def server(qwen_counter, engine: FakeEngine, start_agent):
     cfg = config_from_mapping(
         {
             "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-            "models": [{"name": MODEL}],
+            "models": [{"name": MODEL, "path": "builtin:qwen3-8b"}],
             "endpoints": [
                 {"address": engine.url.removeprefix("http://"), "models": [MODEL], "agent": f"127.0.0.1:{agent.grpc_port}"},
                 {"address": other.url.removeprefix("http://"), "models": [MODEL]},

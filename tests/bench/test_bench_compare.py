@@ -68,9 +68,12 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest
         ("scheduling:\n  profile: missing\n", "missing"),
         ("endpoints: [{address: '10.0.0.1:8000', models: [m]}]\n", "sets endpoints, which the stack owns"),
         ("admin: {enabled: false}\n", "sets admin, which the stack owns"),
+        # The refusal lists every key an overlay may set (it named four of ten, models not among them).
+        ("listen: {grpc: '127.0.0.1:1'}\n", "may set admission, decision_log, discovery, limits, models, protocol, ratelimit, replicas, scheduling, telemetry"),
+        ("models: [{name: other/model}]\n", "'other/model' is not served by the fleet; its models: Qwen/Qwen3-8B"),
         ("# " + "x" * (1 << 20) + "\n", "is larger than"),
     ],
-    ids=["bad-yaml", "not-a-mapping", "unknown-scorer", "unknown-profile", "endpoints", "admin", "huge"],
+    ids=["bad-yaml", "not-a-mapping", "unknown-scorer", "unknown-profile", "endpoints", "admin", "listen", "unserved-model", "huge"],
 )
 def test_bad_extproc_config_exits_2_before_starting_anything(tmp_path: Path, text: str, message: str) -> None:
     from typer.testing import CliRunner

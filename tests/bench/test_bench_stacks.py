@@ -11,7 +11,8 @@ import yaml
 
 from extproc.bench.policies import POLICIES
 from extproc.bench.stacks import (
-    PortBusyError, StackSettings, check_port_free, envoy_only_config, merge_config, policy_server_config, server_config,
+    PolicyStack, PortBusyError, StackSettings, check_port_free, envoy_only_config, merge_config, overlay_max_model_len,
+    policy_server_config, server_config,
 )
 from extproc.config.loader import config_from_mapping
 from extproc.stack.envoy import EnvoyError, RunSettings, load_envoy_config, rewrite_config, validate_config_file
@@ -100,6 +101,25 @@ def test_policy_server_config_lays_the_policy_then_the_run_over_the_fleet() -> N
     assert config_from_mapping(policy_server_config(POLICIES["llm-extproc"], StackSettings(), fleet)).scheduling.prefix.enabled
     with pytest.raises(ValueError, match="not an llm-extproc policy"):
         policy_server_config(POLICIES["envoy-least-request"], settings, fleet)
+
+
+def test_an_overlays_models_are_laid_over_the_fleets_by_name(tmp_path: Path) -> None:
+    """`up --extproc-config` refused `models`: aliases, truncation and max_model_len could not
+    be tried with the stack. An entry now lays its fields over the fleet's model of that name,
+    and the simulators get its max_model_len too."""
+    fleet = {"127.0.0.1:9001": "h100-qwen3-8b"}
+    overlay = {"models": [{"name": "Qwen/Qwen3-8B", "aliases": ["fast"], "max_model_len": 8192, "truncation": "head-tail"}]}
+    settings = StackSettings(profiles=("h100-qwen3-8b",), server_overrides=overlay)
+    (model,) = config_from_mapping(policy_server_config(POLICIES["llm-extproc"], settings, fleet)).models
+    assert (model.aliases, model.max_model_len, model.truncation.mode) == (["fast"], 8192, "head-tail")
+    assert (model.tokenizer, model.architecture) == ("builtin:qwen3", "builtin:qwen3-8b")  # kept from the fleet's
+    assert overlay_max_model_len(overlay, ("h100-qwen3-8b",)) == 8192
+    assert overlay_max_model_len({"limits": {}}, ("h100-qwen3-8b",)) is None
+    for policy in ("llm-extproc", "envoy-least-request"):  # every policy's engines alike
+        argv = PolicyStack(POLICIES[policy], settings, workdir=tmp_path).fleet.sims[0].argv()
+        assert argv[argv.index("--max-model-len") + 1] == "8192"
+    with pytest.raises(ValueError, match="'meta-llama/Llama-3.1-8B-Instruct' is not served by the fleet; its models: Qwen/Qwen3-8B"):
+        merge_config(server_config(fleet, profile="load-aware"), {"models": [{"name": "meta-llama/Llama-3.1-8B-Instruct"}]})
 
 
 def test_check_port_free() -> None:

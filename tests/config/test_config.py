@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def minimal(**extra):
-    raw = {"models": [{"name": "m"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]}
+    raw = {"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]}
     raw.update(extra)
     return raw
 
@@ -47,12 +47,12 @@ def test_default_config_serves_the_default_model():
     ("raw", "needles"),
     [
         (minimal(listen={"grpc": "nope"}), ["listen.grpc", "'nope'"]),
-        (minimal(models=[{"name": "m", "max_model_len": "big"}]), ["models[0].max_model_len", "'big'"]),
-        (minimal(models=[{"name": "m", "toknizer": "x"}]), ["models[0].toknizer", "unknown key"]),
+        (minimal(models=[{"name": "m", "path": "builtin:qwen3-8b", "max_model_len": "big"}]), ["models[0].max_model_len", "'big'"]),
+        (minimal(models=[{"name": "m", "path": "builtin:qwen3-8b", "toknizer": "x"}]), ["models[0].toknizer", "unknown key"]),
         (minimal(endpoints=[{"address": "vllm.local:8000", "models": ["m"]}]), ["endpoints[0].address", "vllm.local:8000"]),
         (minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["other"]}]), ["endpoints[0].models", "'other'"]),
         (minimal(endpoints=[{"address": "10.0.0.1:8000", "models": ["m"]}] * 2), ["listed twice"]),
-        (minimal(models=[{"name": "m", "aliases": ["m"]}]), ["alias 'm'"]),
+        (minimal(models=[{"name": "m", "path": "builtin:qwen3-8b", "aliases": ["m"]}]), ["alias 'm'"]),
         (minimal(limits={"max_body_bytes": 9_000_000}), ["grpc_max_message_bytes", "max_body_bytes"]),
         (minimal(limits={"max_json_values": 10}), ["limits.max_json_values", "10"]),
         ({"endpoints": []}, ["models: required key is missing", "the smallest entry: `models: [{name: Qwen/Qwen3-8B}]`"]),
@@ -67,10 +67,10 @@ def test_default_config_serves_the_default_model():
         (minimal(scheduling={"prefill_model": {"attention_ratio": 2e-1}}),  # a typo of 2e-5
          ["scheduling.prefill_model.attention_ratio: 0.2 is above 0.001", "201,000 tokens of work", "2e-05"]),
         # Both passed check-config and serve silently (a new user's trial).
-        ({**minimal(), "models": [{"name": "m", "architecture": "/nonexistent/config.json"}]},
+        ({**minimal(), "models": [{"name": "m", "path": "builtin:qwen3-8b", "architecture": "/nonexistent/config.json"}]},
          ["models[0]: architecture '/nonexistent/config.json'", "No such file"]),
-        ({**minimal(), "models": [{"name": "m", "architecture": "builtin:nope"}]}, ["unknown built-in", "qwen3-8b"]),
-        ({**minimal(), "models": [{"name": "m", "dtype": "fp9"}]}, ["dtype 'fp9'", "unknown dtype"]),
+        ({**minimal(), "models": [{"name": "m", "path": "builtin:qwen3-8b", "architecture": "builtin:nope"}]}, ["unknown built-in", "qwen3-8b"]),
+        ({**minimal(), "models": [{"name": "m", "path": "builtin:qwen3-8b", "dtype": "fp9"}]}, ["dtype 'fp9'", "unknown dtype"]),
     ],
     ids=["bad-listen", "bad-int", "typo-key", "hostname-endpoint", "unknown-model-ref", "duplicate-endpoint", "alias-clash", "grpc-below-body", "json-values-too-low", "missing-models", "unknown-profile", "filter-as-scorer", "unknown-plugin", "bad-plugin-param", "bad-priority", "shedding-inverted", "bad-gpu-prefill-speed", "grpc-admin-one-port", "attention-ratio-typo",
          "missing-architecture", "unknown-builtin-architecture", "unknown-kv-dtype"],
@@ -87,11 +87,11 @@ def test_a_relative_architecture_path_is_looked_up_from_the_working_directory(tm
     # says where the file was looked for (it named only 'models/m').
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as info:
-        config_from_mapping({**minimal(), "models": [{"name": "m", "architecture": "models/m"}]}, env={})
+        config_from_mapping({**minimal(), "models": [{"name": "m", "path": "builtin:qwen3-8b", "architecture": "models/m"}]}, env={})
     assert f"No such file or directory: '{tmp_path / 'models' / 'm'}'" in str(info.value)
     (tmp_path / "models" / "m").mkdir(parents=True)
     shutil.copy(ARCHITECTURES_DIR / "qwen3-8b.json", tmp_path / "models" / "m" / "config.json")
-    assert config_from_mapping({**minimal(), "models": [{"name": "m", "architecture": "models/m"}]}, env={}).models[0].architecture == "models/m"
+    assert config_from_mapping({**minimal(), "models": [{"name": "m", "path": "builtin:qwen3-8b", "architecture": "models/m"}]}, env={}).models[0].architecture == "models/m"
 
 
 def test_the_server_starts_each_endpoints_fit_at_its_gpus_prefill_speed():
@@ -197,7 +197,7 @@ def test_new_profile_filters(filters, expected) -> None:
 )
 def test_truncation_errors_name_the_key(truncation, needles) -> None:
     with pytest.raises(ConfigError) as err:
-        config_from_mapping(minimal(models=[{"name": "m", "truncation": truncation}]))
+        config_from_mapping(minimal(models=[{"name": "m", "path": "builtin:qwen3-8b", "truncation": truncation}]))
     for needle in needles:
         assert needle in str(err.value)
 
@@ -209,7 +209,7 @@ def test_truncation_errors_name_the_key(truncation, needles) -> None:
 )
 def test_truncation_yaml_forms(tmp_path, yaml_value: str, mode: str) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(f"models: [{{name: m, truncation: {yaml_value}}}]\nendpoints: [{{address: '10.0.0.1:8000', models: [m]}}]\n")
+    path.write_text(f"models: [{{name: m, path: 'builtin:qwen3-8b', truncation: {yaml_value}}}]\nendpoints: [{{address: '10.0.0.1:8000', models: [m]}}]\n")
     assert load_config(path, env={}).models[0].truncation.mode == mode
 
 
@@ -434,7 +434,7 @@ def test_every_cross_check_problem_is_reported_at_once():
     plugin's bad parameters the next plugin's, one tenant's reused key digest the next one's."""
     digest = "0" * 64
     raw = minimal(
-        models=[{"name": "m"}, {"name": "m"}],
+        models=[{"name": "m", "path": "builtin:qwen3-8b"}, {"name": "m", "path": "builtin:qwen3-8b"}],
         endpoints=[{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.1:8000", "models": ["m"]}],
         discovery={"sources": [{"type": "static"}, {"type": "dns", "name": "a.svc", "models": ["m"]}, {"type": "nope"}]},
         scheduling={"profiles": {"p": {"scorers": [{"type": "inflight-scorer", "params": {"x": 1}}, {"type": "queue-depth-scorer", "params": {"y": 2}}]}}},
@@ -449,7 +449,7 @@ def test_every_cross_check_problem_is_reported_at_once():
         "ratelimit.tenants.b.api_key_sha256: key digest already listed by tenant 'a'",
         "ratelimit.tenants.c.api_key_sha256: key digest already listed by tenant 'a'",
     ]
-    valid_sections = minimal(models=[{"name": "m"}, {"name": "m"}], endpoints=raw["endpoints"])
+    valid_sections = minimal(models=[{"name": "m", "path": "builtin:qwen3-8b"}, {"name": "m", "path": "builtin:qwen3-8b"}], endpoints=raw["endpoints"])
     assert problem_lines(valid_sections) == [
         "models[1]: name or alias 'm' already used by model 'm'",
         "endpoints[1].address: '10.0.0.1:8000' is listed twice",
@@ -549,3 +549,59 @@ def test_a_key_written_as_the_key_mark_reads_as_a_key():
         assert len(problems) == 1 and problems[0].strip().startswith(path), problems
     assert path_text(("labels", "[key]"), {"labels": {"[key]": 5}}) == 'labels["[key]"]'
     assert path_text(("labels", "[key]", "[key]"), {"labels": {"[key]": 5}}) == 'labels["[key]"] (the key)'
+
+
+def _model(**fields):
+    return {"models": [fields], "endpoints": [{"address": "10.0.0.1:8000", "models": [fields["name"]]}]}
+
+
+@pytest.mark.parametrize(
+    ("entry", "needles"),
+    [
+        # The issue's config: it passed and served with Qwen3's tokenizer and Qwen3-8B's shape.
+        ({"name": "meta-llama/Llama-3.1-70B-Instruct", "max_model_len": 131072},
+         ["models[0]: model 'meta-llama/Llama-3.1-70B-Instruct' matches no built-in tokenizer", "`path:`",
+          "`tokenizer`", "tokenizer.json", "config.json", "{name: meta-llama/Llama-3.1-70B-Instruct, path: /models/Llama-3.1-70B-Instruct}"]),
+        ({"name": "mistralai/Mistral-7B-Instruct-v0.3"}, ["no built-in tokenizer or architecture", "`tokenizer` and `architecture`"]),
+        ({"name": "Qwen/Qwen3-4B"}, ["matches no built-in architecture", "its `architecture`"]),
+        ({"name": "Qwen/Qwen3-4B-Instruct-2507"}, ["no built-in tokenizer or architecture"]),  # another chat template
+        ({"name": "m", "path": "builtin:qwen3-4b"}, ["path 'builtin:qwen3-4b'", "['qwen3-32b', 'qwen3-8b']"]),
+        ({"name": "m", "path": 3}, ["path must be a model directory"]),
+    ],
+    ids=["llama", "mistral", "qwen3-4b-shape", "qwen3-2507", "partial-builtin-path", "path-not-a-string"],
+)
+def test_a_model_no_builtin_serves_must_name_its_tokenizer_and_architecture(entry, needles):
+    """No silent default: a name that matches no built-in is refused until it names its own."""
+    text = "\n".join(problem_lines(_model(**entry)))
+    for needle in needles:
+        assert needle in text, text
+
+
+@pytest.mark.parametrize(
+    ("entry", "tokenizer", "architecture"),
+    [
+        ({"name": "Qwen/Qwen3-8B"}, "builtin:qwen3", "builtin:qwen3-8b"),
+        ({"name": "qwen3-32b-fp8"}, "builtin:qwen3", "builtin:qwen3-32b"),
+        ({"name": "Qwen/Qwen3-4B", "architecture": "builtin:qwen3-8b"}, "builtin:qwen3", "builtin:qwen3-8b"),
+        ({"name": "meta-llama/Llama-3.1-70B-Instruct", "tokenizer": "/models/llama"}, "/models/llama", "builtin:llama-3.1-70b"),
+        ({"name": "m", "path": "builtin:qwen3-32b"}, "builtin:qwen3", "builtin:qwen3-32b"),
+        ({"name": "m", "tokenizer": "builtin:qwen3", "architecture": "builtin:qwen3-8b"}, "builtin:qwen3", "builtin:qwen3-8b"),
+    ],
+    ids=["qwen3-8b", "quantized-32b", "shape-given", "llama-tokenizer-given", "builtin-path", "both-given"],
+)
+def test_built_ins_fill_in_only_for_the_models_they_belong_to(entry, tokenizer, architecture):
+    m = config_from_mapping(_model(**entry), env={}).models[0]
+    assert (m.tokenizer, m.architecture) == (tokenizer, architecture)
+
+
+def test_a_model_directory_supplies_both_tokenizer_and_architecture(tmp_path):
+    """`path:` is the directory the engines load: its tokenizer files and its config.json."""
+    from extproc.models import builtin_tokenizer_dir
+
+    model_dir = tmp_path / "Llama-like"
+    shutil.copytree(builtin_tokenizer_dir("qwen3"), model_dir)
+    shutil.copy(ARCHITECTURES_DIR / "llama-3.1-8b.json", model_dir / "config.json")
+    m = config_from_mapping(_model(name="acme/house-model", path=str(model_dir)), env={}).models[0]
+    assert (m.tokenizer, m.architecture, m.path) == (str(model_dir), str(model_dir), str(model_dir))
+    (model_dir / "config.json").unlink()
+    assert "No such file" in "\n".join(problem_lines(_model(name="acme/house-model", path=str(model_dir))))

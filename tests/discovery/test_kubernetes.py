@@ -301,7 +301,7 @@ def test_pool_selector_reads_v1_and_v1alpha2_shapes():
 
 
 def test_exactly_one_of_selector_and_inference_pool():
-    raw = {"models": [{"name": "m"}], "discovery": {"sources": [{"type": "kubernetes", "port": 8000, "models": ["m"]}]}}
+    raw = {"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [{"type": "kubernetes", "port": 8000, "models": ["m"]}]}}
     with pytest.raises(ConfigError, match="exactly one of selector"):
         config_from_mapping(raw)
     raw["discovery"]["sources"][0]["selector"] = "app=vllm"
@@ -312,7 +312,7 @@ def test_port_comes_from_the_pool_but_is_required_with_a_selector():
     # The InferencePool names its target port: the picker config in deploy/inferencepool gives
     # none (the schema used to require one anyway); a selector's EndpointSlices need ours.
     src = {"type": "kubernetes", "models": ["m"], "inference_pool": "vllm-qwen3-8b"}
-    raw = {"models": [{"name": "m"}], "discovery": {"sources": [src]}}
+    raw = {"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [src]}}
     assert config_from_mapping(raw).discovery.sources[0].port is None
     raw["discovery"]["sources"] = [{"type": "kubernetes", "models": ["m"], "selector": "app=vllm"}]
     with pytest.raises(ConfigError, match="port is required with selector"):
@@ -359,13 +359,13 @@ def test_a_bad_socket_template_is_a_configuration_error_naming_the_field(field: 
     extra = {"kv_events": "tcp://{host}:5557"} if field == "kv_events_replay" else {}
     src = {"type": "kubernetes", "models": ["m"], "selector": "app=vllm", "port": 8000, **extra, field: template}
     with pytest.raises(ConfigError, match=rf"sources\[0\]: kubernetes source: {message}"):
-        config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [src]}})
+        config_from_mapping({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [src]}})
 
 
 def test_replay_template_needs_kv_events():
     src = {"type": "dns", "name": "vllm.test", "models": ["m"], "port": 8000, "kv_events_replay": "tcp://{host}:5558"}
     with pytest.raises(ConfigError, match="kv_events_replay needs kv_events"):
-        config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [src]}})
+        config_from_mapping({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [src]}})
 
 
 def ready_pod(name: str, ip: str, annotations: dict[str, str] | None = None, version: str = "1") -> dict:

@@ -183,7 +183,7 @@ def _series_with(registry: CollectorRegistry, address: str) -> list[str]:
 def test_a_removed_endpoint_leaves_every_index_and_metric_series():
     cfg = config_from_mapping(
         {
-            "models": [{"name": "m"}],
+            "models": [{"name": "m", "path": "builtin:qwen3-8b"}],
             "endpoints": [{"address": A, "models": ["m"]}, {"address": B, "models": ["m"]}],
         }
     )
@@ -231,12 +231,12 @@ def test_a_removed_endpoint_leaves_every_index_and_metric_series():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"models": [{"name": "m"}]}, "at least one endpoint"),
-        ({"models": [{"name": "m"}], "endpoints": [{"address": A, "models": ["m"]}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 80, "models": ["m"]}]}}, "static source's list"),
-        ({"models": [{"name": "m"}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 80, "models": ["n"]}]}}, "discovery.sources[0].models: 'n'"),
-        ({"models": [{"name": "m"}], "discovery": {"sources": [{"type": "dsn"}]}}, "did you mean 'dns'"),
-        ({"models": [{"name": "m"}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 0, "models": ["m"]}]}}, "port"),
-        ({"models": [{"name": "m"}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 80, "models": ["m"], "nameservers": ["dns.example"]}]}}, "IP address"),
+        ({"models": [{"name": "m", "path": "builtin:qwen3-8b"}]}, "at least one endpoint"),
+        ({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "endpoints": [{"address": A, "models": ["m"]}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 80, "models": ["m"]}]}}, "static source's list"),
+        ({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 80, "models": ["n"]}]}}, "discovery.sources[0].models: 'n'"),
+        ({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [{"type": "dsn"}]}}, "did you mean 'dns'"),
+        ({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 0, "models": ["m"]}]}}, "port"),
+        ({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [{"type": "dns", "name": "x", "port": 80, "models": ["m"], "nameservers": ["dns.example"]}]}}, "IP address"),
     ],
 )
 def test_discovery_configuration_errors_name_the_problem(raw, message):
@@ -248,7 +248,7 @@ def test_discovery_configuration_errors_name_the_problem(raw, message):
 
 
 def test_a_dns_only_configuration_needs_no_endpoint_list():
-    cfg = config_from_mapping({"models": [{"name": "m"}], "discovery": {"sources": [{"type": "dns", "name": "vllm.test", "port": 8000, "models": ["m"]}]}})
+    cfg = config_from_mapping({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "discovery": {"sources": [{"type": "dns", "name": "vllm.test", "port": 8000, "models": ["m"]}]}})
     assert cfg.endpoints == [] and cfg.discovery.sources[0].type == "dns"
     assert ExtProcApp(cfg).store.all() == []
 

@@ -45,7 +45,7 @@ async def engines() -> AsyncIterator[Engines]:
 async def extproc_server(workdir: Path, engines: Engines) -> AsyncIterator[ExtProcServerProcess]:
     config = {
         # 128k context so the 200 KB prompt (~33k tokens) is routed, not refused as too long.
-        "models": [{"name": MODEL, "aliases": [ALIAS], "max_model_len": 131072}, {"name": DEAD_MODEL}],
+        "models": [{"name": MODEL, "aliases": [ALIAS], "max_model_len": 131072}, {"name": DEAD_MODEL, "path": "builtin:qwen3-8b"}],
         "endpoints": [
             *({"address": e.address, "models": [MODEL]} for e in engines.serving),
             {"address": f"127.0.0.1:{free_port()}", "models": [DEAD_MODEL]},

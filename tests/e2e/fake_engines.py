@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from extproc.datastore.engine_check import USER_AGENT as ENGINE_CHECK_AGENT
+
 __all__ = ["Backend", "JSON_BODY", "SSE_BODY", "SSE_CHUNK", "Received"]
 
 # Deliberately not what a JSON library would re-emit (key order, spacing, escapes, trailing
@@ -107,6 +109,8 @@ class Backend:
 
     async def _record(self, request: web.Request) -> bytes:
         body = await request.read()
+        if request.headers.get("user-agent") == ENGINE_CHECK_AGENT:
+            return body  # the server's own check of this engine (/v1/models, /tokenize): not a client's request
         self.received.append(Received(request.method, request.path_qs, tuple(request.raw_headers), body))
         return body
 

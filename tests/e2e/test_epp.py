@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def picker(workdir: Path, engines: Engines) -> AsyncIterator[ExtProcServerProcess]:
     config = {
-        "models": [{"name": MODEL, "aliases": [ALIAS], "max_model_len": 131072}, {"name": DEAD_MODEL}],
+        "models": [{"name": MODEL, "aliases": [ALIAS], "max_model_len": 131072}, {"name": DEAD_MODEL, "path": "builtin:qwen3-8b"}],
         "endpoints": [
             *({"address": e.address, "models": [MODEL]} for e in engines.serving),
             {"address": f"127.0.0.1:{free_port()}", "models": [DEAD_MODEL]},

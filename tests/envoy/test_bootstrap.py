@@ -15,7 +15,7 @@ from extproc.stack.envoy import EnvoyError, load_envoy_config, stripped_headers,
 CONFIG = {
     "listen": {"grpc": "0.0.0.0:9123"},
     "limits": {"max_body_bytes": 1 << 20, "grpc_max_message_bytes": 2 << 20},
-    "models": [{"name": "Qwen/Qwen3-8B"}, {"name": "other"}],
+    "models": [{"name": "Qwen/Qwen3-8B"}, {"name": "other", "path": "builtin:qwen3-8b"}],
     "endpoints": [
         {"address": "10.0.0.1:8000", "models": ["Qwen/Qwen3-8B"]},
         {"address": "10.0.0.2:8000", "models": ["Qwen/Qwen3-8B"]},

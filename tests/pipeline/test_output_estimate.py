@@ -84,13 +84,13 @@ def test_config_validation(raw, needle):
 def test_config_switch_alone(tmp_path, yaml_value, enabled):
     """`output_estimate: off`, as `truncation: off` reads: was refused as not a mapping."""
     path = tmp_path / "c.yaml"
-    path.write_text(f"models: [{{name: m, output_estimate: {yaml_value}}}]\nendpoints: [{{address: '127.0.0.1:8000', models: [m]}}]\n")
+    path.write_text(f"models: [{{name: m, path: 'builtin:qwen3-8b', output_estimate: {yaml_value}}}]\nendpoints: [{{address: '127.0.0.1:8000', models: [m]}}]\n")
     cfg = load_config(path, env={}).models[0].output_estimate
     assert (cfg.enabled, cfg.quantile, cfg.window, cfg.min_samples) == (enabled, 0.95, 1000, 20)
 
 
 def test_config_defaults_on_every_model():
-    cfg = ModelConfig(name="m").output_estimate
+    cfg = ModelConfig(name="m", path="builtin:qwen3-8b").output_estimate
     assert (cfg.enabled, cfg.quantile, cfg.window, cfg.min_samples) == (True, 0.95, 1000, 20)
 
 

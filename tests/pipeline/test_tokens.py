@@ -16,6 +16,7 @@ from extproc.errors import BadRequestError
 from extproc.models import builtin_tokenizer_dir
 from extproc.pipeline.fastbpe import UnsupportedTokenizer, build_fast_encoder, cross_check_corpus
 from extproc.pipeline.tokens import TokenCounter, TokenizerLoadError
+from tests.conftest import altered_qwen_tokenizer, drop_merge
 
 CONVERSATIONS = {
     "single-user": [{"role": "user", "content": "Hello there!"}],
@@ -138,28 +139,13 @@ def test_the_cross_check_corpus_covers_what_tokenizers_differ_on(qwen_counter):
         assert qwen_counter.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
 
 
-def _altered_copy(tmp_path: Path, change) -> Path:
-    """A copy of the built-in Qwen3 tokenizer directory with `change` applied to its tokenizer.json."""
-    src = builtin_tokenizer_dir("qwen3")
-    dst = tmp_path / "tok"
-    shutil.copytree(src, dst)
-    data = json.loads((dst / "tokenizer.json").read_text(encoding="utf-8"))
-    change(data)
-    (dst / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    return dst
-
-
 def test_an_altered_tokenizer_fails_the_cross_check_and_keeps_tokenizers(tmp_path, caplog):
     """Dropping the merge `i` + `n` leaves the vocabulary (tiktoken's ranks) as it was but changes
     what `tokenizers` does with every word holding "in": the cross-check must catch it, and the
     counts stay `tokenizers`' own."""
 
-    def drop_merge(data):
-        merges = data["model"]["merges"]
-        merges.remove(next(m for m in merges if (m.split(" ") if isinstance(m, str) else m) == ["i", "n"]))
-
     with caplog.at_level(logging.WARNING, logger="extproc.pipeline.tokens"):
-        counter = TokenCounter.from_source(str(_altered_copy(tmp_path, drop_merge)))
+        counter = TokenCounter.from_source(str(altered_qwen_tokenizer(tmp_path, drop_merge("i", "n"))))
     assert counter.encoder == "tokenizers"
     assert counter.encoder_note.startswith("cross-check failed")
     assert [r.levelno for r in caplog.records if "cross-check failed" in r.getMessage()] == [logging.WARNING]

@@ -10,7 +10,7 @@ from extproc.replicas.workers import worker_addresses
 
 
 def cfg(grpc: str, admin: str):
-    return config_from_mapping({"listen": {"grpc": grpc, "admin": admin}, "models": [{"name": "m"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]})
+    return config_from_mapping({"listen": {"grpc": grpc, "admin": admin}, "models": [{"name": "m", "path": "builtin:qwen3-8b"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]})
 
 
 def test_worker_i_listens_on_the_configured_ports_plus_i():

@@ -29,7 +29,7 @@ def test_a_valid_config_is_one_ok_line(tmp_path: Path) -> None:
     path, result = _check(tmp_path, VALID)
     assert result.exit_code == 0, result.output
     assert result.output == (
-        f"OK: {path}: 1 model (Qwen/Qwen3-8B); endpoints from static (2 endpoints); profile least-inflight (of 5); "
+        f"OK: {path}: 1 model (Qwen/Qwen3-8B: tokenizer builtin:qwen3, architecture builtin:qwen3-8b); endpoints from static (2 endpoints); profile least-inflight (of 5); "
         "listens on 127.0.0.1:9002 (ext_proc), 127.0.0.1:9090 (admin)\n"
     )
 
@@ -142,3 +142,27 @@ def test_a_decision_log_path_serve_cannot_open_is_refused_and_nothing_is_created
     _, result = _check(tmp_path, VALID + f'decision_log: {{path: "{fresh}"}}\n')
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "logs").exists()
+
+
+def test_an_overlay_is_checked_as_up_and_bench_lay_it(tmp_path: Path) -> None:
+    """check-config could not check the YAML `up`/`demo`/`bench --extproc-config` lay over their
+    generated config; `--overlay` checks it so, and says what the result configures."""
+    path = tmp_path / "overlay.yaml"
+    path.write_text("models: [{name: Qwen/Qwen3-8B, aliases: [fast], max_model_len: 8192}]\nscheduling: {profile: least-inflight}\n")
+    result = CliRunner().invoke(app, ["check-config", "--overlay", str(path)], env={})
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"OK: {path} over the stack of the demo fleet: 1 model (Qwen/Qwen3-8B: tokenizer builtin:qwen3, ")
+    assert "endpoints from static (4 endpoints); profile least-inflight" in result.output
+    path.write_text("scheduling: {profile: nope}\n")
+    result = CliRunner().invoke(app, ["check-config", "--overlay", str(path), "--fleet", "a100-qwen3-8b"], env={})
+    assert result.exit_code == 2 and "profile 'nope' is not defined" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [([], "give --config FILE"), (["--config", "a.yaml", "--overlay", "b.yaml"], "one of them"), (["--config", "a.yaml", "--fleet", "x"], "--fleet only applies with --overlay")],
+    ids=["neither", "both", "fleet-without-overlay"],
+)
+def test_check_config_takes_a_config_or_an_overlay(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["check-config", *args], env={})
+    assert result.exit_code == 2 and message in result.output

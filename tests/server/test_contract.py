@@ -804,7 +804,7 @@ async def test_health_panic_of_one_model_is_not_undone_by_another_models_request
     # and a gauge flap per request.
     caplog.set_level(logging.INFO, logger="extproc.pipeline.request")
     app = await make_app(
-        models=[{"name": MODEL, "max_model_len": 4096}, {"name": "other", "max_model_len": 4096}],
+        models=[{"name": MODEL, "max_model_len": 4096}, {"name": "other", "path": "builtin:qwen3-8b", "max_model_len": 4096}],
         endpoints=[{"address": ENDPOINTS[0], "models": [MODEL]}, {"address": ENDPOINTS[1], "models": ["other"]}],
     )
     slow = app.store.get(ENDPOINTS[0])

@@ -19,7 +19,7 @@ from .conftest import make_config
 
 
 def test_both_ports_default_to_loopback():
-    listen = config_from_mapping({"models": [{"name": "m"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]}, env={}).listen
+    listen = config_from_mapping({"models": [{"name": "m", "path": "builtin:qwen3-8b"}], "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]}, env={}).listen
     assert (listen.grpc, listen.admin) == ("127.0.0.1:9002", "127.0.0.1:9090")
     assert listen.reuse_port and listen.grpc_tls is None
 

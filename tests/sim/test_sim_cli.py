@@ -66,10 +66,11 @@ def test_subprocess_prints_ready_line_serves_and_exits_cleanly(sig: signal.Signa
         (["sim", "--port", "99999"], "65535"),
         (["sim", "--num-gpu-blocks", "0"], "greater than or equal to 1"),  # was taken as "the default"
         (["sim", "--speed", "nan"], "finite number > 0"),  # started, then hung every request
+        (["sim", "--tokenizer", "/nonexistent/tok"], "--tokenizer: tokenizer '/nonexistent/tok': no tokenizer.json"),
         (["serve", "--log-level", "bogus"], "--log-level must be one of debug, info, warning, error, critical"),
         (["agent", "--log-level", "loud", "--gpu-source", "none"], "--log-level must be one of"),
     ],
-    ids=["sim-port-out-of-range", "sim-zero-kv-blocks", "sim-nan-speed", "serve-bad-log-level", "agent-bad-log-level"],
+    ids=["sim-port-out-of-range", "sim-zero-kv-blocks", "sim-nan-speed", "sim-missing-tokenizer", "serve-bad-log-level", "agent-bad-log-level"],
 )
 def test_bad_options_exit_2_with_a_message_not_a_traceback(args: list[str], message: str) -> None:
     result = CliRunner().invoke(app, args)
