@@ -12,7 +12,7 @@ from extproc.config.loader import load_config
 from extproc.discovery.base import SourceContext
 from extproc.discovery.static import Params, Source
 
-MODEL = "m"
+MODEL = "Qwen/Qwen3-8B"  # a built-in: its tokenizer and architecture need no files
 
 
 def write(path: Path, addresses: list[str]) -> None:
