@@ -41,7 +41,7 @@ from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
 from extproc.pipeline.truncate import TRUNCATE_HEADER, Truncated, Truncation, prompt_budget, truncate, wanted
-from extproc.protocol.jsonlimits import check_json_values, values_bound
+from extproc.protocol.jsonlimits import MAX_JSON_DEPTH, check_json_shape, opening_brackets, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed, blocks_to_start
@@ -464,15 +464,17 @@ class RequestPipeline:
         if len(body) > self._max_body:
             raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {self._max_body} bytes")
         max_values: int | None = self._max_values[kind]
+        max_depth: int | None = MAX_JSON_DEPTH
         if self._executor is not None and len(body) > INLINE_COUNT_BYTES:
-            if values_bound(body) > max_values:
-                # The exact count in a thread: it steps through C-speed windows and hands the
+            if values_bound(body) > max_values or opening_brackets(body) > MAX_JSON_DEPTH:
+                # The exact counts in a thread: they step through C-speed windows and hand the
                 # GIL back to the event loop between them.
-                await asyncio.get_running_loop().run_in_executor(self._executor, check_json_values, body, max_values)
-            max_values = None  # checked
+                await asyncio.get_running_loop().run_in_executor(self._executor, check_json_shape, body, max_values)
+            max_values = max_depth = None  # checked
         parsed = parse_body(
-            kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
-        )
+            kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts,
+            max_depth=max_depth,
+        )  # fmt: skip
         runtime = self.resolve_model(parsed.model)
         if subset is not None and not any(map(subset, self._store.for_model(runtime.config.name))):
             raise _none_in_subset(runtime.config.name)  # fail fast: before counting its tokens

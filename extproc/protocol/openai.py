@@ -20,7 +20,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from extproc.errors import InvalidJSONError, ValidationError
-from extproc.protocol.jsonlimits import check_json_values
+from extproc.protocol.jsonlimits import MAX_JSON_DEPTH, check_json_depth, check_json_values
 from extproc.protocol.jsonspans import object_members
 from extproc.types import RequestKind
 
@@ -303,6 +303,7 @@ def parse_body(
     max_values: int | None = None,
     max_messages: int | None = None,
     max_prompts: int | None = None,
+    max_depth: int | None = MAX_JSON_DEPTH,
 ) -> ParsedRequest:
     """Parse and validate a generation request body.
 
@@ -315,11 +316,15 @@ def parse_body(
             are validated (validating one costs ~5 µs); None for no limit.
         max_prompts: most prompts of a batched completions request (`limits.max_prompts`),
             checked with the prompt list's item types before pydantic; None for no limit.
+        max_depth: deepest nesting of arrays and objects (levels, `MAX_JSON_DEPTH`), checked on
+            the bytes once here, for every path that re-reads the accepted body with a recursive
+            scanner; None when the caller has checked already.
 
     Raises:
         InvalidJSONError: not UTF-8 (the message gives the byte offset), not JSON, or not an object.
         ValidationError: more than `max_values` JSON values, `max_messages` messages or
-            `max_prompts` prompts; a field is missing, of the wrong type, or out of range.
+            `max_prompts` prompts; nested deeper than `max_depth`; a field is missing, of the
+            wrong type, or out of range.
     """
     try:
         body.decode("utf-8")
@@ -327,6 +332,8 @@ def parse_body(
         raise InvalidJSONError(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
     if max_values is not None:
         check_json_values(body, max_values)
+    if max_depth is not None:
+        check_json_depth(body, max_depth)
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

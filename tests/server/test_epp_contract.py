@@ -213,6 +213,14 @@ async def test_refusals_are_immediate_responses(channel, messages, status):
     assert orjson.loads(ex.immediate_body)["error"]["message"]
 
 
+async def test_json_nested_past_the_bound_is_a_400_in_epp_mode_too(channel):
+    from tests.server.test_contract import deep_body
+
+    ex = await send_request(channel, [request_headers("POST", CHAT), request_body(deep_body(1000), end=True)])
+    assert ex.kinds == ["immediate_response"] and ex.immediate_status == 400
+    assert orjson.loads(ex.immediate_body)["error"]["code"] == "json_too_deep"
+
+
 async def test_a_body_over_the_limit_is_refused_before_it_ends(epp, channel):
     call = open_stream(channel)
     await call.write(request_headers("POST", CHAT))
