@@ -1031,6 +1031,10 @@ class ProtocolConfig(Strict):
             (the protocol's default `envoy.lb.subset_hint`).
         chunk_bytes: (epp) largest body piece sent back in one streamed body response
             (bytes; the reference picker's 62,000, under the 64 KiB some proxies accept).
+        extra_served_paths: (epp) literal paths passed to an engine besides the allow-list
+            (`extproc.protocol.openai.SERVED_PATHS`); every other path is answered 404 by the
+            server, as the shipped Envoy configs answer it in BUFFERED mode (there, the Envoy
+            config's own `extra_served_paths` adds paths).
     """
 
     mode: Literal["buffered", "epp"] = "buffered"
@@ -1038,6 +1042,15 @@ class ProtocolConfig(Strict):
     destination_namespace: str = Field(default="envoy.lb", min_length=1)
     subset_namespace: str = Field(default="envoy.lb.subset_hint", min_length=1)
     chunk_bytes: int = Field(default=62_000, ge=1024, le=4 * 1024 * 1024)
+    extra_served_paths: list[str] = Field(default_factory=list)
+
+    @field_validator("extra_served_paths")
+    @classmethod
+    def _literal_paths(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"extra_served_paths must be paths starting with '/', got {bad}")
+        return v
 
 
 class Config(Strict):
