@@ -212,6 +212,10 @@ class LimitsConfig(Strict):
             characters cannot fit the model and is refused with a 400 before it is tokenized
             (tokenizing megabytes only to refuse them would tie up the tokenizer threads;
             natural text averages ~4 characters per token).
+        token_cache_bytes: memory bound of each tokenizer's segment cache (bytes; the text
+            between two added tokens of a rendered prompt and its ids, LRU,
+            `extproc.pipeline.tokens`). 64 MiB holds ~8M tokens of prose; what it caches is
+            resent history, so a fleet of long multi-turn chats gains from more.
     """
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -219,6 +223,7 @@ class LimitsConfig(Strict):
     max_messages: int = Field(default=2048, ge=1)
     max_prompts: int = Field(default=1024, ge=1)
     max_chars_per_token: int = Field(default=16, ge=1)
+    token_cache_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
     grpc_max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     decision_timeout_ms: int = Field(default=1500, ge=10)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
