@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -137,6 +138,10 @@ async def main() -> None:
                     last = now
             verdict = "levelled" if flat >= args.flat_steps else "still growing at --max-requests"
             print(f"{verdict}: {last:.1f} MB after {sent} requests ({last - base:+.1f} MB from the start)")
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as admin:
+                metrics = (await admin.get(f"{server.admin_url}/metrics")).text
+            estimated = sum(float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith("llm_extproc_tokenizer_estimates_total{"))
+            print(f"routed on a character estimate (not tokenized, nothing cached): {estimated:.0f} of {sent}")
         finally:
             await server.aclose()
 

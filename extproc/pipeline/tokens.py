@@ -21,10 +21,9 @@ corpus at load time; otherwise, or for any other tokenizer, `tokenizers` encodes
 (`TokenCounter.encoder` says which, `encoder_note` why). docs/decisions/0200.
 
 Memory: the cache holds each segment's ids as an `array('I')` (4 bytes a token; a list of
-Python ints took ~42, measured with tracemalloc) and is bounded in bytes (`limits.token_cache_bytes`, each entry counted
-by `cache_entry_bytes`: its text, its ids, the dict's overhead). Bounded at 4M tokens in lists,
-it grew a server by ~5.6 MB per 1,000 unique prompts towards ~200 MB per tokenizer
-(`scripts/bench_memory.py`, docs/benchmarks.md).
+Python ints took ~42, measured with tracemalloc) and is bounded in bytes (`limits.token_cache_bytes`,
+each entry counted by `cache_entry_bytes`: its text, its ids, the dict's overhead). It was
+bounded at 4M tokens, whatever they cost (`scripts/bench_memory.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -59,9 +58,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-"""The segment cache's default bound per tokenizer (bytes; `limits.token_cache_bytes`): ~8M
-tokens of English prose (4 bytes of ids and ~4 of text a token, plus ~200 bytes a segment),
-twice the 4M tokens the old bound held, in about a third of their memory."""
+"""The segment cache's default bound per tokenizer (bytes; `limits.token_cache_bytes`): by the
+arithmetic of `cache_entry_bytes`, ~7M tokens of prose (4 bytes of ids and ~4 of text a
+token, plus ~250 bytes a segment's objects), more than the 4M tokens the old bound held as
+lists of ints (~42 bytes a token: ~170 MB)."""
 
 ENTRY_OVERHEAD_BYTES = 112
 """A cache entry's cost besides its text and ids (bytes): the OrderedDict's slot and link (91
