@@ -212,6 +212,10 @@ class LimitsConfig(Strict):
             characters cannot fit the model and is refused with a 400 before it is tokenized
             (tokenizing megabytes only to refuse them would tie up the tokenizer threads;
             natural text averages ~4 characters per token).
+        token_cache_bytes: memory bound of each tokenizer's segment cache (bytes; the text
+            between two added tokens of a rendered prompt and its ids, LRU,
+            `extproc.pipeline.tokens`). 64 MiB holds ~8M tokens of prose; what it caches is
+            resent history, so a fleet of long multi-turn chats gains from more.
     """
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -219,6 +223,7 @@ class LimitsConfig(Strict):
     max_messages: int = Field(default=2048, ge=1)
     max_prompts: int = Field(default=1024, ge=1)
     max_chars_per_token: int = Field(default=16, ge=1)
+    token_cache_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
     grpc_max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     decision_timeout_ms: int = Field(default=1500, ge=10)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
@@ -1102,6 +1107,10 @@ class ProtocolConfig(Strict):
             (the protocol's default `envoy.lb.subset_hint`).
         chunk_bytes: (epp) largest body piece sent back in one streamed body response
             (bytes; the reference picker's 62,000, under the 64 KiB some proxies accept).
+        extra_served_paths: (epp) literal paths passed to an engine besides the allow-list
+            (`extproc.protocol.openai.SERVED_PATHS`); every other path is answered 404 by the
+            server, as the shipped Envoy configs answer it in BUFFERED mode (there, the Envoy
+            config's own `extra_served_paths` adds paths).
     """
 
     mode: Literal["buffered", "epp"] = "buffered"
@@ -1109,6 +1118,15 @@ class ProtocolConfig(Strict):
     destination_namespace: str = Field(default="envoy.lb", min_length=1)
     subset_namespace: str = Field(default="envoy.lb.subset_hint", min_length=1)
     chunk_bytes: int = Field(default=62_000, ge=1024, le=4 * 1024 * 1024)
+    extra_served_paths: list[str] = Field(default_factory=list)
+
+    @field_validator("extra_served_paths")
+    @classmethod
+    def _literal_paths(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"extra_served_paths must be paths starting with '/', got {bad}")
+        return v
 
 
 class Config(Strict):

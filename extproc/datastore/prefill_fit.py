@@ -22,6 +22,12 @@ down-weighted to w = ŷ / |y − ŷ| (a Huber-style weight), so one request stuc
 preemption does not rewrite the endpoint's speed.
 
 Closed form: the 2×2 normal equations (solved directly; O(1) per sample).
+
+Samples older than `FRESH_GAP_S` no longer weigh: the next sample after such a gap starts the
+fit over from its prior. Forgetting is per sample, so an endpoint nobody routed to kept its last
+few samples (a slow cold start) at full weight for good; the picker's exploration
+(`max-score-picker`'s `explore_share`) sends it a few requests while it has fewer than a handful
+of fresh samples (`fresh_samples`), and those re-measure it from the prior (decision 0295).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ __all__ = [
 
 ROBUST_AFTER = 5
 """Samples before outliers are down-weighted (count)."""
+
+FRESH_GAP_S = 60.0
+"""A fit whose newest sample is older than this (seconds) has no fresh samples, and its next
+sample starts it over from its prior (decision 0295)."""
 
 
 PREFILL_S_PER_TOKEN_BY_GPU: dict[str, float] = {"h100": 2.35e-5, "h200": 2.35e-5, "a100": 6.73e-5}
@@ -180,7 +190,7 @@ class PrefillFit:
         prior: the prior and forgetting.
     """
 
-    __slots__ = ("prior", "_w", "_sx", "_sy", "_sxx", "_sxy", "samples", "sampled_at", "t0_s", "s_per_token")
+    __slots__ = ("prior", "_w", "_sx", "_sy", "_sxx", "_sxy", "samples", "sampled_at", "t0_s", "s_per_token", "_fresh")
 
     def __init__(self, prior: PrefillPrior | None = None) -> None:
         self.prior = prior or PrefillPrior()
@@ -193,6 +203,14 @@ class PrefillFit:
         """Fitted fixed time (seconds, ≥ 0)."""
         self.s_per_token = self.prior.s_per_token
         """Fitted prefill seconds per token (> 0)."""
+        self._fresh = 0
+
+    def fresh_samples(self, now: float) -> int:
+        """Samples since the fit last started over (count), 0 once its newest is older than
+        `FRESH_GAP_S` at `now` (monotonic seconds)."""
+        if self.sampled_at is None or now - self.sampled_at > FRESH_GAP_S:
+            return 0
+        return self._fresh
 
     def predict(self, x_tokens: float) -> float:
         """Predicted time to first token (seconds) with `x_tokens` of prefill ahead, own included."""
@@ -204,9 +222,14 @@ class PrefillFit:
         non-finite values are ignored."""
         if not (ttft_s > 0 and x_tokens >= 0) or ttft_s == float("inf") or x_tokens == float("inf"):
             return
+        if self.sampled_at is not None and now - self.sampled_at > FRESH_GAP_S:
+            # Its samples are stale: start over from the prior (robust weights included).
+            self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+            self._fresh = 0
+            self.t0_s, self.s_per_token = self.prior.t0_s, self.prior.s_per_token
         predicted = self.predict(x_tokens)
         resid = abs(ttft_s - predicted)
-        w = 1.0 if self.samples < ROBUST_AFTER or resid <= 3 * predicted else 3 * predicted / resid
+        w = 1.0 if self._fresh < ROBUST_AFTER or resid <= 3 * predicted else 3 * predicted / resid
         g = self.prior.forget
         self._w = g * self._w + w
         self._sx = g * self._sx + w * x_tokens
@@ -214,6 +237,7 @@ class PrefillFit:
         self._sxx = g * self._sxx + w * x_tokens * x_tokens
         self._sxy = g * self._sxy + w * x_tokens * ttft_s
         self.samples += 1
+        self._fresh += 1
         self.sampled_at = now
         self._solve()
 

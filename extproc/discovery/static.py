@@ -14,6 +14,13 @@ while llm-extproc is unreachable fail-open Envoy balances over that list only
 
 The file is polled (its size, mtime and inode, every `poll_interval_s`): a ConfigMap mounted
 in a pod changes by an atomic symlink swap, which a stat sees and a watch on the file misses.
+
+A file written in place can be read half-written; cut at a line boundary it still validates,
+with fewer endpoints. So a file-change reload that leaves fewer endpoints and removes more than
+`max_removed_share` of them is refused (an error in the log; the next change of the file is
+read again); SIGHUP, an operator's deliberate act, applies it. Every reload that removes
+endpoints says so at WARNING, with the addresses. Writers should write a temporary file and
+rename it over the configuration (atomic: docs/discovery.md).
 """
 
 from __future__ import annotations
@@ -43,12 +50,16 @@ class Params(Strict):
         watch: reload when the configuration file changes (polled).
         poll_interval_s: how often the file is checked (seconds).
         sighup: reload on SIGHUP (when running on the main thread's event loop).
+        max_removed_share: the largest share of the endpoints (0..1) a file-change reload that
+            leaves fewer endpoints may remove; past it the reload is refused as a possibly
+            half-written file, unless it came by SIGHUP. 1 turns the check off.
     """
 
     type: Literal["static"] = "static"
     watch: bool = True
     poll_interval_s: float = pydantic.Field(default=1.0, gt=0)
     sighup: bool = True
+    max_removed_share: float = pydantic.Field(default=0.5, ge=0, le=1)
 
 
 def _stamp(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
@@ -136,6 +147,9 @@ class Source(DiscoverySource):
                 reason, ", ".join(unknown),
             )  # fmt: skip
             return None
+        if not self._shrink_allowed(new.endpoints, reason):
+            self.refused += 1
+            return None
         if new.model_copy(update={"endpoints": self._config.endpoints}) != self._config:
             log.warning("configuration reload (%s): only `endpoints` is applied; the other changes need a restart", reason)
         note = fallback_cluster_note(self._config.endpoints, new.endpoints, self._path)
@@ -144,6 +158,27 @@ class Source(DiscoverySource):
         if note:
             log.warning("configuration reload (%s): %s", reason, note)
         return new.endpoints
+
+    def _shrink_allowed(self, endpoints: list[EndpointConfig], reason: str) -> bool:
+        """Log the endpoints a reload removes; False (logged as an error) when a file change
+        removes more than `max_removed_share` of them and leaves fewer (a half-written file)."""
+        old = [e.address for e in self._config.endpoints]
+        kept = {e.address for e in endpoints}
+        removed = [a for a in old if a not in kept]
+        if not removed:
+            return True
+        share = len(removed) / len(old)
+        if reason != "SIGHUP" and len(endpoints) < len(old) and share > self._params.max_removed_share:
+            log.error(
+                "configuration reload (%s) refused, endpoints unchanged: it would remove %d of %d endpoints (%.0f%%, over "
+                "max_removed_share %.0f%%): a half-written file? Write the file atomically (a temporary file renamed over "
+                "it); to apply this shrink, send SIGHUP or raise discovery.sources[static].max_removed_share",
+                reason, len(removed), len(old), 100 * share, 100 * self._params.max_removed_share,
+            )  # fmt: skip
+            return False
+        shown = ", ".join(removed[:20]) + (f", ... ({len(removed) - 20} more)" if len(removed) > 20 else "")
+        log.warning("configuration reload (%s) removes %d of %d endpoints (they drain): %s", reason, len(removed), len(old), shown)
+        return True
 
 
 def fallback_cluster_note(old: list[EndpointConfig], new: list[EndpointConfig], path: os.PathLike[str] | str) -> str | None:

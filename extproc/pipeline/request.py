@@ -41,10 +41,10 @@ from extproc.pipeline.tokens import EncodePlan, TokenCounter
 from extproc.prefix.match import PrefixMatch
 from extproc.prefix.tracker import PrefixTracker
 from extproc.pipeline.truncate import TRUNCATE_HEADER, Truncated, Truncation, prompt_budget, truncate, wanted
-from extproc.protocol.jsonlimits import check_json_values, values_bound
+from extproc.protocol.jsonlimits import MAX_JSON_DEPTH, check_json_shape, opening_brackets, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
-from extproc.scheduling.plugins.filters.kv_fit import blocks_needed, blocks_to_start
+from extproc.scheduling.plugins.filters.kv_fit import blocks_to_reserve, blocks_to_start
 from extproc.scheduling.registry import build
 from extproc.telemetry.decision_log import DecisionRecord
 from extproc.types import HEALTH_PANIC, LLMRequest, RequestKind, TokenCount
@@ -475,15 +475,17 @@ class RequestPipeline:
         if len(body) > self._max_body:
             raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {self._max_body} bytes")
         max_values: int | None = self._max_values[kind]
+        max_depth: int | None = MAX_JSON_DEPTH
         if self._executor is not None and len(body) > INLINE_COUNT_BYTES:
-            if values_bound(body) > max_values:
-                # The exact count in a thread: it steps through C-speed windows and hands the
+            if values_bound(body) > max_values or opening_brackets(body) > MAX_JSON_DEPTH:
+                # The exact counts in a thread: they step through C-speed windows and hand the
                 # GIL back to the event loop between them.
-                await asyncio.get_running_loop().run_in_executor(self._executor, check_json_values, body, max_values)
-            max_values = None  # checked
+                await asyncio.get_running_loop().run_in_executor(self._executor, check_json_shape, body, max_values)
+            max_values = max_depth = None  # checked
         parsed = parse_body(
-            kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
-        )
+            kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts,
+            max_depth=max_depth,
+        )  # fmt: skip
         runtime = self.resolve_model(parsed.model)
         if subset is not None and not any(map(subset, self._store.for_model(runtime.config.name))):
             raise _none_in_subset(runtime.config.name)  # fail fast: before counting its tokens
@@ -609,7 +611,7 @@ class RequestPipeline:
         if result.pick is None:
             raise self._rejection(result, ctx, pool)
         endpoint = result.pick.primary.endpoint
-        blocks = blocks_needed(ctx, endpoint) if cfg.admission.kv.enabled else 0
+        blocks = blocks_to_reserve(ctx, endpoint) if cfg.admission.kv.enabled else 0
         t3 = time.perf_counter()
         predicted = ctx.data.get("predicted_ttft_s")
         scheduled_s = t3 - t2 - t_cut if again_from is None else t3 - again_from
@@ -697,11 +699,17 @@ class RequestPipeline:
                 f"its largest prompt ({r.largest_prompt} of the batch's {r.prompt_tokens} prompt tokens)"
                 if r.prompt_lengths else f"{r.prompt_tokens} prompt"
             )  # fmt: skip
-            sized = [ep for ep in pool if ep.engine is not None and ep.engine.num_gpu_blocks]
-            if sized and all(blocks_to_start(ctx, ep) > ep.engine.num_gpu_blocks for ep in sized):
+            # Never fits: on no endpoint of known size could it start with the pool empty, by the
+            # rejecting filter's own measure (its headroom kept free); else a 429 asked the
+            # client to retry what no wait would ever admit.
+            kv_filter = next((f for f in self.profile.filters if f.name == by), None)
+            usable = getattr(kv_filter, "usable_blocks", None)
+            sized = [(ep, usable(ep) if usable is not None else ep.engine.num_gpu_blocks) for ep in pool if ep.engine is not None and ep.engine.num_gpu_blocks]
+            if sized and all(blocks_to_start(ctx, ep) > cap for ep, cap in sized):
                 return ValidationError(
                     f"this request can never fit: {prompt} + {ctx.expected_output_tokens} output tokens "
-                    f"with n={r.n} need more KV cache than any endpoint has in total; reduce n, max_tokens or the prompt",
+                    f"with n={r.n} need more KV cache than any endpoint has in total (less the headroom kv-fit keeps free); "
+                    "reduce n, max_tokens or the prompt",
                     param="n" if r.n > 1 else "max_tokens",
                     code="kv_cache_too_small",
                 )

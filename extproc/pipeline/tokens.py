@@ -8,7 +8,7 @@ Caching repeated prefixes: multi-turn chats resend their whole history. A Huggin
 tokenizer splits its input at added tokens (e.g. `<|im_start|>`) *before* normalising and
 pre-tokenising, so the text between two added tokens is tokenized independently of the rest.
 We therefore cut the rendered prompt into segments at added-token boundaries, look each
-segment up in an LRU cache (bounded in tokens), and tokenize only the misses, in one
+segment up in an LRU cache (bounded in bytes), and tokenize only the misses, in one
 `encode_batch` call that releases the GIL. The result equals
 `apply_chat_template(..., tokenize=True, return_dict=False)` token for token (tested).
 Added tokens with `lstrip`/`rstrip`/`normalized` set are not used as cut points, since
@@ -19,6 +19,11 @@ segments are encoded by `tiktoken` built from the same `tokenizer.json` (extproc
 fastbpe.py, ~7× faster on prose), but only once it gave the same ids as `tokenizers` on a built-in
 corpus at load time; otherwise, or for any other tokenizer, `tokenizers` encodes them
 (`TokenCounter.encoder` says which, `encoder_note` why). docs/decisions/0200.
+
+Memory: the cache holds each segment's ids as an `array('I')` (4 bytes a token; a list of
+Python ints took ~42, measured with tracemalloc) and is bounded in bytes (`limits.token_cache_bytes`,
+each entry counted by `cache_entry_bytes`: its text, its ids, the dict's overhead). It was
+bounded at 4M tokens, whatever they cost (`scripts/bench_memory.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,13 +48,30 @@ from extproc.models import builtin_tokenizer_dir
 from extproc.pipeline.chat_render import DirectChatRenderer
 from extproc.pipeline.fastbpe import FastEncoder, UnsupportedTokenizer, build_fast_encoder, cross_check, cross_check_corpus
 
-__all__ = ["EncodePlan", "TokenCounter", "TokenizedPrompt", "TokenizerLoadError"]
+__all__ = ["DEFAULT_CACHE_BYTES", "EncodePlan", "TokenCounter", "TokenizedPrompt", "TokenizerLoadError", "cache_entry_bytes"]
 
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+"""The segment cache's default bound per tokenizer (bytes; `limits.token_cache_bytes`): by the
+arithmetic of `cache_entry_bytes`, ~7M tokens of prose (4 bytes of ids and ~4 of text a
+token, plus ~250 bytes a segment's objects), more than the 4M tokens the old bound held as
+lists of ints (~42 bytes a token: ~170 MB)."""
+
+ENTRY_OVERHEAD_BYTES = 112
+"""A cache entry's cost besides its text and ids (bytes): the OrderedDict's slot and link (91
+in CPython 3.11, measured with tracemalloc over 100k entries) rounded up."""
+
+
+def cache_entry_bytes(segment: str, ids: array) -> int:
+    """What one cache entry holds (bytes): the segment's str object, the ids' array object and
+    `ENTRY_OVERHEAD_BYTES`."""
+    return sys.getsizeof(segment) + sys.getsizeof(ids) + ENTRY_OVERHEAD_BYTES
 
 
 class TokenizerLoadError(ValueError):
@@ -68,7 +92,7 @@ class EncodePlan:
     """
 
     segments: list[str]
-    ids: list[list[int] | None]
+    ids: list[Sequence[int] | None]
     missing: list[int]
     missing_chars: int
     add_special_tokens: bool
@@ -139,7 +163,8 @@ class TokenCounter:
 
     Args:
         tokenizer: a transformers fast tokenizer (`PreTrainedTokenizerFast` or subclass).
-        cache_tokens: bound of the segment cache (tokens held in total).
+        cache_bytes: bound of the segment cache (bytes held in total, `cache_entry_bytes`
+            each entry; 0: no cache).
         encoder: "auto" (tiktoken when the tokenizer is a byte-level BPE with a regex split and
             the load-time cross-check passes, else `tokenizers`) or "tokenizers" (always).
 
@@ -148,7 +173,7 @@ class TokenCounter:
         ValueError: an unknown `encoder`.
     """
 
-    def __init__(self, tokenizer: Any, *, cache_tokens: int = 4_000_000, encoder: str = "auto") -> None:
+    def __init__(self, tokenizer: Any, *, cache_bytes: int = DEFAULT_CACHE_BYTES, encoder: str = "auto") -> None:
         if encoder not in ("auto", "tokenizers"):
             raise ValueError(f"encoder must be 'auto' or 'tokenizers', not {encoder!r}")
         self._tok = tokenizer
@@ -156,9 +181,10 @@ class TokenCounter:
         if backend is None:
             raise TokenizerLoadError("tokenizer has no fast (Rust) backend; a tokenizer.json is required")
         self._backend = backend
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_tokens = 0
-        self._cache_limit = cache_tokens
+        self._cache_bytes = 0
+        self._cache_limit = max(0, cache_bytes)
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -267,10 +293,10 @@ class TokenCounter:
         return out
 
     @classmethod
-    def from_source(cls, source: str, *, encoder: str = "auto") -> TokenCounter:
+    def from_source(cls, source: str, *, encoder: str = "auto", cache_bytes: int = 0) -> TokenCounter:
         """Load from `builtin:qwen3` or a local directory holding `tokenizer.json` (`~` the
-        user's home; a relative path from the working directory, as `architecture`'s) (`encoder`:
-        see the class).
+        user's home; a relative path from the working directory, as `architecture`'s) (`encoder`,
+        `cache_bytes`: see the class; 0 there: `DEFAULT_CACHE_BYTES`).
 
         Never touches the network (HF_HUB_OFFLINE, local_files_only).
 
@@ -294,7 +320,7 @@ class TokenCounter:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:  # transformers raises many types here
             raise TokenizerLoadError(f"tokenizer {source!r} failed to load: {exc}") from None
-        return cls(tok, encoder=encoder)
+        return cls(tok, encoder=encoder, cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
 
     @property
     def tokenizer(self) -> Any:
@@ -408,12 +434,18 @@ class TokenCounter:
                 for i, seg_ids in zip(plan.missing, encoded):
                     seg = plan.segments[i]
                     ids[i] = seg_ids
-                    if seg not in self._cache and len(seg_ids) <= self._cache_limit // 4:
-                        self._cache[seg] = seg_ids
-                        self._cache_tokens += len(seg_ids)
-                while self._cache_tokens > self._cache_limit and self._cache:
-                    _, old = self._cache.popitem(last=False)
+                    if seg in self._cache:
+                        continue
+                    packed = array("I", seg_ids)
+                    size = cache_entry_bytes(seg, packed)
+                    if size <= self._cache_limit // 4:  # one segment never takes more than a quarter
+                        self._cache[seg] = packed
+                        self._cache_tokens += len(packed)
+                        self._cache_bytes += size
+                while self._cache_bytes > self._cache_limit and self._cache:
+                    old_seg, old = self._cache.popitem(last=False)
                     self._cache_tokens -= len(old)
+                    self._cache_bytes -= cache_entry_bytes(old_seg, old)
         out: list[int] = list(self._bos_ids) if plan.add_special_tokens else []
         for part in ids:
             out.extend(part)  # type: ignore[arg-type]
@@ -453,6 +485,10 @@ class TokenCounter:
         return self.complete(self.plan(prompt, add_special_tokens=True))
 
     def cache_stats(self) -> dict[str, int]:
-        """Segment cache figures: entries, tokens held, hits and misses (segments)."""
+        """Segment cache figures: entries, tokens and bytes held (`cache_entry_bytes`), its bound
+        (bytes), hits and misses (segments)."""
         with self._lock:
-            return {"entries": len(self._cache), "tokens": self._cache_tokens, "hits": self.hits, "misses": self.misses}
+            return {
+                "entries": len(self._cache), "tokens": self._cache_tokens, "bytes": self._cache_bytes,
+                "limit_bytes": self._cache_limit, "hits": self.hits, "misses": self.misses,
+            }  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import unquote
 
@@ -20,7 +20,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from extproc.errors import InvalidJSONError, ValidationError
-from extproc.protocol.jsonlimits import check_json_values
+from extproc.protocol.jsonlimits import MAX_JSON_DEPTH, check_json_depth, check_json_values
 from extproc.protocol.jsonspans import object_members
 from extproc.types import RequestKind
 
@@ -28,6 +28,9 @@ __all__ = [
     "with_model",
     "content_text",
     "generation_path",
+    "normalized_path",
+    "SERVED_PATHS",
+    "served_path",
     "CHAT_PATH",
     "COMPLETIONS_PATH",
     "RESPONSES_PATH",
@@ -45,6 +48,13 @@ COMPLETIONS_PATH = "/v1/completions"
 RESPONSES_PATH = "/v1/responses"
 _KINDS = {CHAT_PATH: RequestKind.CHAT, COMPLETIONS_PATH: RequestKind.COMPLETION, RESPONSES_PATH: RequestKind.RESPONSES}
 
+SERVED_PATHS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, "/v1/models", "/health")
+"""The paths that reach an engine (the allow-list; every other path gets the gateway's JSON 404):
+the OpenAI generation APIs, the model list, the engines' health. BUFFERED mode: the shipped
+Envoy configs' routes (`extproc.stack.envoy`); EPP mode, where the gateway is not ours: the
+server itself (`protocol.extra_served_paths` adds paths), so vLLM's `/v1/load_lora_adapter`,
+`/v1/tokenize` and the like never reach an engine in either mode."""
+
 
 def route_kind(method: str, path: str) -> RequestKind | None:
     """The generation API a request targets, or None for any other method/path.
@@ -61,6 +71,18 @@ def route_kind(method: str, path: str) -> RequestKind | None:
 
 def generation_path(path: str) -> RequestKind | None:
     """The generation API `path` names (normalised as in `route_kind`), whatever the method."""
+    return _KINDS.get(normalized_path(path))
+
+
+def served_path(path: str, extra: Sequence[str] = ()) -> bool:
+    """`path` (normalised as in `route_kind`) is one of `SERVED_PATHS` or of `extra` (literal paths)."""
+    p = normalized_path(path)
+    return p in SERVED_PATHS or p in extra
+
+
+def normalized_path(path: str) -> str:
+    """`path` as the engine's HTTP stack sees it (`route_kind`): no query or fragment, escapes
+    decoded, dot segments and repeated slashes resolved, no trailing slash."""
     p = path.split("?", 1)[0].split("#", 1)[0]
     if "%" in p:
         p = unquote(p)
@@ -70,7 +92,7 @@ def generation_path(path: str) -> RequestKind | None:
             p = "/" + p.lstrip("/")
     if len(p) > 1 and p.endswith("/"):
         p = p[:-1]
-    return _KINDS.get(p)
+    return p
 
 
 class _Open(BaseModel):
@@ -303,6 +325,7 @@ def parse_body(
     max_values: int | None = None,
     max_messages: int | None = None,
     max_prompts: int | None = None,
+    max_depth: int | None = MAX_JSON_DEPTH,
 ) -> ParsedRequest:
     """Parse and validate a generation request body.
 
@@ -315,11 +338,15 @@ def parse_body(
             are validated (validating one costs ~5 µs); None for no limit.
         max_prompts: most prompts of a batched completions request (`limits.max_prompts`),
             checked with the prompt list's item types before pydantic; None for no limit.
+        max_depth: deepest nesting of arrays and objects (levels, `MAX_JSON_DEPTH`), checked on
+            the bytes once here, for every path that re-reads the accepted body with a recursive
+            scanner; None when the caller has checked already.
 
     Raises:
         InvalidJSONError: not UTF-8 (the message gives the byte offset), not JSON, or not an object.
         ValidationError: more than `max_values` JSON values, `max_messages` messages or
-            `max_prompts` prompts; a field is missing, of the wrong type, or out of range.
+            `max_prompts` prompts; nested deeper than `max_depth`; a field is missing, of the
+            wrong type, or out of range.
     """
     try:
         body.decode("utf-8")
@@ -327,6 +354,8 @@ def parse_body(
         raise InvalidJSONError(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
     if max_values is not None:
         check_json_values(body, max_values)
+    if max_depth is not None:
+        check_json_depth(body, max_depth)
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

@@ -54,6 +54,17 @@ class WindowBackend(Protocol):
         """
         ...
 
+    async def abort(self, keys: Sequence[str], cost: int, request_id: str, now_ms: int | None = None) -> None:
+        """The caller gave up waiting for the acquire of `request_id` (`cost` tokens): give back
+        what it charged if it ran, else make sure it charges nothing when it runs late (a remote
+        backend that stalled with the command queued). Idempotent. A local backend never gives
+        up on an acquire: there it only releases the slot and the tokens if the acquire ran.
+
+        Raises:
+            BackendUnavailable: no answer (the acquire, if it ran, keeps its charge).
+        """
+        ...
+
     async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
         """Would `cost` tokens and one request fit in every scope now? Charges nothing.
 

@@ -18,8 +18,12 @@ A tenant with no limit anywhere is not counted at all (no backend call). Backend
 `redis.on_error`: `open` admits uncounted, `closed` answers 503; both count
 `llm_extproc_ratelimit_backend_errors_total` and log at most one line per `log_interval_s`.
 A settlement (or the give-back of a cancelled admission) the backend cannot take, even after its
-retry on a fresh connection, waits in a bounded queue and is delivered before the next decision
-once the backend answers again, so a tenant's concurrency slot is not held for the whole lease.
+retry on a fresh connection, waits in a bounded queue and is delivered once the backend answers
+again — before the next decision, and by a background retry every `FLUSH_RETRY_S` while the queue
+is not empty (no request need arrive) — so a tenant's concurrency slot is not held for the lease.
+An acquire with an in-flight slot that timed out (Redis stalled: the command may still run when
+it resumes) is aborted the same way (`WindowBackend.abort`): it gives its slot and tokens back,
+or is refused when it runs late.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ mistake, and then only delayed (a full window or bucket still admits it)."""
 
 UNSETTLED_MAX = 10_000
 """Settlements kept while the backend cannot take them; past this the oldest is dropped (its
-slot then waits for its lease, `inflight_lease_s`). One entry: keys, bucket, delta, id."""
+slot then waits for its lease, `inflight_lease_s`). One entry: keys, bucket, delta, id; or an
+abort of a timed-out acquire: keys, None, its cost, id."""
 
 FLUSH_RETRY_S = 1.0
 """While the backend keeps failing, a decision tries to deliver the queued settlements at most
@@ -142,8 +147,9 @@ class RateLimiter:
         # In-flight ids: unique across replicas sharing Redis (a random prefix per process).
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
-        self._unsettled: collections.deque[tuple[list[str], int, int, str | None]] = collections.deque()
+        self._unsettled: collections.deque[tuple[list[str], int | None, int, str | None]] = collections.deque()
         self._flushing: asyncio.Task | None = None
+        self._flusher: asyncio.Task | None = None  # retries the queue in the background
         self._flush_failed_at = -1e18
 
     # -- identity and limits ---------------------------------------------------------------
@@ -338,18 +344,35 @@ class RateLimiter:
         # A remote call may have charged by the time a cancellation arrives: let it finish and
         # give the tokens (and the in-flight slot) back, so a client gone during the decision
         # costs nothing.
+        keys = [s.key for s in scopes]
         task = asyncio.ensure_future(self.backend.acquire(scopes, cost, request_id=request_id))
         try:
             return await asyncio.shield(task)
+        except BackendUnavailable as exc:
+            self._abort_later(keys, cost, request_id, exc)
+            raise
         except asyncio.CancelledError:
-            keys = [s.key for s in scopes]
 
             def undo(t: asyncio.Future) -> None:
-                if not t.cancelled() and t.exception() is None and t.result().admitted:
+                if t.cancelled():
+                    return
+                exc = t.exception()
+                if exc is None and t.result().admitted:
                     self._spawn(self._settle_remote(keys, t.result().bucket, -cost, request_id))
+                elif isinstance(exc, BackendUnavailable):
+                    self._abort_later(keys, cost, request_id, exc)
 
             task.add_done_callback(undo)
             raise
+
+    def _abort_later(self, keys: list[str], cost: int, request_id: str | None, exc: BackendUnavailable) -> None:
+        """An acquire holding a slot went unanswered: queue its abort (`WindowBackend.abort`). Only
+        a timeout or an error reply may leave it to run later; a refused or reset connection
+        never delivered it (`exc.dropped`), and an acquire without a slot costs at most its
+        tokens for one window."""
+        if request_id is None or exc.dropped:
+            return
+        self._defer((keys, None, cost, request_id))
 
     @staticmethod
     def _scope_name(tenant: Tenant, scope: ScopeLimit) -> str:
@@ -450,12 +473,26 @@ class RateLimiter:
             m = self._metrics
             m.child(m.backend_errors, self.backend.name, "settle").inc()
             self._warn(f"rate-limit backend {self.backend.name} unavailable at settlement ({exc}); kept until it answers again")
-            if len(self._unsettled) >= UNSETTLED_MAX:
-                self._unsettled.popleft()
-                m.child(m.settlements_deferred, "dropped").inc()
-            self._unsettled.append((keys, bucket, delta, request_id))
-            m.child(m.settlements_deferred, "queued").inc()
-            m.settlements_pending.set(len(self._unsettled))
+            self._defer((keys, bucket, delta, request_id))
+
+    def _defer(self, entry: tuple[list[str], int | None, int, str | None]) -> None:
+        """Queue a settlement (bucket None: an abort) and make sure the background retry runs."""
+        m = self._metrics
+        if len(self._unsettled) >= UNSETTLED_MAX:
+            self._unsettled.popleft()
+            m.child(m.settlements_deferred, "dropped").inc()
+        self._unsettled.append(entry)
+        m.child(m.settlements_deferred, "queued").inc()
+        m.settlements_pending.set(len(self._unsettled))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_in_background())
+
+    async def _flush_in_background(self) -> None:
+        """Deliver the queue without waiting for a decision: a try every `FLUSH_RETRY_S` until it
+        is empty (a tenant whose slots are held sends no request that would flush them)."""
+        while self._unsettled:
+            await asyncio.sleep(FLUSH_RETRY_S)
+            await self._flush()
 
     async def _flush(self) -> None:
         """Deliver the queued settlements (one flush at a time; while the backend keeps failing,
@@ -471,7 +508,11 @@ class RateLimiter:
         while self._unsettled:
             batch = [self._unsettled.popleft() for _ in range(min(FLUSH_BATCH, len(self._unsettled)))]
             results = await asyncio.gather(
-                *(self.backend.settle(k, b, d, request_id=r) for k, b, d, r in batch), return_exceptions=True
+                *(
+                    self.backend.abort(k, d, r) if b is None else self.backend.settle(k, b, d, request_id=r)  # type: ignore[arg-type]
+                    for k, b, d, r in batch
+                ),
+                return_exceptions=True,
             )
             failed = [entry for entry, res in zip(batch, results, strict=True) if isinstance(res, BaseException)]
             m.child(m.settlements_deferred, "flushed").inc(len(batch) - len(failed))
@@ -530,6 +571,8 @@ class RateLimiter:
     async def aclose(self) -> None:
         """Wait for pending settlements (bounded by the backend's timeout), try once more to deliver
         those the backend refused earlier, then close the backend."""
+        if self._flusher is not None:
+            self._flusher.cancel()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._unsettled:

@@ -82,6 +82,13 @@ class MemoryBackend:
     async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
         self.settle_now(keys, bucket, delta, now_ms, request_id)
 
+    async def abort(self, keys: Sequence[str], cost: int, request_id: str, now_ms: int | None = None) -> None:
+        for st in self._get(keys):
+            admitted = st.inflight.get(request_id)
+            if admitted is not None:
+                self.settle_now(keys, admitted // self._bucket_ms, -cost, now_ms, request_id)
+                return
+
     async def check(self, scopes: Sequence[ScopeLimit], cost: int, now_ms: int | None = None) -> Decision:
         return self.acquire_now(scopes, cost, now_ms, mode="check")
 

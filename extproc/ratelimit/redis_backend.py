@@ -15,6 +15,12 @@ settlement keeps a concurrency slot for the whole lease. A settlement's reply lo
 ran it makes the retry run it twice: the in-flight release is idempotent, the token correction
 is applied twice (a refund floors at 0 per bucket) — a small over-refund, against 900 s of a
 held slot.
+
+An acquire the client gave up on (its timeout passed: Redis stalled, e.g. `SIGSTOP`) may still
+run when Redis resumes, since the command sits in Redis's input buffer: the limiter then sends
+an `abort` for its request id. The script gives back what the acquire charged when it ran
+already, or leaves a tombstone that refuses it when it runs later, so a stall does not hold the
+tenant's concurrency slots for the lease (issue 28).
 """
 
 from __future__ import annotations
@@ -106,6 +112,14 @@ class RedisBackend:
 
     async def settle(self, keys: Sequence[str], bucket: int, delta: int, now_ms: int | None = None, request_id: str | None = None) -> None:
         args = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, "settle", bucket, delta, request_id or "", self._lease_ms]
+        await self._run_retried(keys, args)
+
+    async def abort(self, keys: Sequence[str], cost: int, request_id: str, now_ms: int | None = None) -> None:
+        args = ["" if now_ms is None else now_ms, self._bucket_ms, self._n, "abort", cost, request_id, self._lease_ms]
+        await self._run_retried(keys, args)
+
+    async def _run_retried(self, keys: Sequence[str], args: list[object]) -> None:
+        """Run a settlement (or abort), once more on a fresh connection when the first dropped."""
         try:
             await self._run([self.key(k) for k in keys], args)
         except BackendUnavailable as exc:

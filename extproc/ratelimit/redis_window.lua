@@ -3,7 +3,9 @@
 --   "t<bucket>" tokens, "r<bucket>" requests (the window);
 --   "i<request id>" the time an in-flight request was admitted (ms), "h" mean hold time (ms);
 --   "l" pacing level (1/60,000 tokens), "lm" when it was computed (ms), "lr" its refill rate
---   (tokens per minute), "lb" its burst (tokens).
+--   (tokens per minute), "lb" its burst (tokens);
+--   "x<request id>" when an acquire the client gave up on was aborted before it ran (ms): that
+--   acquire, when it runs late (Redis stalled with it queued), is refused. Pruned after the lease.
 -- Every write re-arms the key's expiry to the longest of: one window + one bucket, the in-flight
 -- lease (while requests are in flight), the time the bucket needs to refill, so idle keys vanish
 -- by themselves and a key never vanishes while it still holds something.
@@ -11,7 +13,7 @@
 -- KEYS: the scope keys of one decision (same hash tag, so one slot on a cluster).
 -- ARGV[1] now_ms ("" = the server's TIME: every replica shares Redis's clock)
 -- ARGV[2] bucket_ms, ARGV[3] buckets per window, ARGV[4] mode: "acquire" | "check" | "peek" | "settle"
---   (check: refuse or admit as acquire would, charging nothing; peek: read only)
+--   | "abort" (check: refuse or admit as acquire would, charging nothing; peek: read only)
 -- acquire/check/peek: ARGV[5] cost (tokens), ARGV[6] request id ("" none), ARGV[7] lease_ms,
 --   then per key ARGV[8 + 4(i-1)] .. ARGV[11 + 4(i-1)]: token limit, request limit, concurrency
 --   cap, burst (-1 = none)
@@ -20,6 +22,12 @@
 --            requests, reset_tokens_ms, reset_requests_ms, inflight, bucket level (false: not paced)}
 -- settle: ARGV[5] bucket charged, ARGV[6] delta tokens, ARGV[7] request id ("" none), ARGV[8]
 --   lease_ms; returns the current bucket.
+-- abort: the client timed out waiting for an acquire with this request id, which may run later or
+--   may have run already (its reply lost): ARGV[5] its cost (tokens), ARGV[6] request id, ARGV[7]
+--   lease_ms. Ran already: settle it with -cost (tokens back in the bucket it charged, slot
+--   released). Not yet: leave "x<request id>" in every key, so it is refused when it runs.
+--   Running twice is harmless (the second finds no slot and leaves a tombstone nobody reads).
+--   Returns the current bucket.
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
@@ -56,11 +64,30 @@ local function rearm(key, lease, inflight, level, rate, burst)
   redis.call('PEXPIRE', key, ttl)
 end
 
-if mode == 'settle' then
-  local bucket = tonumber(ARGV[5])
-  local delta = tonumber(ARGV[6])
-  local rid = ARGV[7]
-  local lease = tonumber(ARGV[8])
+local settling = nil  -- {bucket, delta, request id, lease_ms} of a settle (or of an abort that ran)
+if mode == 'abort' then
+  local rid = ARGV[6]
+  local lease = tonumber(ARGV[7])
+  local admitted = nil
+  for _, key in ipairs(KEYS) do
+    admitted = redis.call('HGET', key, 'i' .. rid)
+    if admitted then break end
+  end
+  if not admitted then
+    for _, key in ipairs(KEYS) do
+      redis.call('HSET', key, 'x' .. rid, num(now))
+      if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+    end
+    return cur
+  end
+  -- settle it: the tokens go back to the bucket it charged, the slot is released
+  settling = {math.floor(tonumber(admitted) / bms), -tonumber(ARGV[5]), rid, lease}
+elseif mode == 'settle' then
+  settling = {tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])}
+end
+
+if settling ~= nil then
+  local bucket, delta, rid, lease = settling[1], settling[2], settling[3], settling[4]
   for _, key in ipairs(KEYS) do
     local touched = false
     local level, rate, burst = nil, 0, 0
@@ -113,6 +140,7 @@ local cost = tonumber(ARGV[5])
 local rid = ARGV[6]
 local lease = tonumber(ARGV[7])
 local states = {}
+local aborted = false
 for i, key in ipairs(KEYS) do
   local tlim = tonumber(ARGV[8 + 4 * (i - 1)])
   local rlim = tonumber(ARGV[9 + 4 * (i - 1)])
@@ -144,6 +172,12 @@ for i, key in ipairs(KEYS) do
       else
         st.inflight = st.inflight + 1
         if st.first == nil or v < st.first then st.first = v end
+      end
+    elseif kind == 'x' then
+      if v + lease <= now then
+        stale[#stale + 1] = f
+      elseif rid ~= '' and f == 'x' .. rid then
+        aborted = true
       end
     else
       named[f] = v
@@ -201,6 +235,11 @@ local function answer(admitted, refused, limit, retry)
 end
 
 if mode == 'peek' then return answer(1, 0, 0, 0) end
+if aborted and mode == 'acquire' then
+  -- the client gave up on this acquire before it ran: charge nothing, hold no slot
+  for _, key in ipairs(KEYS) do redis.call('HDEL', key, 'x' .. rid) end
+  return answer(0, 1, 3, 1)
+end
 
 -- window.py's _concurrency_retry_ms: the mean hold / in flight, no less than what the oldest
 -- still needs at the mean hold, no more than its lease's remaining time

@@ -8,7 +8,12 @@ stream onto a few long-lived HTTP/2 connections, and the kernel spreads connecti
 
 The supervisor forwards SIGTERM/SIGINT to every worker (each drains its streams), restarts a
 worker that exits after it had run `MIN_UPTIME_S`, and stops everything when one fails sooner (a
-configuration or port problem that a restart would only repeat).
+configuration or port problem that a restart would only repeat). SIGHUP reloads every worker, as
+it reloads one server: the supervisor forwards it when the static discovery source reloads on
+SIGHUP (`discovery.sources: [{type: static, sighup: true}]`, the default) and ignores it
+otherwise. Before, HUP's default action killed the supervisor and with it every worker. A worker
+starts with SIGHUP ignored until its static source installs its handler, so a HUP during its
+start does not kill it either.
 """
 
 from __future__ import annotations
@@ -71,9 +76,11 @@ def worker_addresses(config: Config, workers: int) -> list[WorkerAddress]:
 
 
 def _die_with_parent() -> None:
-    """In the worker, before exec (Linux): SIGTERM when the supervisor dies, however it dies —
-    a SIGKILLed supervisor otherwise left its workers running and holding their ports. Elsewhere
-    a no-op (the supervisor's own signal handler still stops them)."""
+    """In the worker, before exec: SIGHUP ignored (the disposition survives exec; the static
+    source's handler replaces it once installed). Linux: SIGTERM when the supervisor dies, however
+    it dies — a SIGKILLed supervisor otherwise left its workers running and holding their ports.
+    Elsewhere that part is a no-op (the supervisor's own signal handler still stops them)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -124,7 +131,19 @@ def run_workers(config: Config, workers: int, child_argv: Sequence[str], *, sync
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)
 
+    reloads = any(p.type == "static" and getattr(p, "sighup", False) for p in config.discovery.sources)
+
+    def on_hup(_signum: int, _frame: object) -> None:
+        if not reloads:
+            print("llm-extproc: SIGHUP ignored: no discovery source reloads on it (static, sighup: true)", file=sys.stderr, flush=True)
+            return
+        print(f"llm-extproc: SIGHUP: reloading {workers} workers", file=sys.stderr, flush=True)
+        for w in group:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGHUP)
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
     print(f"llm-extproc: {workers} workers, gRPC on {', '.join(w.addr.grpc for w in group)}; {sync_note}", flush=True)
     status = 0
     try:

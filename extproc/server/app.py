@@ -65,7 +65,7 @@ def load_models(config: Config) -> dict[str, ModelRuntime]:
     for m in config.models:
         key = (m.tokenizer, m.token_encoder)
         if key not in counters:
-            counters[key] = TokenCounter.from_source(m.tokenizer, encoder=m.token_encoder)
+            counters[key] = TokenCounter.from_source(m.tokenizer, encoder=m.token_encoder, cache_bytes=config.limits.token_cache_bytes)
         out[m.name] = ModelRuntime(m, counters[key])
     return out
 

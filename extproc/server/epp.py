@@ -46,8 +46,9 @@ from google.protobuf import struct_pb2
 
 from extproc.config.schema import ProtocolConfig
 from extproc.datastore.endpoints import Endpoint, Reservation, canonical_host
-from extproc.errors import NoEndpointError, PayloadTooLargeError
+from extproc.errors import ExtProcError, NoEndpointError, NotFoundError, PayloadTooLargeError
 from extproc.pipeline.request import Routed
+from extproc.protocol.openai import served_path
 from extproc.server import responses
 from extproc.server.extproc import ExtProcServicer, _Stream
 
@@ -218,6 +219,14 @@ class EppServicer(ExtProcServicer):
         self._served = self._metrics.epp_served
         for label in ("primary", "other", "unreported"):
             self._served.labels(label)
+
+    def _unserved(self, path: str) -> ExtProcError | None:
+        """The gateway's 404 for a path off the allow-list (`SERVED_PATHS` + `protocol.extra_served_paths`):
+        the gateway sends every path of the pool here, and vLLM's `/v1/load_lora_adapter`,
+        `/v1/tokenize` and the like must not reach an engine (BUFFERED mode's Envoy answers the same)."""
+        if served_path(path, self._protocol.extra_served_paths):
+            return None
+        return NotFoundError("this path is not served by the gateway", code="not_found")
 
     def _subset_for(self, msg: pb.ProcessingRequest) -> Subset | None:
         """The request's subset hint (`_subset_of` in `protocol.subset_namespace`)."""

@@ -322,6 +322,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             err = BadRequestError("request body is required for this endpoint")
         elif generation_path(hdrs.get(":path", "")) is not None:
             err = MethodNotAllowedError(f"{hdrs.get(':method', '')} is not allowed here; use POST")
+        elif (unserved := self._unserved(hdrs.get(":path", ""))) is not None:
+            err = unserved
         else:
             try:
                 endpoint = self._pipeline.pick_any(s.subset)
@@ -333,6 +335,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 return endpoint
         s.kind, s.done = None, True
         return self._reject(err, hdrs)
+
+    def _unserved(self, path: str) -> ExtProcError | None:
+        """The 404 for a path that must not reach an engine, or None. BUFFERED mode: None (the
+        shipped Envoy configs answer those paths themselves and never ask; a custom config that
+        forwards a path meant it); the EPP servicer checks its allow-list."""
+        return None
 
     def _new_record(self, s: _Stream) -> DecisionRecord | None:
         """The decision-log record of a generation request about to be decided, or None when

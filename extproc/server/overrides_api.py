@@ -10,6 +10,11 @@ whitespace stripped). Without a configured token both answer 403 to everyone; a 
 wrong one gets 401. The comparison is constant-time (`hmac.compare_digest`) and the token never
 reaches a log line, a response or a metric label.
 
+Whatever a client sends is a clear 4xx, never a 500: an `authorization` header that is not
+UTF-8 is a wrong token (401); a body in an unknown charset, not text in its charset, not JSON,
+or nested deeper than `MAX_BODY_DEPTH` is a 400. A `reason` is logged cut to `LOGGED_REASON_CHARS`
+(a client could otherwise write a megabyte on one log line).
+
 An Alertmanager alert moves a weight when its labels carry `endpoint` (an `ip:port` of a
 configured endpoint) and `weight_action` (`lower` or `drain`) — the rules in
 deploy/prometheus/alerts.yml put them there; an alert without them only notifies. Annotations
@@ -27,11 +32,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from extproc.datastore.endpoints import Datastore
 from extproc.datastore.overrides import DEFAULT_DURATION_S, DEFAULT_LOWER_FACTOR, set_override
+from extproc.errors import ValidationError
 from extproc.metrics import Metrics
+from extproc.protocol.jsonlimits import check_json_depth
 
 __all__ = ["OVERRIDE_PAGES", "OverridesAPI", "load_admin_token", "TOKEN_ENV", "TOKEN_FILE_ENV"]
 
@@ -46,6 +54,21 @@ OVERRIDE_PAGES: dict[tuple[str, str], str] = {
     ("POST", "/api/v1/alerts"): "Alertmanager's webhook: firing alerts with endpoint and weight_action labels move weights (bearer token)",
 }
 """The write routes, for the admin server's index page."""
+
+MAX_BODY_DEPTH = 16
+"""Deepest nesting of a write's JSON body (levels): an Alertmanager payload nests 4, an
+override 1. Deeper bodies overflowed Python's recursion limit (parsing, or `str` of a nested
+value) and answered 500."""
+
+LOGGED_REASON_CHARS = 200
+"""A `reason` is logged up to this many characters, then cut with its length."""
+
+
+def _logged(text: str) -> str:
+    """`text` cut to `LOGGED_REASON_CHARS` for a log line, saying how long it was."""
+    if len(text) <= LOGGED_REASON_CHARS:
+        return text
+    return f"{text[:LOGGED_REASON_CHARS]}... ({len(text)} chars)"
 
 
 def load_admin_token(environ: Mapping[str, str] | None = None) -> str | None:
@@ -115,14 +138,36 @@ class OverridesAPI:
             return web.json_response({"error": f"weight overrides are disabled: set {TOKEN_ENV} or {TOKEN_FILE_ENV}"}, status=403)
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+        try:
+            # aiohttp keeps bytes that are not UTF-8 as surrogates: such a header is a wrong token
+            given_bytes = given.strip().encode("utf-8")
+        except UnicodeEncodeError:
+            given_bytes = b""
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, self._token):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401, headers={"www-authenticate": "Bearer"})
         return None
 
     async def _json(self, request: web.Request) -> Any:
+        """The body as JSON (in its declared charset, UTF-8 by default).
+
+        Raises:
+            _BadRequest: unknown charset, not text in it, nested past `MAX_BODY_DEPTH`, not JSON.
+        """
+        raw = await request.read()
+        charset = request.charset or "utf-8"
         try:
-            return await request.json()
-        except ValueError:
+            text = raw.decode(charset)
+        except LookupError:
+            raise _BadRequest(f"unknown charset {_logged(charset)!r}") from None
+        except UnicodeDecodeError:
+            raise _BadRequest(f"body is not {charset} text") from None
+        utf8 = text.encode("utf-8", "surrogatepass")
+        try:
+            check_json_depth(utf8, MAX_BODY_DEPTH)
+            return orjson.loads(utf8)
+        except ValidationError as exc:
+            raise _BadRequest(str(exc).replace("request body", "body", 1)) from None
+        except orjson.JSONDecodeError:
             raise _BadRequest("body must be JSON") from None
 
     def _apply(self, endpoint: Any, action: Any, factor_raw: Any, duration_raw: Any, reason: str, source: str) -> dict:
@@ -142,7 +187,7 @@ class OverridesAPI:
         self._metrics.weight_overrides.labels(source, action).inc()
         if self._share is not None:
             self._share(endpoint, factor, duration, reason, source)
-        log.warning("weight override %s on %s (factor %s, %ss, source %s, reason %r)", action, endpoint, factor, duration, source, reason)
+        log.warning("weight override %s on %s (factor %s, %ss, source %s, reason %r)", action, endpoint, factor, duration, source, _logged(reason))
         return describe(ov, time.monotonic()) | {"endpoint": endpoint, "action": action}
 
     async def _override(self, request: web.Request) -> web.Response:

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import yaml
 
+from extproc.protocol.openai import SERVED_PATHS  # the paths the shipped configs route to an engine
 from extproc.stack.procs import ChildHandle, ManagedProcess, wait_until
 
 __all__ = [
@@ -66,9 +67,6 @@ _EXT_PROC = "envoy.filters.http.ext_proc"
 _HEADER_MUTATION = "envoy.filters.http.header_mutation"
 
 
-SERVED_PATHS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health")
-"""The paths the shipped configs route to an engine (every other path gets the gateway's 404):
-the OpenAI generation APIs, the model list, the engines' health."""
 
 
 class EnvoyError(RuntimeError):

@@ -202,3 +202,25 @@ def test_the_split_pattern_is_grouped_and_still_exact(qwen_counter):
     assert grouped_pattern(GPT2_PATTERN).startswith("(?:'s|")
     for untouched in [r"a|\s+", r"\|\s+(?!\S)|\s+", r"(?x)a b|\s+(?!\S)|\s+", tail]:
         assert grouped_pattern(untouched) == untouched
+
+
+def test_the_segment_cache_is_bounded_in_bytes_and_still_exact(counter):
+    """Bounded at 4M tokens held as lists of ints (~42 bytes a token), the cache grew a server
+    by ~5.6 MB per 1,000 unique prompts; now the ids are packed (4 bytes a token) and the bound
+    is in bytes, every entry counted."""
+    import sys
+
+    from extproc.pipeline.tokens import TokenCounter, cache_entry_bytes
+
+    small = TokenCounter(counter.tokenizer, cache_bytes=1 << 20)
+    for i in range(600):
+        msgs = [{"role": "system", "content": f"policy {i} " * 40}, {"role": "user", "content": f"unique question {i} " * 30}]
+        small.count_chat(msgs)
+        stats = small.cache_stats()
+        assert stats["bytes"] <= 1 << 20
+    assert stats["limit_bytes"] == 1 << 20 and stats["entries"] > 50
+    held = sum(cache_entry_bytes(seg, ids) for seg, ids in small._cache.items())  # noqa: SLF001 - the accounting itself
+    assert held == stats["bytes"] and all(ids.itemsize == 4 for ids in small._cache.values())  # noqa: SLF001
+    assert stats["bytes"] < 4 * stats["tokens"] + sum(sys.getsizeof(s) for s in small._cache) + 400 * stats["entries"]  # noqa: SLF001
+    history = [{"role": "user", "content": "cached once " * 20}]
+    assert small.count_chat(history).token_ids == small.count_chat(history).token_ids == reference(small, history)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from extproc.errors import ValidationError
 from extproc.protocol import jsonlimits
-from extproc.protocol.jsonlimits import check_json_values, count_values, values_bound
+from extproc.protocol.jsonlimits import MAX_JSON_DEPTH, check_json_depth, check_json_values, count_values, json_depth, values_bound
 
 
 def reference(value) -> int:
@@ -144,3 +144,34 @@ def test_commas_and_brackets_inside_strings_never_refuse():
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]})
     assert values_bound(body) > 10_000
     check_json_values(body, 64)
+
+
+def reference_depth(value) -> int:
+    """Nesting of arrays and objects in a decoded document (a scalar is 0)."""
+    if isinstance(value, dict):
+        return 1 + max((reference_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((reference_depth(v) for v in value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"a": "[[[[[[[[{{{{", "b": [[["\\\"[", {"c": []}]]]},
+        [[[[[[]]]]], "]]]]]]]]]]]]", [[[[{"x": "{{{{{"}]]]]],
+    ],
+)
+def test_json_depth_skips_brackets_inside_strings_and_escapes(doc):
+    body = json.dumps(doc).encode()
+    assert json_depth(body, 0) == reference_depth(doc)
+
+
+def test_json_depth_across_windows_and_its_400():
+    deep = b'{"s": "' + b"[" * (jsonlimits.WINDOW + 3) + b'", "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    assert json_depth(deep, 1000) == 301
+    assert json_depth(deep) > MAX_JSON_DEPTH
+    with pytest.raises(ValidationError) as exc:
+        check_json_depth(deep)
+    assert exc.value.code == "json_too_deep" and exc.value.status == 400
+    check_json_depth(b'{"x": ' + b"[" * 127 + b"]" * 127 + b"}")  # 128 levels with the object

@@ -104,7 +104,7 @@ async def test_every_backend_offers_the_whole_interface(backend):
     from extproc.ratelimit.backend import WindowBackend
 
     wanted = {n for n in vars(WindowBackend) if not n.startswith("_")} - {"name", "local"}
-    assert wanted == {"acquire", "check", "settle", "peek", "aclose"}
+    assert wanted == {"acquire", "check", "settle", "abort", "peek", "aclose"}
     for n in wanted:
         assert callable(getattr(backend, n)), n
     assert backend.name in ("memory", "redis") and backend.local == (backend.name == "memory")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 
 import orjson
 import pytest
@@ -18,6 +20,7 @@ from extproc.ratelimit.limiter import RateLimiter
 from extproc.ratelimit.memory import MemoryBackend
 from extproc.ratelimit.metrics import RateLimitMetrics
 from extproc.ratelimit.replies import TenantRateLimitedError, TooLargeForLimitError
+from extproc.ratelimit.window import ScopeLimit
 from extproc.telemetry.observer import StreamObserver
 from extproc.types import LLMRequest, RequestKind, TokenCount
 from tests.ratelimit.conftest import redis_backend
@@ -442,6 +445,70 @@ async def test_a_settlement_redis_cannot_take_waits_and_is_delivered_before_the_
         await admin.execute_command("CLIENT", "UNPAUSE")
         await admin.aclose()
         await lim.aclose()
+
+
+async def test_a_redis_stall_holds_no_slot_after_it_ends_and_no_request_is_needed_to_free_them(redis_server):
+    """Redis paused by SIGSTOP under load, cap 4: the acquires sent during the stall time out and
+    fail open, yet sit in Redis's input buffer and run when it resumes; a settlement made during
+    the stall cannot be delivered. Once Redis runs again, with no further request, the limiter's
+    background retry delivers the settlement and aborts the timed-out acquires: nothing is in
+    flight and only the settled request's tokens count (before: the late acquires held the
+    tenant's slots for the 900 s lease and the settlement waited for the next admit)."""
+    registry = CollectorRegistry()
+    lim = _limiter(
+        redis_backend(redis_server, timeout_ms=100),
+        registry,
+        default={"tokens_per_minute": 1_000_000, "max_concurrent_requests": 4},
+        redis={"url": redis_server.url, "timeout_ms": 100},
+    )
+    t = lim.tenant({"authorization": "Bearer sk-anything"})
+    scopes = lim.scopes(t, MODEL)
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.gather(*(lim.backend.peek(scopes) for _ in range(6)))  # six pooled connections
+        held = await lim.admit(t, _req(10, max_tokens=100))
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            late = await asyncio.gather(*(lim.admit(t, _req(10, max_tokens=100)) for _ in range(6)))
+            assert all(a is not None and a.bucket is None for a in late)  # failed open, uncounted
+            lim.settle(held, 50)
+            await _settled(lim)
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        assert _sample(registry, "llm_extproc_ratelimit_settlements_pending") >= 1
+        deadline = loop.time() + 6.0
+        while True:
+            use = (await lim.backend.peek(scopes)).uses[0]
+            if use.inflight == 0 and _sample(registry, "llm_extproc_ratelimit_settlements_pending") == 0:
+                break
+            assert loop.time() < deadline, f"still {use.inflight} in flight after the stall"
+            await asyncio.sleep(0.1)
+        assert use.tokens == 50  # the late acquires gave their tokens back (or never charged)
+        more = [await lim.admit(t, _req(10, max_tokens=100)) for _ in range(4)]  # the whole cap is free
+        assert all(a is not None and a.bucket is not None for a in more)
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+        await lim.aclose()
+
+
+async def test_an_abort_gives_back_an_acquire_that_ran_and_refuses_one_that_runs_after_it(redis_server):
+    """The two orders a stalled Redis can run them in: acquire then abort (slot and tokens back),
+    abort then acquire (a tombstone: the late acquire charges nothing)."""
+    backend = redis_backend(redis_server)
+    scope = [ScopeLimit("{t}", 1000, -1, 1, -1)]
+    try:
+        assert (await backend.acquire(scope, 100, request_id="a")).admitted
+        await backend.abort(["{t}"], 100, "a")
+        assert (await backend.peek(scope)).uses[0].inflight == 0 and (await backend.peek(scope)).uses[0].tokens == 0
+        await backend.abort(["{t}"], 100, "a")  # twice: harmless
+        await backend.abort(["{t}"], 100, "b")
+        late = await backend.acquire(scope, 100, request_id="b")
+        assert not late.admitted
+        use = (await backend.peek(scope)).uses[0]
+        assert use.inflight == 0 and use.tokens == 0
+        assert (await backend.acquire(scope, 100, request_id="c")).admitted  # others unaffected
+    finally:
+        await backend.aclose()
 
 
 async def test_a_429_gives_one_wait_in_body_reset_header_and_retry_after():

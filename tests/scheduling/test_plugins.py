@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import random
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from extproc.config.schema import EndpointConfig
+from extproc.datastore.endpoints import Datastore
 from extproc.datastore.prefill_fit import prefill_work
 from extproc.scheduling.framework import Filter, Picker, Scorer
 from extproc.scheduling.plugins.filters.kv_fit import blocks_needed, blocks_to_start
@@ -642,3 +647,79 @@ def test_ttft_estimate_predicts_an_unobserved_endpoint_at_its_own_gpus_speed():
     assert scores[0] == 1.0 and scores[1] < 0.6
     blind = Datastore(configs)  # no table: every endpoint starts from the one prior, as before
     assert not any(ep.prefill_fit.prior.known for ep in blind.all())
+
+
+def _starved_fleet(store, explore_share: float):
+    """Decision 0270's starvation: three identical endpoints (13 ms first tokens for a 100-token
+    prompt), b measured three times while the host was busy (22 ms), the prefix-free floor at
+    0.8. Picks one request at a time (light load), each answered in 13 ms wherever it goes.
+    Returns (picks per endpoint, b's fit's prediction at the end)."""
+    from extproc.config.schema import BUILTIN_PROFILES
+    from extproc.pipeline.request import build_profile
+
+    cfg = BUILTIN_PROFILES["load-aware"]
+    picker = cfg.picker.model_copy(update={"params": {**cfg.picker.params, "lead_min_score_unmatched": 0.8, "explore_share": explore_share}})
+    profile = build_profile("starved", cfg.model_copy(update={"picker": picker}))
+    a, b, c = store.all()
+    for ep in (a, c):
+        _observe(store, ep, [(100, 0.013)] * 30)
+    _observe(store, b, [(100, 0.022)] * 3)
+    counts = collections.Counter()
+    for i in range(3000):
+        ctx = context(prompt=100)
+        ctx.rng = random.Random(i)
+        chosen = profile.run(ctx, [a, b, c]).pick.primary.endpoint
+        counts[chosen.address] += 1
+        _observe(store, chosen, [(100, 0.013)])
+    return counts, b.prefill_fit.predict(100)
+
+
+def test_an_endpoint_with_a_pessimistic_fit_is_explored_until_its_fit_converges(store):
+    """Without exploration the pessimistic endpoint gets none of 3,000 picks and keeps its 22 ms
+    (the fleet's cheapest endpoint takes every pick at light load); with the default share it is
+    sent a few requests, at most the 1 % share, until its fit holds `explore_min_samples` fresh
+    samples, and its prediction comes back to within 15 % of the 13 ms it really takes."""
+    _, b, _ = store.all()
+    counts, predicted = _starved_fleet(store, 0.0)
+    assert counts[b.address] == 0 and predicted > 0.02
+    fresh = Datastore([EndpointConfig(address=f"10.0.0.{i}:8000", models=["m"]) for i in (1, 2, 3)])
+    counts, predicted = _starved_fleet(fresh, 0.01)
+    assert 17 <= counts["10.0.0.2:8000"] <= 30, counts  # 20 fresh samples less its 3 slow ones, and the odd win
+    assert predicted == pytest.approx(0.013, rel=0.15)
+    assert fresh.get("10.0.0.2:8000").prefill_fit.fresh_samples(time.monotonic()) >= 20
+
+
+def test_exploration_never_picks_an_endpoint_the_filters_removed_or_an_override_zeroed(store):
+    from extproc.scheduling.framework import ScoredEndpoint
+
+    a, b, c = store.all()
+    _observe(store, a, [(100, 0.013)] * 30)
+    picker = build("max-score-picker", {"explore_share": 0.05})
+    zeroed = [ScoredEndpoint(a, 5.0, {}), ScoredEndpoint(b, 0.0, {})]  # b unlearned but zeroed
+    picks = set()
+    for i in range(400):
+        ctx = context()
+        ctx.rng = random.Random(i)
+        picks.add(picker.pick(ctx, zeroed).primary.endpoint.address)
+        picks.add(picker.pick(ctx, [ScoredEndpoint(a, 5.0, {})]).primary.endpoint.address)  # c filtered out
+    assert picks == {a.address}
+    explored = 0
+    for i in range(400):
+        ctx = context()
+        ctx.rng = random.Random(i)
+        explored += picker.pick(ctx, [ScoredEndpoint(a, 5.0, {}), ScoredEndpoint(c, 1.0, {})]).primary.endpoint is c
+    assert 5 <= explored <= 40  # ~5 % of 400
+    with pytest.raises(PluginConfigError):
+        build("max-score-picker", {"explore_share": 0.2})  # bounded
+
+
+def test_a_fit_starts_over_from_its_prior_after_a_minute_without_samples():
+    from extproc.datastore.prefill_fit import FRESH_GAP_S, PrefillFit
+
+    fit = PrefillFit()
+    for _ in range(3):
+        fit.add(100, 0.5, 0.0)  # a cold start, 40x slow
+    assert fit.fresh_samples(1.0) == 3 and fit.fresh_samples(FRESH_GAP_S + 1) == 0
+    fit.add(100, 0.013, FRESH_GAP_S + 1)
+    assert fit.samples == 4 and fit.fresh_samples(FRESH_GAP_S + 1) == 1
+    assert fit.predict(100) < 0.03  # the prior and the new sample only, not 0.5 s

@@ -212,16 +212,21 @@ async def _batch(stub, prompts: list[str], max_tokens: int, n: int = 1, hold: bo
     return result
 
 
-async def test_batch_reserves_every_prompt_and_releases_them_all(stack):
+async def test_batch_reserves_its_prompts_up_to_the_free_pool_and_releases_them_all(stack):
     # 64 blocks of 16 tokens. 8 prompts of ~300 tokens with 64 output tokens each: ~23 blocks
     # each, ~184 in all — more than the pool, while each prompt alone fits: routed, not a 400.
+    # It reserves the whole free pool, not 184 blocks: that drove the endpoint's free blocks to
+    # -120, and everything else was refused there until the reservation settled.
+    from extproc.scheduling.plugins.filters.kv_fit import free_blocks
+
     app, (a,), stub = await stack({"speed": 0.5, "num_gpu_blocks": 64})
     ep = app.store.get(f"127.0.0.1:{a.port}")
     await until(lambda: ep.engine is not None)
     prompts = [" ".join(["tok"] * 300)] * 8
+    free = free_blocks(ep)
     result, call = await _batch(stub, prompts, max_tokens=64, hold=True)
     assert result == "routed"
-    assert ep.reserved_blocks > 64  # every prompt's blocks, not one prompt's
+    assert ep.reserved_blocks == free and free_blocks(ep) == 0  # more than one prompt's, never past the pool
     call.cancel()  # the client goes away before the engine answers
     await until(lambda: ep.inflight == 0)
     assert ep.reserved_blocks == 0
@@ -231,3 +236,19 @@ async def test_batch_reserves_every_prompt_and_releases_them_all(stack):
     assert (status, code) == (400, "kv_cache_too_small")
     assert "its largest prompt (2000 of the batch's 2900 prompt tokens)" in message
     assert ep.reserved_blocks == 0 and ep.inflight == 0
+
+
+async def test_a_request_only_the_headroom_keeps_out_is_a_400_not_endless_429s(stack):
+    """kv-fit keeps 25 % of a 64-block pool free: a prompt needing 50 blocks fits the pool but
+    never passes the filter, even idle. The never-fit check compared with the whole pool, so the
+    client was told 429 'retry later' for ever; now it is told the request can never fit."""
+    profile = {"filters": [{"type": "healthy-filter"}, {"type": "kv-fit-filter", "params": {"headroom_fraction": 0.25}}], "scorers": [{"type": "inflight-scorer"}]}
+    app, (a,), stub = await stack({"speed": 0.5, "num_gpu_blocks": 64}, scheduling={
+        "metrics": {"interval_s": 0.05, "timeout_s": 0.2, "stale_after_s": 0.5}, "health_check": {"interval_s": 0.2},
+        "profile": "tight", "profiles": {"tight": profile},
+    })  # fmt: skip
+    ep = app.store.get(f"127.0.0.1:{a.port}")
+    await until(lambda: ep.engine is not None)
+    status, code, message = await _batch(stub, [" ".join(["tok"] * 780)], max_tokens=16)
+    assert (status, code) == (400, "kv_cache_too_small") and "headroom" in message
+    assert await _batch(stub, [" ".join(["tok"] * 300)], max_tokens=16) == "routed"  # what fits is still routed

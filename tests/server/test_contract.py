@@ -102,6 +102,32 @@ async def test_alias_reaches_the_engine_as_the_served_name(stub):
     assert set_headers(common)["content-length"] == str(len(rewritten))
 
 
+def deep_body(depth: int) -> bytes:
+    """A chat request for the alias (so the body is re-read to rewrite its model) with an extra
+    field of `depth` nested arrays."""
+    head = orjson.dumps({"model": "qwen3-8b", "messages": [{"role": "user", "content": "hi"}]})[:-1]
+    return head + b',"x":' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize("depth", [1000, 5000])
+async def test_json_nested_past_the_bound_is_a_400_at_parse_not_a_500_after_the_pick(make_app, depth, caplog):
+    """~1,000 levels passed orjson (its limit is 1,024), then the alias rewrite's standard-library
+    scanner hit Python's recursion limit after the endpoint was picked: a 500 and a traceback
+    per request, feeding the critical internal-errors alert. Nesting is bounded once, at parse."""
+    app = await make_app(limits={"max_body_bytes": 1 << 20, "grpc_max_message_bytes": 2 << 20})
+    caplog.set_level(logging.ERROR)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        _, reply = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(deep_body(depth)))
+        status, payload, _ = error_of(reply)
+        assert status == 400 and payload["error"]["code"] == "json_too_deep"
+        assert "128 levels" in payload["error"]["message"]
+        _, ok = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(deep_body(100)))
+        assert orjson.loads(ok.request_body.response.body_mutation.body)["model"] == MODEL  # 100 levels still served
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert app.store.open_reservations == 0
+
+
 async def test_existing_request_id_is_kept(stub):
     _, r_body = await exchange(
         stub,

@@ -181,11 +181,43 @@ async def test_subset_applies_to_requests_without_a_body(channel):
         assert ex.destination == ENDPOINTS[0] == ex.metadata_destination
 
 
-async def test_unparsed_path_with_a_body_is_routed_at_the_headers_and_echoed(channel):
-    ex = await send_request(channel, [request_headers("POST", "/tokenize"), request_body(b'{"a":', end=False), request_body(b"1}", end=True)])
+async def test_an_allowed_unparsed_path_with_a_body_is_routed_at_the_headers_and_echoed(make_app):
+    app = await make_app(protocol={"mode": "epp", "extra_served_paths": ["/tokenize"]})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        ex = await send_request(channel, [request_headers("POST", "/tokenize"), request_body(b'{"a":', end=False), request_body(b"1}", end=True)])
     assert ex.kinds == ["request_headers", "request_body", "request_body"]
     assert ex.destination in ENDPOINTS
     assert ex.body == b'{"a":1}' and ex.body_ended
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/tokenize", "/tokenize", "/v1/models/../load_lora_adapter", "/metrics?x=1"],
+)
+async def test_paths_off_the_allow_list_are_the_gateways_404_as_in_buffered_mode(epp, channel, path):
+    """The gateway hands the picker every path of the pool: EPP mode passed vLLM's adapter
+    load/unload and tokenizer paths to an engine, while BUFFERED mode's Envoy answers them 404.
+    Now the same allow-list (`SERVED_PATHS`), the same JSON 404, and nothing reserved."""
+    ex = await send_request(channel, [request_headers("POST", path), request_body(b'{"lora_name": "x"}', end=True)])
+    assert ex.kinds == ["immediate_response"] and ex.immediate_status == 404
+    assert orjson.loads(ex.immediate_body)["error"] == {
+        "message": "this path is not served by the gateway", "type": "invalid_request_error", "param": None, "code": "not_found",
+    }  # fmt: skip
+    assert epp.store.open_reservations == 0
+    ok = await send_request(channel, [request_headers("GET", "/v1/models/", end=True)])
+    assert ok.destination in ENDPOINTS
+
+
+def test_the_404_matches_the_shipped_envoy_configs():
+    import yaml
+
+    from extproc.protocol.openai import SERVED_PATHS
+    from extproc.stack.envoy import config_path, served_path_regex
+
+    text = config_path("fail-closed").read_text()
+    assert served_path_regex() in text and "|".join(SERVED_PATHS) in text
+    assert '"message":"this path is not served by the gateway","type":"invalid_request_error","param":null,"code":"not_found"' in text
+    assert yaml.safe_load(text)
 
 
 async def test_fallbacks_ride_in_the_header_and_the_metadata(make_app):
@@ -211,6 +243,14 @@ async def test_refusals_are_immediate_responses(channel, messages, status):
     assert ex.kinds == ["immediate_response"]
     assert ex.immediate_status == status
     assert orjson.loads(ex.immediate_body)["error"]["message"]
+
+
+async def test_json_nested_past_the_bound_is_a_400_in_epp_mode_too(channel):
+    from tests.server.test_contract import deep_body
+
+    ex = await send_request(channel, [request_headers("POST", CHAT), request_body(deep_body(1000), end=True)])
+    assert ex.kinds == ["immediate_response"] and ex.immediate_status == 400
+    assert orjson.loads(ex.immediate_body)["error"]["code"] == "json_too_deep"
 
 
 async def test_a_body_over_the_limit_is_refused_before_it_ends(epp, channel):

@@ -145,6 +145,32 @@ async def test_bad_override_requests_are_400(authed_app, body):
     assert authed_app.store.get(A).override is None
 
 
+async def test_hostile_writes_are_4xx_and_a_huge_reason_is_logged_cut(authed_app, caplog):
+    """Each of these answered 500 with a traceback: a non-UTF-8 authorization header (401), an
+    unknown charset, JSON nested 200k deep, one nested just under orjson's limit (400); a
+    900 KB reason was logged whole on one line."""
+    url = f"http://127.0.0.1:{authed_app.admin_port}/api/v1/weights/override"
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    drain = orjson.dumps({"endpoint": A, "action": "drain"})
+    async with httpx.AsyncClient() as c:
+        r = await c.post(url, content=drain, headers={"authorization": b"Bearer \xff\xfe" + TOKEN.encode()})
+        assert r.status_code == 401, r.text
+        r = await c.post(url, content=drain, headers={**auth, "content-type": "application/json; charset=x-nope"})
+        assert r.status_code == 400 and "x-nope" in r.json()["error"], r.text
+        for depth in (200_000, 1000):
+            r = await c.post(url, content=b"[" * depth + b"]" * depth, headers=auth)
+            assert r.status_code == 400 and "levels deep" in r.json()["error"], r.text
+            r = await c.post(f"http://127.0.0.1:{authed_app.admin_port}/api/v1/alerts", content=b'{"alerts": ' + b"[" * depth + b"]" * depth + b"}", headers=auth)
+            assert r.status_code == 400, r.text
+        assert authed_app.store.get(A).override is None
+        reason = "r" * 900_000
+        r = await c.post(url, json={"endpoint": A, "action": "drain", "reason": reason}, headers=auth)
+        assert r.status_code == 200, r.text
+    line = next(rec.getMessage() for rec in caplog.records if "weight override drain" in rec.getMessage())
+    assert len(line) < 1000 and "(900000 chars)" in line
+    assert not [rec for rec in caplog.records if rec.exc_info]
+
+
 def test_token_from_file_wins_and_unreadable_file_is_a_clear_error(tmp_path):
     f = tmp_path / "token"
     f.write_text("  from-file\n")

@@ -27,8 +27,23 @@ candidate stays in the fallbacks, by total. At 0.8 on prefix-free requests too (
 prompts a quarter of `P` is a few milliseconds: one endpoint whose first few first tokens were
 slowed by the host (22 ms predicted against 13) was kept out for good and never learned again.
 
+Exploration (decision 0295): an endpoint nobody routes to is never measured again, so a
+pessimistic fit (a few slow first tokens while the host was busy) or a cold prefix cache kept a
+re-added endpoint identical to the others at 0 of ~11,000 requests over 55 s. With probability
+`explore_share`, a pick goes instead to a random candidate whose TTFT fit has fewer than
+`explore_min_samples` fresh samples (`PrefillFit.fresh_samples`: none older than a minute),
+while some other candidate is learned; once it has them it competes on its fit like the rest.
+Only candidates are explored: the filters already removed unhealthy, ejected and KV-full
+endpoints, and one an operator override zeroes (total 0) is never explored.
+
 Parameters:
     tie_epsilon (float ≥ 0, default 1e-9): totals this close count as equal.
+    explore_share (float in [0, 0.05], default 0.01): the share of picks that may explore (0:
+        never). Bounded: each explored request may pay a cold prefill or a slower endpoint.
+    explore_min_samples (int in [1, 100], default 20): fresh samples an endpoint's fit needs to
+        stop being explored: the fit's memory (`PrefillPrior.forget` 0.95 keeps ~20 samples),
+        so the samples that made it pessimistic have faded by then (at 8, three slow ones of
+        eight still held a 13 ms endpoint at 17 ms, under a 0.8 floor).
     lead_scorer (str, default ""): the scorer (by name) whose clear lead the others may not
         overturn on prefix-matched requests; "" for none. A configured picker's must name one
         of its profile's scorers (`extproc.config.schema`); a lead scorer the candidates were
@@ -58,6 +73,8 @@ class MaxScorePicker(Plugin):
         lead_scorer: str = ""
         lead_min_score: float = Field(default=0.8, gt=0, le=1)
         lead_min_score_unmatched: float | None = Field(default=None, gt=0, le=1)
+        explore_share: float = Field(default=0.01, ge=0, le=0.05)
+        explore_min_samples: int = Field(default=20, ge=1, le=100)
 
         @model_validator(mode="after")
         def _floors_need_a_lead(self) -> MaxScorePicker.Params:
@@ -79,7 +96,25 @@ class MaxScorePicker(Plugin):
         best = running[0].total
         ties = [s for s in running if best - s.total <= self.params.tie_epsilon]
         chosen = ties[0] if len(ties) == 1 else ctx.rng.choice(ties)
+        explored = self._explore(ctx, order)
+        if explored is not None:
+            chosen = explored
         return PickResult(chosen, [s for s in order if s is not chosen])
+
+    def _explore(self, ctx: SchedulingContext, order: list[ScoredEndpoint]) -> ScoredEndpoint | None:
+        """A candidate to learn instead of the best, with probability `explore_share`: one whose
+        fit has fewer than `explore_min_samples` fresh samples, while another's has them (when
+        none is learned the picks learn them all anyway). None: no exploration this time. The
+        random draw is made only when there is someone to explore (the usual pick draws nothing)."""
+        p = self.params
+        if p.explore_share <= 0 or len(order) < 2:
+            return None
+        learning = [s for s in order if s.total > 0 and s.endpoint.prefill_fit.fresh_samples(ctx.now) < p.explore_min_samples]
+        if not learning or len(learning) == len(order) or ctx.rng.random() >= p.explore_share:
+            return None
+        chosen = ctx.rng.choice(learning)
+        ctx.data["explored"] = chosen.endpoint.address
+        return chosen
 
     def _in_the_running(self, ctx: SchedulingContext, order: list[ScoredEndpoint]) -> list[ScoredEndpoint]:
         """The candidates the primary is chosen from (by total, best first): those `lead_scorer`
