@@ -22,7 +22,7 @@ ADDRESSES = [f"10.0.0.{i}:8000" for i in range(1, 7)]
 
 def _text(addresses: list[str]) -> str:
     return yaml.safe_dump(
-        {"models": [{"name": MODEL}], "endpoints": [{"address": a, "models": [MODEL]} for a in addresses]}, sort_keys=False
+        {"models": [{"name": MODEL, "path": "builtin:qwen3-8b"}], "endpoints": [{"address": a, "models": [MODEL]} for a in addresses]}, sort_keys=False
     )
 
 
