@@ -34,6 +34,9 @@ def test_impossible_port_layouts_are_refused_with_the_reason(grpc, admin, worker
         worker_addresses(cfg(grpc, admin), workers)
 
 
+MODEL = "Qwen/Qwen3-8B"
+
+
 def test_one_worker_may_keep_port_zero():
     assert worker_addresses(cfg("127.0.0.1:0", "127.0.0.1:0"), 1)[0].grpc == "127.0.0.1:0"
 
