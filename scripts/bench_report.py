@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""docs/benchmarks.md from the result files, so the page cannot drift from the runs.
+
+    .venv/bin/python scripts/bench_report.py            # rewrite docs/benchmarks.md
+    .venv/bin/python scripts/bench_report.py --check    # exit 1 when the page is not what the files say
+
+The page is docs/benchmarks/header.md (prose written by hand: the method, what was and was not
+rerun), then one section per result file in docs/benchmarks/results/*.json (an
+`extproc.bench.seeds.SeededResult`, written by scripts/bench_steady.py), in file-name order:
+its commit, date, seeds, load and command; per policy the mean and 95 % bootstrap interval over
+the valid seeds of every figure; every other policy against the baseline ("ahead", "behind",
+"within noise", with the interval of the difference); the runs one by one (invalid ones with the
+reason); and the field's own clients' figures beside ours when the file has them. Then
+docs/benchmarks/footer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from extproc.bench.seeds import FIGURES, SeededResult, aggregate, compare_to  # noqa: E402
+from extproc.bench.stats import Interval  # noqa: E402
+
+DOCS = ROOT / "docs" / "benchmarks"
+PAGE = ROOT / "docs" / "benchmarks.md"
+_BY_KEY = {f.key: f for f in FIGURES}
+
+
+def _cell(iv: Interval | None, key: str) -> str:
+    if iv is None:
+        return "–"
+    fig = _BY_KEY[key]
+    if fig.percent:
+        return iv.fmt(fig.digits, 100).replace(" [", " % [").replace("]", " %]") if iv.n > 1 else f"{iv.mean * 100:.{fig.digits}f} %"
+    return iv.fmt(fig.digits)
+
+
+def _hotspot_classes(result: SeededResult, policy: str) -> str:
+    runs = [r for r in result.valid_runs() if r.policy == policy and r.hotspot_by_class]
+    if not runs:
+        return "–"
+    classes = sorted({c for r in runs for c in r.hotspot_by_class})
+    parts = []
+    for c in classes:
+        spots = [r.hotspot_by_class[c] for r in runs if c in r.hotspot_by_class]
+        shares = [r.class_share.get(c, 0.0) for r in runs]
+        parts.append(f"{c} {sum(spots) / len(spots):.2f} ({sum(shares) / len(shares):.0%})")
+    return ", ".join(parts)
+
+
+def steady_tables(result: SeededResult) -> list[str]:
+    """The markdown section of one result file (see the module docstring)."""
+    s = result.settings
+    valid = result.valid_runs()
+    policies = list(dict.fromkeys(r.policy for r in result.runs))
+    lines = [
+        f"## {result.name}", "",
+        f"- **workload**: {result.workload}",
+        f"- **commit** `{result.commit}`, **date** {result.date}, **seeds** {', '.join(map(str, result.seeds))}, "
+        f"**load** ×{s.get('rate_scale', 1):g} the trace's rate (label {s.get('load', '1')}), simulator speed {s.get('speed', 1):g}, "
+        f"warm-up {s.get('warmup_s', 0):g} s left out, {s.get('steady_s', 0):g} s of arrivals measured (simulated time)",
+        f"- **fleet** {', '.join(s.get('fleet', []))}; **SLO** TTFT ≤ {s.get('slo', {}).get('ttft_ms', 2000):g} ms, "
+        f"TPOT ≤ {s.get('slo', {}).get('itl_ms', 100):g} ms",
+        f"- **machine** {result.machine}",
+        f"- **command** `{result.command}`",
+    ]  # fmt: skip
+    if not result.rerun:
+        lines.append("- **not rerun with this method**: carried over from the history (see there)")
+    lines += [
+        "", f"Mean over valid seeds [95 % bootstrap interval]; {len(valid)} of {len(result.runs)} runs valid.", "",
+        "| policy | seeds | " + " | ".join(f.label for f in FIGURES) + " | hotspot per GPU (share) |",
+        "|---|---:|" + "---:|" * len(FIGURES) + "---|",
+    ]  # fmt: skip
+    table = aggregate(valid)
+    for policy in policies:
+        row = table.get(policy, {})
+        n = sum(1 for r in valid if r.policy == policy)
+        cells = [_cell(row.get(f.key), f.key) for f in FIGURES]
+        lines.append(f"| {policy} | {n} | " + " | ".join(cells) + f" | {_hotspot_classes(result, policy)} |")
+    verdicts = compare_to(valid, result.baseline)
+    if verdicts:
+        keys = [f for f in FIGURES if f.higher_is_better is not None]
+        lines += [
+            "", f"Against {result.baseline}, paired by seed: verdict (difference of means [95 % interval]).", "",
+            "| policy | " + " | ".join(f.label for f in keys) + " |",
+            "|---|" + "---|" * len(keys) + "",
+        ]  # fmt: skip
+        for policy, comps in verdicts.items():
+            cells = []
+            for f in keys:
+                c = comps.get(f.key)
+                cells.append("–" if c is None else f"**{c.verdict}** ({_cell(c.difference, f.key)})")
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    lines += [
+        "", "Runs:", "",
+        "| policy | seed | valid | steady span (s) | requests | offered / achieved req/s | TTFT p99 | TPOT p99 | hotspot | client CPU | load avg | notes |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for r in result.runs:
+        why = "yes" if r.valid else "**no**: " + "; ".join(r.invalid_reasons)
+        lines.append(
+            f"| {r.policy} | {r.seed} | {why} | {r.steady_span_s:,.0f} | {r.summary.requests:,} | "
+            f"{r.offered_rps or 0:.2f} / {r.achieved_rps or 0:.2f} | {r.summary.ttft_ms.p99 or 0:,.0f} | "
+            f"{r.summary.itl_ms.p99 or 0:,.1f} | {'–' if r.hotspot is None else f'{r.hotspot:.2f}'} | {r.client_cpu:.0%} | "
+            f"{r.load_average:.1f} | {'; '.join(r.notes) or '–'} |"
+        )
+    if result.external:
+        lines += [
+            "", "The field's clients on the same stacks (one seed each; see the notes for how each was run and why they differ):", "",
+            "| policy | client | requests ok | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | req/s | notes |",
+            "|---|---|---:|---:|---:|---:|---:|---|",
+        ]  # fmt: skip
+        for e in result.external:
+            lines.append(
+                f"| {e['policy']} | {e['client']} | {e.get('ok', '–')} | {_ms(e.get('ttft_p50_ms'))} / {_ms(e.get('ttft_p99_ms'))} | "
+                f"{_ms(e.get('tpot_p50_ms'), 1)} / {_ms(e.get('tpot_p99_ms'), 1)} | {_ms(e.get('output_tokens_per_s'))} | "
+                f"{_ms(e.get('rps'), 2)} | {e.get('notes', '')} |"
+            )
+    return lines + [""]
+
+
+def _ms(value: float | None, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def render(docs: Path = DOCS) -> str:
+    """The whole page: header, one section per result file (name order), footer."""
+    parts = [(docs / "header.md").read_text(encoding="utf-8").rstrip() + "\n"]
+    for path in sorted((docs / "results").glob("*.json")):
+        parts.append("\n".join(steady_tables(SeededResult.model_validate_json(path.read_bytes()))))
+    footer = docs / "footer.md"
+    if footer.exists():
+        parts.append(footer.read_text(encoding="utf-8").rstrip() + "\n")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="do not write: exit 1 when docs/benchmarks.md differs")
+    ap.add_argument("--docs", default=str(DOCS), help="the folder with header.md, footer.md and results/")
+    ap.add_argument("--page", default=str(PAGE))
+    args = ap.parse_args()
+    page = render(Path(args.docs))
+    target = Path(args.page)
+    if args.check:
+        current = target.read_text(encoding="utf-8") if target.exists() else ""
+        if current != page:
+            print(f"{target} is not what the result files say: run scripts/bench_report.py", file=sys.stderr)
+            raise SystemExit(1)
+        return
+    target.write_text(page, encoding="utf-8")
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
