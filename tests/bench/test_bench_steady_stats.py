@@ -3,6 +3,11 @@ on hand-computed inputs (the runs themselves are benchmarks, not tests)."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from extproc.bench.capacity import LoadPoint, capacity_at_bound, two_objective_capacity
@@ -211,3 +216,70 @@ def test_capacity_interpolates_and_a_policy_cannot_win_by_starving_decode() -> N
     assert two_objective_capacity(points, 250.0, 500.0).holds_at_top
     with pytest.raises(ValueError, match="no load"):
         two_objective_capacity([], 1.0, 1.0)
+
+
+# ── the page and the regression check (scripts/bench_report.py, scripts/bench_regress.py) ──
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(runs: list, name: str = "w") -> SeededResult:
+    return SeededResult(
+        name=name, workload="a workload", commit="abc1234", date="2026-12-06 03:00 UTC", command="bench_steady.py --x",
+        machine="2 cores", baseline="base", seeds=[0, 1, 2], settings={"rate_scale": 1.0, "speed": 2.0}, runs=runs,
+    )  # fmt: skip
+
+
+def test_the_page_is_generated_from_the_result_files_and_check_catches_drift(tmp_path) -> None:
+    runs = [_seeded("base", s, t) for s, t in [(0, 0.3), (1, 0.6), (2, 0.9)]]
+    runs += [_seeded("mine", s, t) for s, t in [(0, 0.25), (1, 0.55), (2, 0.85)]]
+    runs.append(_seeded("mine", 3, 0.1).model_copy(update={"valid": False, "invalid_reasons": ["2.0% of sends late"]}))
+    docs = tmp_path / "benchmarks"
+    (docs / "results").mkdir(parents=True)
+    (docs / "header.md").write_text("# Benchmarks\n\nhand-written\n")
+    (docs / "results" / "w.json").write_text(_result(runs).model_dump_json())
+    page = tmp_path / "benchmarks.md"
+    report = _script("bench_report")
+    text = report.render(docs)
+    assert text.startswith("# Benchmarks\n\nhand-written\n")
+    assert "**commit** `abc1234`" in text and "**seeds** 0, 1, 2" in text and "`bench_steady.py --x`" in text
+    assert "| mine | 3 | 550 [" in text  # TTFT p50: the mean of the three valid seeds (250, 550, 850 ms), interval after
+    assert "**ahead** (-50 [-50, -50])" in text  # paired: 50 ms lower at every seed
+    assert "**no**: 2.0% of sends late" in text and "6 of 7 runs valid" in text
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_report.py"), "--docs", str(docs), "--page", str(page)]
+    assert subprocess.run([*argv, "--check"], capture_output=True, check=False).returncode == 1  # no page yet
+    subprocess.run(argv, check=True, capture_output=True)
+    assert page.read_text() == text
+    assert subprocess.run([*argv, "--check"], capture_output=True, check=False).returncode == 0
+    (docs / "results" / "w.json").write_text(_result(runs[:3]).model_dump_json())  # a rerun changed the file
+    done = subprocess.run([*argv, "--check"], capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and "run scripts/bench_report.py" in done.stderr
+
+
+def test_the_committed_page_is_what_its_result_files_say() -> None:
+    """docs/benchmarks.md cannot drift from docs/benchmarks/results/ (regenerate, never hand-edit)."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_report.py"), "--check"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_regression_check_flags_a_consistent_change_beyond_noise_and_tolerance() -> None:
+    regress = _script("bench_regress")
+    ref = _result([_seeded("llm", s, t) for s, t in [(0, 0.3), (1, 0.6), (2, 0.9)]])
+    slower = _result([_seeded("llm", s, t * 1.3) for s, t in [(0, 0.3), (1, 0.6), (2, 0.9)]])
+    rows = {r["figure"]: r for r in regress.regressions(ref, slower, 0.10)}
+    assert rows["ttft_p99_ms"]["flag"] == "worse" and rows["ttft_p99_ms"]["relative"] == pytest.approx(0.3, rel=0.01)
+    assert rows["hotspot"]["flag"] is None  # unchanged
+    noisy = _result([_seeded("llm", s, t) for s, t in [(0, 0.45), (1, 0.5), (2, 1.0)]])  # +50 %, −17 %, +11 %
+    assert regress.regressions(ref, noisy, 0.10)[1]["flag"] is None  # the differences straddle 0: noise
+    tiny = _result([_seeded("llm", s, t * 1.05) for s, t in [(0, 0.3), (1, 0.6), (2, 0.9)]])
+    assert all(r["flag"] is None for r in regress.regressions(ref, tiny, 0.10))  # consistent but under 10 %
+    gone = _result([_seeded("other", 0, 0.3)])
+    assert regress.regressions(ref, gone, 0.10)[0]["flag"] == "missing"
