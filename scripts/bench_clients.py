@@ -30,8 +30,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +159,7 @@ def main() -> None:
     ap.add_argument("--guidellm", default="", help="path of the guidellm executable (its own virtualenv)")
     ap.add_argument("--inference-perf", default="", help="path of the inference-perf executable (its own virtualenv)")
     ap.add_argument("--traces", default="")
-    ap.add_argument("--into", default="", help="add the entries to this result file's `external` list")
+    ap.add_argument("--into", default="", help="add the entries to this result file's `external` list (made when missing)")
     args = ap.parse_args()
     if args.rate_scale is None:
         args.rate_scale = 12.0 if args.workload.startswith("azure") else 1.0
@@ -179,7 +181,19 @@ def main() -> None:
         from extproc.bench.seeds import SeededResult
 
         path = Path(args.into)
-        result = SeededResult.model_validate_json(path.read_bytes())
+        if path.exists():
+            result = SeededResult.model_validate_json(path.read_bytes())
+        else:  # a file of the clients' figures alone (no steady-state runs of ours)
+            result = SeededResult(
+                name=path.stem, workload=what + "; the field's clients only", commit=bench_steady._commit(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                command="flock /tmp/bench.lock .venv/bin/python scripts/bench_clients.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                machine="shared 2-core development machine (2 vCPU), other engineers' work outside the lock",
+                baseline="envoy-least-request", seeds=[args.seed],
+                settings={"rate_scale": args.rate_scale, "speed": args.speed, "steady_s": args.duration, "warmup_s": 0.0,
+                          "fleet": list(DEFAULT_FLEET), "load": "1"},
+                runs=[],
+            )  # fmt: skip
         for e in entries:
             e["duration_s_arrivals"] = args.duration
         result.external = [e for e in result.external if (e["policy"], e["client"]) not in {(x["policy"], x["client"]) for x in entries}] + entries

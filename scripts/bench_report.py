@@ -71,7 +71,16 @@ def steady_tables(result: SeededResult) -> list[str]:
     ]  # fmt: skip
     if not result.rerun:
         lines.append("- **not rerun with this method**: carried over from the history (see there)")
-    lines += [
+    if result.runs:
+        lines += _steady(result, valid, policies)
+    if result.external:
+        lines += _external(result)
+    return lines + [""]
+
+
+def _steady(result: SeededResult, valid: list, policies: list[str]) -> list[str]:
+    """Means with intervals, verdicts against the baseline, and the runs one by one."""
+    lines = [
         "", f"Mean over valid seeds [95 % bootstrap interval]; {len(valid)} of {len(result.runs)} runs valid.", "",
         "| policy | seeds | " + " | ".join(f.label for f in FIGURES) + " | hotspot per GPU (share) |",
         "|---|---:|" + "---:|" * len(FIGURES) + "---|",
@@ -109,19 +118,23 @@ def steady_tables(result: SeededResult) -> list[str]:
             f"{r.summary.itl_ms.p99 or 0:,.1f} | {'–' if r.hotspot is None else f'{r.hotspot:.2f}'} | {r.client_cpu:.0%} | "
             f"{r.load_average:.1f} | {'; '.join(r.notes) or '–'} |"
         )
-    if result.external:
-        lines += [
-            "", "The field's clients on the same stacks (one seed each; see the notes for how each was run and why they differ):", "",
-            "| policy | client | requests ok | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | req/s | notes |",
-            "|---|---|---:|---:|---:|---:|---:|---|",
-        ]  # fmt: skip
-        for e in result.external:
-            lines.append(
-                f"| {e['policy']} | {e['client']} | {e.get('ok', '–')} | {_ms(e.get('ttft_p50_ms'))} / {_ms(e.get('ttft_p99_ms'))} | "
-                f"{_ms(e.get('tpot_p50_ms'), 1)} / {_ms(e.get('tpot_p99_ms'), 1)} | {_ms(e.get('output_tokens_per_s'))} | "
-                f"{_ms(e.get('rps'), 2)} | {e.get('notes', '')} |"
-            )
-    return lines + [""]
+    return lines
+
+
+def _external(result: SeededResult) -> list[str]:
+    """The field's clients' figures beside ours (`scripts/bench_clients.py`)."""
+    lines = [
+        "", "The field's clients on the same stacks (one seed each; the notes say how each was run):", "",
+        "| policy | client | requests ok | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | req/s | notes |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for e in result.external:
+        lines.append(
+            f"| {e['policy']} | {e['client']} | {e.get('ok', '–')} | {_ms(e.get('ttft_p50_ms'))} / {_ms(e.get('ttft_p99_ms'))} | "
+            f"{_ms(e.get('tpot_p50_ms'), 1)} / {_ms(e.get('tpot_p99_ms'), 1)} | {_ms(e.get('output_tokens_per_s'))} | "
+            f"{_ms(e.get('rps'), 2)} | {e.get('notes', '')} |"
+        )
+    return lines
 
 
 def _ms(value: float | None, digits: int = 0) -> str:

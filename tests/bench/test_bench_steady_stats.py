@@ -283,3 +283,14 @@ def test_the_regression_check_flags_a_consistent_change_beyond_noise_and_toleran
     assert all(r["flag"] is None for r in regress.regressions(ref, tiny, 0.10))  # consistent but under 10 %
     gone = _result([_seeded("other", 0, 0.3)])
     assert regress.regressions(ref, gone, 0.10)[0]["flag"] == "missing"
+
+
+def test_a_clients_only_result_file_renders_the_clients_table_alone() -> None:
+    report = _script("bench_report")
+    result = _result([]).model_copy(update={"external": [
+        {"policy": "llm-extproc", "client": "guidellm", "ok": 99, "ttft_p50_ms": 80.0, "ttft_p99_ms": 900.0,
+         "tpot_p50_ms": 20.0, "tpot_p99_ms": 41.5, "output_tokens_per_s": 512.0, "rps": 1.5, "notes": "chat"},
+    ]})  # fmt: skip
+    text = "\n".join(report.steady_tables(result))
+    assert "| llm-extproc | guidellm | 99 | 80 / 900 | 20.0 / 41.5 | 512 | 1.50 | chat |" in text
+    assert "Runs:" not in text and "bootstrap" not in text
