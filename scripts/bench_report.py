@@ -141,11 +141,70 @@ def _ms(value: float | None, digits: int = 0) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
+def capacity_tables(results: list[SeededResult]) -> list[str]:
+    """Capacity on p99 TTFT, p99 TPOT and both, for each workload run at two loads or more.
+
+    Result files of one workload share its name before `-x<load>` (bench_steady.py names them
+    so). The bounds are the baseline's mean p99 TTFT and p99 TPOT at load "1"; each load point
+    is the mean over valid seeds (`extproc.bench.capacity.two_objective_capacity`).
+    """
+    from extproc.bench.capacity import LoadPoint, two_objective_capacity
+
+    groups: dict[str, list[SeededResult]] = {}
+    for r in results:
+        if r.runs:
+            groups.setdefault(r.name.split("-x")[0], []).append(r)
+    lines: list[str] = []
+    for workload, rs in groups.items():
+        if len({r.settings.get("load", "1") for r in rs}) < 2:
+            continue
+        baseline = rs[0].baseline
+        points: dict[str, list[LoadPoint]] = {}
+        bounds = None
+        for r in rs:
+            table = aggregate(r.valid_runs())
+            for policy, figs in table.items():
+                if not {"ttft_p99_ms", "tpot_p99_ms"} <= set(figs) or not any(
+                    v.policy == policy and v.offered_rps for v in r.valid_runs()
+                ):
+                    continue
+                offered = [v.offered_rps for v in r.valid_runs() if v.policy == policy and v.offered_rps]
+                point = LoadPoint(sum(offered) / len(offered), figs["ttft_p99_ms"].mean, figs["tpot_p99_ms"].mean)
+                points.setdefault(policy, []).append(point)
+                if policy == baseline and r.settings.get("load", "1") == "1":
+                    bounds = (point.ttft_p99_ms, point.tpot_p99_ms)
+        if bounds is None:
+            continue
+        lines += [
+            f"## Capacity on every objective: {workload}", "",
+            f"The highest offered rate at which p99 TTFT ≤ {bounds[0]:,.0f} ms *and* p99 TPOT ≤ {bounds[1]:,.1f} ms "
+            f"({baseline}'s at load 1), interpolated between loads (mean over valid seeds); ≥ when it held at the heaviest load.", "",
+            "| policy | loads (req/s) | capacity on TTFT | on TPOT | on both | × " + baseline + " |",
+            "|---|---|---:|---:|---:|---:|",
+        ]  # fmt: skip
+        caps = {p: two_objective_capacity(pts, *bounds) for p, pts in points.items()}
+        base = caps.get(baseline)
+        for policy, cap in caps.items():
+            ge = "≥ " if cap.holds_at_top else ""
+            loads = ", ".join(f"{p.offered_rps:.2f}" for p in sorted(points[policy], key=lambda p: p.offered_rps))
+            ratio = "–" if cap.both_rps is None or base is None or not base.both_rps else f"{ge}{cap.both_rps / base.both_rps:.2f}"
+            lines.append(
+                f"| {policy} | {loads} | {_ms(cap.ttft_rps, 2)} | {_ms(cap.tpot_rps, 2)} | "
+                f"{ge if cap.both_rps is not None else ''}{_ms(cap.both_rps, 2)} | {ratio} |"
+            )
+        lines.append("")
+    return lines
+
+
 def render(docs: Path = DOCS) -> str:
-    """The whole page: header, one section per result file (name order), footer."""
+    """The whole page: header, one section per result file (name order), capacity, footer."""
     parts = [(docs / "header.md").read_text(encoding="utf-8").rstrip() + "\n"]
-    for path in sorted((docs / "results").glob("*.json")):
-        parts.append("\n".join(steady_tables(SeededResult.model_validate_json(path.read_bytes()))))
+    results = [SeededResult.model_validate_json(p.read_bytes()) for p in sorted((docs / "results").glob("*.json"))]
+    for result in results:
+        parts.append("\n".join(steady_tables(result)))
+    capacity = capacity_tables(results)
+    if capacity:
+        parts.append("\n".join(capacity))
     footer = docs / "footer.md"
     if footer.exists():
         parts.append(footer.read_text(encoding="utf-8").rstrip() + "\n")

@@ -294,3 +294,20 @@ def test_a_clients_only_result_file_renders_the_clients_table_alone() -> None:
     text = "\n".join(report.steady_tables(result))
     assert "| llm-extproc | guidellm | 99 | 80 / 900 | 20.0 / 41.5 | 512 | 1.50 | chat |" in text
     assert "Runs:" not in text and "bootstrap" not in text
+
+
+def test_capacity_on_both_objectives_from_result_files_at_several_loads() -> None:
+    report = _script("bench_report")
+    at_one = _result([_seeded("base", s, 0.5) for s in range(3)] + [_seeded("mine", s, 0.2) for s in range(3)], name="w")
+    at_one.settings["load"] = "1"
+    heavy = _result([_seeded("base", s, 2.0) for s in range(3)] + [_seeded("mine", s, 0.4) for s in range(3)], name="w-x2")
+    heavy.settings["load"] = "2"
+    heavy = heavy.model_copy(update={"runs": [r.model_copy(update={"offered_rps": 2.0}) for r in heavy.runs]})
+    text = "\n".join(report.capacity_tables([at_one, heavy]))
+    assert "## Capacity on every objective: w" in text and "p99 TTFT ≤ 500 ms" in text
+    # base holds its own TTFT bound only at load 1 (1.05 req/s)
+    assert "| base | 1.05, 2.00 | 1.05 | 2.00 | 1.05 | 1.00 |" in text
+    # mine holds the TTFT bound at both loads, but its first tokens come early in the same E2E, so
+    # its TPOT (80 ms) is over base's 50 ms even at load 1: no capacity on both, whatever TTFT says
+    assert "| mine | 1.05, 2.00 | 2.00 | – | – | – |" in text
+    assert report.capacity_tables([at_one]) == []  # one load: no capacity
