@@ -29,6 +29,8 @@ from extproc.bench.stats import Interval  # noqa: E402
 DOCS = ROOT / "docs" / "benchmarks"
 PAGE = ROOT / "docs" / "benchmarks.md"
 _BY_KEY = {f.key: f for f in FIGURES}
+SUBJECT = "llm-extproc"
+"""The policy the page is about (the default profile): also compared with every peer, not only the baseline."""
 
 
 def _cell(iv: Interval | None, key: str) -> str:
@@ -100,11 +102,19 @@ def _steady(result: SeededResult, valid: list, policies: list[str]) -> list[str]
             "|---|" + "---|" * len(keys) + "",
         ]  # fmt: skip
         for policy, comps in verdicts.items():
-            cells = []
-            for f in keys:
-                c = comps.get(f.key)
-                cells.append("–" if c is None else f"**{c.verdict}** ({_cell(c.difference, f.key)})")
-            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+            lines.append(_verdict_row(policy, comps, keys))
+    subject = SUBJECT if SUBJECT in policies and SUBJECT != result.baseline else None
+    others = [p for p in policies if p not in (subject, result.baseline)]
+    if subject and others:
+        keys = [f for f in FIGURES if f.higher_is_better is not None]
+        lines += [
+            "", f"{subject} against each other policy, paired by seed.", "",
+            "| against | " + " | ".join(f.label for f in keys) + " |",
+            "|---|" + "---|" * len(keys) + "",
+        ]  # fmt: skip
+        for other in others:
+            comps = compare_to(valid, other).get(subject, {})
+            lines.append(_verdict_row(other, comps, keys))
     lines += [
         "", "Runs:", "",
         "| policy | seed | valid | steady span (s) | requests | offered / achieved req/s | TTFT p99 | TPOT p99 | hotspot | client CPU | load avg | notes |",
@@ -119,6 +129,14 @@ def _steady(result: SeededResult, valid: list, policies: list[str]) -> list[str]
             f"{r.load_average:.1f} | {'; '.join(r.notes) or '–'} |"
         )
     return lines
+
+
+def _verdict_row(label: str, comps: dict, keys: list) -> str:
+    cells = []
+    for f in keys:
+        c = comps.get(f.key)
+        cells.append("–" if c is None else f"**{c.verdict}** ({_cell(c.difference, f.key)})")
+    return f"| {label} | " + " | ".join(cells) + " |"
 
 
 def _external(result: SeededResult) -> list[str]:
