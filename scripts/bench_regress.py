@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--traces", default="", help="the traces folder (scripts/bench_steady.py's --traces)")
     ap.add_argument("--out", default="out/regress")
     args = ap.parse_args()
+    if not args.update and not Path(args.reference).exists():
+        raise SystemExit(f"no reference at {args.reference}: make one with --update (the same fixed set) first")
     if args.compare:
         new_path = Path(args.compare)
     else:

@@ -311,3 +311,11 @@ def test_capacity_on_both_objectives_from_result_files_at_several_loads() -> Non
     # its TPOT (80 ms) is over base's 50 ms even at load 1: no capacity on both, whatever TTFT says
     assert "| mine | 1.05, 2.00 | 2.00 | – | – | – |" in text
     assert report.capacity_tables([at_one]) == []  # one load: no capacity
+
+
+def test_the_regression_check_without_a_reference_says_how_to_make_one(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_regress.py"), "--reference", str(tmp_path / "none.json")],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "make one with --update" in done.stderr
