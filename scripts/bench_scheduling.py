@@ -62,20 +62,12 @@ def _bench_one(args: argparse.Namespace, policies: list[str], scale: float, out:
 
 
 def capacity(runs: list[dict], bound: float) -> tuple[float | None, float]:
-    """(capacity in offered req/s or None if even the lightest load breaks the bound, light p99)."""
-    runs = sorted(runs, key=lambda r: r["offered_rps"])
-    light = runs[0]["ttft_ms"]["p99"]
-    limit = bound * light
-    best = None
-    for lo, hi in zip(runs, runs[1:] + [None]):
-        if lo["ttft_ms"]["p99"] > limit:
-            break
-        best = lo["offered_rps"]
-        if hi is not None and hi["ttft_ms"]["p99"] > limit:
-            frac = (limit - lo["ttft_ms"]["p99"]) / (hi["ttft_ms"]["p99"] - lo["ttft_ms"]["p99"])
-            best = lo["offered_rps"] + frac * (hi["offered_rps"] - lo["offered_rps"])
-            break
-    return best, light
+    """(capacity in offered req/s or None if even the lightest load breaks the bound, light p99):
+    `extproc.bench.capacity.capacity_at_bound` at `bound` × the lightest load's p99 TTFT."""
+    from extproc.bench.capacity import capacity_at_bound
+
+    light = min(runs, key=lambda r: r["offered_rps"])["ttft_ms"]["p99"]
+    return capacity_at_bound([(r["offered_rps"], r["ttft_ms"]["p99"]) for r in runs], bound * light), light
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ corpus at load time; otherwise, or for any other tokenizer, `tokenizers` encodes
 Memory: the cache holds each segment's ids as an `array('I')` (4 bytes a token; a list of
 Python ints took ~42, measured with tracemalloc) and is bounded in bytes (`limits.token_cache_bytes`,
 each entry counted by `cache_entry_bytes`: its text, its ids, the dict's overhead). It was
-bounded at 4M tokens, whatever they cost (`scripts/bench_memory.py`, docs/benchmarks.md).
+bounded at 4M tokens, whatever they cost (`scripts/bench_memory.py`, docs/benchmarks/memory.md).
 """
 
 from __future__ import annotations
