@@ -186,6 +186,12 @@ class FlowControlConfig(Strict):
         """The longest any request may wait in a queue (seconds): the largest TTL configured."""
         return max([b.ttl_s for b in self.bands.values()] + [o.ttl_s for o in self.objectives.values() if o.ttl_s is not None])
 
+    def message_timeout_s(self, decision_timeout_ms: int) -> float:
+        """The Envoy ext_proc `message_timeout` a queued request needs (seconds): the longest
+        queue wait, plus the decision budget (`limits.decision_timeout_ms`), plus 0.5 s for the
+        hops. With the shipped 2 s a request queued for longer than ~0.5 s got Envoy's 504."""
+        return self.max_wait_s + decision_timeout_ms / 1000.0 + 0.5
+
     @property
     def trusted_headers(self) -> list[str]:
         """The headers flow control reads (trusted ones only)."""

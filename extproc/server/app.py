@@ -310,6 +310,11 @@ class ExtProcApp:
             fc = cfg.flow_control
             gate = Gate(fc.gate, self.store.for_model, stale_after_s=cfg.scheduling.metrics.stale_after_s)
             self.flow = FlowController(fc, gate, pipeline.schedule, pipeline.reserve, FlowMetrics(self.metrics))
+            log.info(
+                "flow control on (%s fairness, %s gate): Envoy's ext_proc message_timeout must be at least %.1f s, "
+                "or requests queued longer get Envoy's 504 (llm-extproc envoy-config sets it)",
+                fc.fairness, fc.gate.mode, fc.message_timeout_s(cfg.limits.decision_timeout_ms),
+            )  # fmt: skip
         od = cfg.scheduling.outlier_detection
         servicer_kwargs = {}
         servicer_class = ExtProcServicer
