@@ -156,7 +156,7 @@ async def test_shutdown_answers_queued_requests_503(make_app):
         for c in waiting:
             status, body, _ = error_of(await asyncio.wait_for(c.read(), 2))
             assert status == 503 and body["error"]["code"] == "shutting_down"
-        for c in held:
+        for c in [*held, *waiting]:  # Envoy ends a stream answered with an ImmediateResponse
             c.cancel()
         await asyncio.wait_for(closing, 6)
     assert app.store.open_reservations == 0 and app.flow.live == 0
@@ -204,3 +204,36 @@ async def test_queues_are_shown_live_on_the_admin_api(make_app):
         for c in [*held, waiting]:
             c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_the_endpoint_picker_protocol_mode_queues_too(make_app):
+    from tests.server.epp_gateway import Exchange, open_stream, request_body, request_headers, response_headers
+
+    app = await make_app(flow_control=_fc(), protocol={"mode": "epp"})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+
+        async def pick():
+            call = open_stream(ch)
+            await call.write(request_headers("POST", "/v1/chat/completions"))
+            await call.write(request_body(chat_body(max_tokens=16), end=True))
+            return call
+
+        async def picked(call) -> Exchange:
+            ex = Exchange()
+            ex.take(await call.read())
+            ex.take(await call.read())
+            return ex
+
+        held = [await pick() for _ in range(2)]
+        for c in held:
+            await picked(c)
+        waiting = await pick()
+        answer = asyncio.ensure_future(picked(waiting))
+        await wait_until(lambda: app.flow.live == 1)
+        await held[0].write(response_headers(200))
+        await held[0].read()
+        ex = await asyncio.wait_for(answer, 5)
+        assert ex.destination and ex.metadata_destination == ex.destination
+        for c in [*held, waiting]:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
