@@ -1097,3 +1097,12 @@ class Config(Strict):
             for m in tenant.models:
                 if m not in canonical:
                     yield ConfigProblem(f"ratelimit.tenants{key_text(name)}.models", unknown_model(m, canonical))
+        fc = self.flow_control
+        if fc.enabled and self.ratelimit.enabled and fc.max_wait_s >= self.ratelimit.inflight_lease_s:
+            # A queued request holds its tenant's concurrency slot: a lease shorter than the
+            # wait frees the slot of a request still waiting (llm-d-router #2295's failure shape).
+            yield ConfigProblem(
+                "flow_control.bands",
+                f"the longest queue wait ({fc.max_wait_s:g} s) must be below ratelimit.inflight_lease_s "
+                f"({self.ratelimit.inflight_lease_s:g} s): a queued request holds its tenant's in-flight slot",
+            )

@@ -216,3 +216,6 @@ def test_config_errors_name_the_problem():
     cfg = config_from_mapping({**base, "flow_control": {"bands": {"sheddable": {"ttl_s": 5}}}})
     fc = cfg.flow_control
     assert not fc.enabled and fc.bands["standard"].ttl_s == 30 and fc.bands["sheddable"].ttl_s == 5 and fc.max_wait_s == 60
+    leased = {"enabled": True, "inflight_lease_s": 30, "default": {"tokens_per_minute": 1000}}
+    with pytest.raises(ConfigError, match="inflight_lease_s"):
+        config_from_mapping({**base, "ratelimit": leased, "flow_control": {"enabled": True}})
