@@ -22,6 +22,7 @@ Shape::
       objective_header: {name: x-llm-d-inference-objective, trusted: false}
       objectives: {interactive: {band: critical, ttft_slo_ms: 500, ttl_s: 20}}
       tick_s: 0.02                 # re-check of closed gates and expiries while anything waits
+      displacement: false          # evict the newest sheddable stream for a critical request that waits
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class FlowControlConfig(Strict):
     objective_header: HeaderTrust = Field(default_factory=lambda: HeaderTrust(name="x-llm-d-inference-objective"))
     objectives: dict[str, ObjectiveConfig] = Field(default_factory=dict)
     tick_s: float = Field(default=0.02, gt=0, le=1.0)
+    displacement: bool = False
     max_tenant_labels: int = Field(default=100, ge=1)
 
     @field_validator("weights")

@@ -100,6 +100,8 @@ class FlowController:
         self._soon: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self.evictable: dict[Any, str] = {}
+        """Displacement: in-flight sheddable streams that can be evicted → their pool, oldest first."""
 
     # -- the request side ----------------------------------------------------------------------
     def idle(self, pool: str) -> bool:
@@ -184,6 +186,27 @@ class FlowController:
                 reservation.release()
             t.future = None
 
+    def track(self, stream: Any, pool: str) -> None:
+        """Displacement: `stream` (an in-flight sheddable request whose response we see) may be
+        evicted for a critical request of `pool`; it sets `stream.evict` when chosen."""
+        self.evictable[stream] = pool
+
+    def untrack(self, stream: Any) -> None:
+        """The stream ended (or was evicted): no longer a candidate."""
+        self.evictable.pop(stream, None)
+
+    def _displace(self, pool: str) -> bool:
+        """Evict the most recently started tracked stream of `pool` (its next response chunk is
+        answered with an ImmediateResponse, and its end frees its endpoint); False: none."""
+        victim = next((s for s in reversed(self.evictable) if self.evictable[s] == pool), None)
+        if victim is None:
+            return False
+        del self.evictable[victim]
+        victim.evict = True
+        self._count(BANDS[-1], "displaced")
+        log.info("displacement: a sheddable request in flight is evicted for a waiting critical one (model %s)", pool)
+        return True
+
     # -- the dispatch cycle --------------------------------------------------------------------
     def wake(self) -> None:
         """Run a dispatch cycle soon (no-op when nothing waits or one is already scheduled)."""
@@ -238,7 +261,7 @@ class FlowController:
                 )
 
     def _drain(self, p: Pool, budget: int) -> int:
-        saturated = False
+        blocked: Ticket | None = None  # the head the gate (or "not now") refused
         while p.live and budget > 0:
             band = next(b for b in p.bands if b.live)  # strict priority
             flow = self._fairness.pick(band)
@@ -251,7 +274,7 @@ class FlowController:
                 routed = self._schedule(t.counted)
             except ExtProcError as err:
                 if not_now(err):
-                    saturated = True
+                    blocked = t
                     break
                 self._fail(t, err)
                 continue
@@ -260,7 +283,7 @@ class FlowController:
                 self._fail(t, ExtProcError("internal error while routing the request"))
                 continue
             if not self.gate.admits(routed):
-                saturated = True
+                blocked = t
                 break
             try:
                 reservation = self._reserve(routed)
@@ -273,6 +296,9 @@ class FlowController:
             self._remove(t, "dispatched")
             t.future.set_result(Dispatched(routed, reservation))
             budget -= 1
+        saturated = blocked is not None
+        if blocked is not None and blocked.band == 0 and not blocked.displaced and self.config.displacement:
+            blocked.displaced = self._displace(p.key)
         if saturated != p.saturated:
             p.saturated = saturated
             m = self._metrics

@@ -32,9 +32,10 @@ class Ticket:
         seq: arrival order (global, increasing).
         future: resolved with `Dispatched`, or failed with the `ExtProcError` to answer.
         alive: still queued (False once dispatched, expired, cancelled or failed).
+        displaced: a sheddable stream was already evicted for it (one per ticket).
     """
 
-    __slots__ = ("counted", "pool", "band", "flow", "cost", "nbytes", "arrived", "expires", "deadline", "seq", "future", "alive")
+    __slots__ = ("counted", "pool", "band", "flow", "cost", "nbytes", "arrived", "expires", "deadline", "seq", "future", "alive", "displaced")
 
     def __init__(
         self, counted: Any, pool: str, band: int, cost: int, nbytes: int, arrived: float, expires: float, deadline: float, seq: int, future: asyncio.Future | None
@@ -51,6 +52,7 @@ class Ticket:
         self.seq = seq
         self.future = future
         self.alive = True
+        self.displaced = False
 
     def __lt__(self, other: Ticket) -> bool:  # heap tie-break: arrival order
         return self.seq < other.seq

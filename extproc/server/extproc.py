@@ -101,6 +101,9 @@ class _Stream:
         body: the request body held for the decision (Endpoint Picker Protocol).
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
         queue_ms: how long flow control held it (milliseconds; None: never queued).
+        priority: its priority class once counted (None before).
+        evict: flow control's displacement chose it: its next response chunk is answered with
+            an ImmediateResponse (503 `displaced`), which makes Envoy reset it.
     """
 
     hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -123,6 +126,8 @@ class _Stream:
     body: bytearray = dataclasses.field(default_factory=bytearray)
     buffering: bool = False
     queue_ms: int | None = None
+    priority: str | None = None
+    evict: bool = False
 
 
 QUEUE_HEADER = "x-llm-queue-ms"
@@ -179,6 +184,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     ) -> None:
         self._skip_response_headers = skip_response_headers
         self._flow = flow_control
+        self._displaceable = flow_control is not None and flow_control.config.displacement
         self._ratelimit = ratelimit
         self._pipeline = pipeline
         self._log = decision_log
@@ -247,11 +253,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     response = await self._decide(msg.request_body.body, s)
                     if s.routed is not None and s.observe:
                         s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
+                        if s.priority == "sheddable" and s.observer is not None and self._displaceable:
+                            self._flow.track(s, s.routed.request.served_model)  # type: ignore[union-attr]
                     elif s.reservation is not None and not s.observe and self._skip_response_headers:
                         s.first_token = self._predict_first_token(s.reservation)
                     yield response
                 elif phase == "response_headers":
                     yield self._response_headers_reply(s, msg.response_headers)
+                elif phase == "response_body" and s.evict:
+                    # Displaced for a critical request: Envoy resets a stream whose response
+                    # already started (the client sees it cut), and the upstream with it.
+                    s.done = True
+                    yield self._reject(NoEndpointError("evicted for a higher-priority request; retry", code="displaced"), s.hdrs)
+                    return
                 elif phase == "response_body" and s.error_status:
                     # BUFFERED: the whole body in one message. Were it ever to come in pieces,
                     # each is held back and the rewrite goes out with the last.
@@ -406,7 +420,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
         tenant = self._ratelimit.tenant(hdrs) if self._ratelimit is not None else None
         observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))  # type: ignore[union-attr]
+        if not observe and self._displaceable and self._claims_sheddable(hdrs):
+            observe = True  # displacement evicts on a response chunk: its response must come here
         return sampled, tenant, observe
+
+    def _claims_sheddable(self, hdrs: dict[str, str]) -> bool:
+        """The request's headers claim `sheddable` (displacement's candidates are observed; one
+        without a priority header is not a candidate unless it is observed anyway)."""
+        trusted = hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None
+        claim = trusted or hdrs.get(self._priority_header) or ""
+        return claim.strip(" \t").lower() == "sheddable"
 
     def _observer_for(self, routed: Routed, admission: Admission | None, start_ns: int, sampled: bool) -> StreamObserver | None:
         """The response observer of an observed request (None when there is nothing to feed:
@@ -456,6 +479,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         settle the rate-limit charge and release the reservation. Never raises past the release."""
         if s.first_token is not None:
             s.first_token.cancel()
+        if self._displaceable:
+            self._flow.untrack(s)  # type: ignore[union-attr]
         observer, record, routed, admission, reservation = s.observer, s.record, s.routed, s.admission, s.reservation
         if observer is not None:
             try:
@@ -556,6 +581,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 subset=s.subset,
             )
             if self._flow is not None:
+                s.priority = counted.priority
                 # Flow control: the tenant's rate limit first (a request over it gets its 429
                 # and never queues), then schedule and reserve with no await between — at once,
                 # or from the queue when the fleet cannot take it now.

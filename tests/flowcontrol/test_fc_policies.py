@@ -219,3 +219,25 @@ def test_config_errors_name_the_problem():
     leased = {"enabled": True, "inflight_lease_s": 30, "default": {"tokens_per_minute": 1000}}
     with pytest.raises(ConfigError, match="inflight_lease_s"):
         config_from_mapping({**base, "ratelimit": leased, "flow_control": {"enabled": True}})
+
+
+class Stream:
+    evict = False
+
+
+async def test_displacement_evicts_the_newest_sheddable_stream_once_per_critical_request():
+    fc, slots, _ = controller(displacement=True)
+    older, newer, other_model = Stream(), Stream(), Stream()
+    fc.track(older, "m")
+    fc.track(newer, "m")
+    fc.track(other_model, "n")
+    put(fc, "shed", ident("a", band=2))
+    dispatch(fc, slots, 0)
+    assert not (older.evict or newer.evict), "only a waiting critical request displaces"
+    put(fc, "crit", ident("b", band=0))
+    dispatch(fc, slots, 0)
+    assert newer.evict and not older.evict and not other_model.evict
+    dispatch(fc, slots, 0)  # the same critical request still waiting: no second victim
+    assert not older.evict
+    fc.untrack(older)
+    assert fc.evictable == {other_model: "n"}
