@@ -656,6 +656,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if record is not None and self._log is not None:
             record.outcome, record.reason, record.status = "rejected", err.code, err.status
             record.decision_s = time.perf_counter() - start
+            if s.queue_ms is not None:  # refused after waiting in a queue (expired, shutdown)
+                record.queue_s = s.queue_ms / 1000.0
+                record.decision_s = max(0.0, record.decision_s - record.queue_s)
             self._log.write(record)
         return self._reject(err, hdrs)
 

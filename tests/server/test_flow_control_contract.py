@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -95,8 +96,9 @@ async def test_full_queues_answer_429_with_retry_after(make_app):
     await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
 
 
-async def test_a_request_past_its_band_ttl_is_a_503(make_app):
-    app = await make_app(flow_control=_fc(bands={"standard": {"ttl_s": 0.2}}))
+async def test_a_request_past_its_band_ttl_is_a_503(make_app, tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    app = await make_app(flow_control=_fc(bands={"standard": {"ttl_s": 0.2}}), decision_log={"path": str(log)})
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
         stub = pb_grpc.ExternalProcessorStub(ch)
         held = await _fill(app, stub)
@@ -107,6 +109,11 @@ async def test_a_request_past_its_band_ttl_is_a_503(make_app):
         for c in [*held, waiting]:
             c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
+    await app.aclose(grace_s=0)  # the decision log's last lines written
+    lines = [orjson.loads(line) for line in log.read_text().splitlines()]
+    assert [r["queue_ms"] for r in lines if r["outcome"] == "routed"] == [None, None]  # never queued
+    (expired,) = [r for r in lines if r["outcome"] == "rejected"]
+    assert expired["reason"] == "queue_timeout" and expired["status"] == 503 and expired["queue_ms"] >= 200
 
 
 async def test_a_client_leaving_while_queued_leaves_nothing_behind(make_app):
