@@ -9,7 +9,7 @@ Three shapes (`flow_control.gate.mode`, docs/decisions/0310 for the trade-off):
   (`extproc.replicas.sync` applies the others' reservations to the same `Endpoint`), so a burst
   cannot pass on a scrape taken before it. Then, when configured, the engine's own reported
   queue (`max_engine_waiting`: a scraped number can only close the gate, and a stale high value
-  closes it until the next scrape — conservative) and the learned prefill fit's predicted TTFT
+  closes it until the next scrape — conservative) and the predicted TTFT (the ttft-estimate scorer's for this endpoint, else the learned prefill fit's)
   for this request behind the prefill already there (`max_predicted_ttft_ms`).
 * `concurrency` — a pure cap: requests in flight (`max_inflight`) and/or decode-context tokens
   in flight (`max_inflight_tokens`) per endpoint. Simple and predictable, but blind to prompt
@@ -77,8 +77,12 @@ class Gate:
         if cfg.max_engine_waiting is not None and engine is not None and engine.waiting > cfg.max_engine_waiting:
             return False
         if cfg.max_predicted_ttft_ms is not None:
-            ahead = ep.prefill_ahead(self._clock()) + routed.prefill_tokens
-            if ep.prefill_fit.predict(ahead) * 1000.0 > cfg.max_predicted_ttft_ms:
+            # The ttft-estimate scorer's prediction for this endpoint when the profile made one
+            # (prefix-aware, decode stalls included), else the fit over the prefill ahead.
+            predicted = routed.predicted_ttft_s.get(ep.address) if routed.predicted_ttft_s else None
+            if predicted is None:
+                predicted = ep.prefill_fit.predict(ep.prefill_ahead(self._clock()) + routed.prefill_tokens)
+            if predicted * 1000.0 > cfg.max_predicted_ttft_ms:
                 return ep.prefill_inflight == 0  # alone, it waits for nobody: never blocked for good
         return True
 

@@ -23,7 +23,7 @@ def store() -> Datastore:
 
 def routed(ep, prompt: int = 100, output: int = 50):
     request = SimpleNamespace(prompt_tokens=prompt, sequences=1, served_model=MODEL)
-    return SimpleNamespace(endpoint=ep, request=request, prefill_tokens=prompt, decode_tokens=output)
+    return SimpleNamespace(endpoint=ep, request=request, prefill_tokens=prompt, decode_tokens=output, predicted_ttft_s=None)
 
 
 def test_a_burst_closes_the_router_gate_as_it_is_reserved():
@@ -73,6 +73,9 @@ def test_predicted_ttft_bound_never_blocks_an_idle_endpoint():
     assert gate.admits(huge)  # alone it waits for nobody
     ds.reserve(ep, prompt_tokens=10**6, now=0.0)
     assert not gate.admits(routed(ep, prompt=100))
+    scored = routed(ep, prompt=100)
+    scored.predicted_ttft_s = {A: 0.01}  # the ttft-estimate scorer's own prediction wins
+    assert gate.admits(scored)
 
 
 def test_concurrency_cap_on_requests_and_tokens():
