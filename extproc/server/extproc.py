@@ -7,7 +7,8 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
    and wait for the body. Any other request: pick a healthy endpoint now, set the routing
    header, and (if a body follows) tell Envoy not to send it to us. A generation request
    without a body is a 400.
-2. request_body (BUFFERED, so it arrives whole) — run the pipeline; set
+2. request_body (BUFFERED, so it arrives whole) — run the pipeline (with flow control on, the
+   answer may wait in a queue until the fleet can take the request: `extproc.flowcontrol`); set
    `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
    `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
    the JSON error. A truncated prompt (`extproc.pipeline.truncate`) replaces the body.
@@ -562,7 +563,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
         No timer guards the whole decision: its only wait is token counting off the event loop,
         which the pipeline bounds (half of `limits.decision_timeout_ms`, then a character
-        estimate); the rest runs without yielding."""
+        estimate); the rest runs without yielding.
+
+        With flow control (`_flow_route`) the charge comes before scheduling, and nothing awaits
+        between schedule and reserve; a request the fleet cannot take now waits in a queue
+        (bounded by its band's TTL) after the charge, which is given back when it is refused
+        there or its stream is cancelled while it waits."""
         start = time.perf_counter()
         admission: Admission | None = None
         held: Reservation | None = None  # made by flow control's dispatch cycle
