@@ -244,3 +244,52 @@ async def test_the_endpoint_picker_protocol_mode_queues_too(make_app):
         for c in [*held, waiting]:
             c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
+
+
+async def test_two_thousand_streams_cancelled_while_queued_leak_nothing(make_app):
+    """Issue 27's soak shape in process: 2,000 requests queued, every stream cancelled (the client
+    went away); queue counts, bytes, the tenant's charges and the in-flight counts all return to
+    what they were, and room that appears later dispatches nothing."""
+    limited = {"enabled": True, "default": {"tokens_per_minute": 10**9, "requests_per_minute": 10**6, "max_concurrent_requests": 5000}}
+    app = await make_app(flow_control=_fc(max_requests=5000), ratelimit=limited)
+    tenant = app.ratelimit.tenant({})
+    servicer = app.servicer
+
+    class Ctx:
+        async def abort(self, code, details):  # pragma: no cover - a well-formed stream never aborts
+            raise AssertionError(details)
+
+    async def client(i: int, answered: list) -> None:
+        async def incoming():
+            yield headers_msg("POST", "/v1/chat/completions")
+            yield body_msg(chat_body(f"request {i}", max_tokens=16))
+            await asyncio.Event().wait()  # the client never says more
+
+        async for reply in servicer.Process(incoming(), Ctx()):
+            answered.append(reply.WhichOneof("response"))
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        held = await _fill(app, pb_grpc.ExternalProcessorStub(ch))
+        window = app.ratelimit.backend.peek
+        before = (await window(app.ratelimit.scopes(tenant, "Qwen/Qwen3-8B"))).uses[0]
+        answered: list = []
+        tasks = [asyncio.ensure_future(client(i, answered)) for i in range(2000)]
+        await wait_until(lambda: app.flow.live == 2000, timeout=60)
+        assert answered.count("request_body") == 0
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert app.flow.live == 0 and app.flow.bytes == 0
+        await wait_until(lambda: servicer.active_streams == 2)
+        after = (await window(app.ratelimit.scopes(tenant, "Qwen/Qwen3-8B"))).uses[0]
+        assert after.inflight == 2, "the queued requests' concurrency slots are free again"
+        assert after.tokens == before.tokens, "every charge of a request that left while queued is given back"
+        assert app.store.open_reservations == 2 and sum(ep.inflight for ep in app.store.all()) == 2
+        await held[0].write(_ok_headers())
+        await held[0].read()
+        await asyncio.sleep(0.05)
+        assert app.store.open_reservations == 2
+        for c in held:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert app.metrics.registry.get_sample_value("llm_extproc_flow_requests_total", {"band": "standard", "outcome": "cancelled"}) == 2000
