@@ -151,6 +151,7 @@ class FlowController:
             flow = band.flows[ident.id] = Flow(ident.id, ident.label, ident.weight, self._order())
         t.flow = flow
         flow.order.push(t)
+        band.arrivals.append(t)
         flow.live += 1
         flow.bytes += nbytes
         band.live += 1
@@ -338,6 +339,8 @@ class FlowController:
             m.child(m.queued_bytes, name, flow.label).dec(t.nbytes)
             m.child(m.queue_seconds, name, outcome).observe(max(0.0, self._clock() - t.arrived))
             self._count(name, outcome)
+        if not band.live:
+            band.arrivals.clear()
         if not p.live:
             p.expiry.clear()
 

@@ -10,6 +10,7 @@ at every moment — they are what the limits and the metrics read.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 __all__ = ["Ticket", "Flow", "BandQueue", "Pool"]
@@ -89,9 +90,10 @@ class Flow:
 
 class BandQueue:
     """The flows of one priority band that hold at least one ticket, in ring order (insertion
-    order of the dict: round robin and DRR rotate by moving a flow to the end)."""
+    order of the dict: round robin and DRR rotate by moving a flow to the end), and the band's
+    tickets in arrival order (`arrivals`, dead ones dropped lazily: global FCFS reads its head)."""
 
-    __slots__ = ("index", "name", "flows", "live", "bytes")
+    __slots__ = ("index", "name", "flows", "live", "bytes", "arrivals")
 
     def __init__(self, index: int, name: str) -> None:
         self.index = index
@@ -99,6 +101,14 @@ class BandQueue:
         self.flows: dict[str, Flow] = {}
         self.live = 0
         self.bytes = 0
+        self.arrivals: deque[Ticket] = deque()
+
+    def oldest(self) -> Ticket:
+        """The live ticket that arrived first (call only while `live` > 0)."""
+        q = self.arrivals
+        while not q[0].alive:
+            q.popleft()
+        return q[0]
 
     def rotate(self, flow: Flow) -> None:
         """Move `flow` to the end of the ring."""

@@ -1,6 +1,7 @@
-"""Global first come, first served across the band's flows: the head that arrived first goes
-(llm-d-router's default; it leaves the scheduler free to batch and reuse cache, and gives a
-flooding tenant the share it floods with)."""
+"""Global first come, first served across the band's flows: the flow holding the band's oldest
+waiting request goes (llm-d-router's default; it leaves the scheduler free to batch and reuse
+cache, and gives a flooding tenant the share it floods with). With `fcfs` ordering inside flows
+that request is the one dispatched; with `edf`, its flow's earliest deadline is."""
 
 from __future__ import annotations
 
@@ -12,20 +13,16 @@ __all__ = ["GlobalFcfs"]
 
 
 class GlobalFcfs:
-    """Oldest head across flows (O(flows) per pick)."""
+    """The band's oldest live ticket's flow (`BandQueue.oldest`: O(1) amortised; scanning the
+    flows' heads cost 117 µs per pick with 1,000 tenants, docs/benchmarks.md)."""
 
     def __init__(self, config: Any = None) -> None:
         pass
 
     def pick(self, band: BandQueue) -> Flow:
-        best: Flow | None = None
-        best_seq = 0
-        for flow in band.flows.values():
-            head = flow.head()
-            if head is not None and (best is None or head.seq < best_seq):
-                best, best_seq = flow, head.seq
-        assert best is not None, "pick on an empty band"
-        return best
+        flow = band.oldest().flow
+        assert flow is not None
+        return flow
 
     def dispatched(self, band: BandQueue, flow: Flow, ticket: Ticket) -> None:
         pass
