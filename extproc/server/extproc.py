@@ -7,7 +7,8 @@ Phases, each answered with exactly one `ProcessingResponse` of the same kind, in
    and wait for the body. Any other request: pick a healthy endpoint now, set the routing
    header, and (if a body follows) tell Envoy not to send it to us. A generation request
    without a body is a 400.
-2. request_body (BUFFERED, so it arrives whole) — run the pipeline; set
+2. request_body (BUFFERED, so it arrives whole) — run the pipeline (with flow control on, the
+   answer may wait in a queue until the fleet can take the request: `extproc.flowcontrol`); set
    `x-gateway-destination-endpoint` (or `x-llm-tier` in tier mode), `x-llm-prompt-tokens`, and
    `x-request-id` when absent, with `clear_route_cache`; or answer an `ImmediateResponse` with
    the JSON error. A truncated prompt (`extproc.pipeline.truncate`) replaces the body.
@@ -50,8 +51,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc.datastore.endpoints import Endpoint, Reservation
 from extproc.datastore.outliers import OutlierDetector
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError, NoEndpointError
+from extproc.flowcontrol.controller import FlowController, not_now
 from extproc.metrics import Metrics
-from extproc.pipeline.request import RequestPipeline, Routed
+from extproc.pipeline.request import Counted, RequestPipeline, Routed
 from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.ratelimit.limiter import Admission, RateLimiter
@@ -102,6 +104,10 @@ class _Stream:
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
         models_list: a `GET /v1/models` whose answer gets the aliases (`extproc.server.models_list`).
         skip_response_headers: a generation request's response headers skip the server.
+        queue_ms: how long flow control held it (milliseconds; None: never queued).
+        priority: its priority class once counted (None before).
+        evict: flow control's displacement chose it: its next response chunk is answered with
+            an ImmediateResponse (503 `displaced`), which makes Envoy reset it.
     """
 
     hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -125,11 +131,17 @@ class _Stream:
     buffering: bool = False
     models_list: bool = False
     skip_response_headers: bool = False
+    queue_ms: int | None = None
+    priority: str | None = None
+    evict: bool = False
 
 
 PRIORITY_APPLIED_HEADER = "x-llm-priority-applied"
 """Response header naming the class a request ran under when its priority claim was downgraded
 (`admission.priority.claimable` bounds what a client may claim)."""
+
+QUEUE_HEADER = "x-llm-queue-ms"
+"""Response header: milliseconds flow control held the request (only on requests that queued)."""
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
@@ -154,6 +166,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         skip_response_headers: unobserved generation requests skip the response-headers
             message and leave prefill at their endpoint's predicted TTFT (a timer) instead;
             only when nothing else needs those headers (`telemetry.response_headers`).
+        flow_control: holds requests the fleet cannot take now (`extproc.flowcontrol`), or None.
     """
 
     full_duplex = False
@@ -177,8 +190,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         decision_log: DecisionLog | None = None,
         ratelimit: RateLimiter | None = None,
         skip_response_headers: bool = False,
+        flow_control: FlowController | None = None,
     ) -> None:
         self._skip_response_headers = skip_response_headers
+        self._flow = flow_control
+        self._displaceable = flow_control is not None and flow_control.config.displacement
         self._ratelimit = ratelimit
         self._pipeline = pipeline
         self._log = decision_log
@@ -199,6 +215,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             wanted.add(trusted_priority_header)
         if ratelimit is not None:
             wanted.update(ratelimit.headers)
+        if flow_control is not None:
+            wanted.update(flow_control.config.trusted_headers)
         self._wanted = frozenset(wanted)
         self.active_streams = 0
 
@@ -250,6 +268,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     response = await self._decide(msg.request_body.body, s)
                     if s.routed is not None and s.observe:
                         s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
+                        if s.priority == "sheddable" and s.observer is not None and self._displaceable:
+                            self._flow.track(s, s.routed.request.served_model)  # type: ignore[union-attr]
                     elif s.reservation is not None and not s.observe and s.skip_response_headers:
                         s.first_token = self._predict_first_token(s.reservation)
                     yield response
@@ -259,6 +279,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     yield responses.response_body(with_aliases(msg.response_body.body, self._pipeline.aliases))
                 elif phase == "response_headers":
                     yield self._response_headers_reply(s, msg.response_headers)
+                elif phase == "response_body" and s.evict:
+                    # Displaced for a critical request: Envoy resets a stream whose response
+                    # already started (the client sees it cut), and the upstream with it.
+                    s.done = True
+                    yield self._reject(NoEndpointError("evicted for a higher-priority request; retry", code="displaced"), s.hdrs)
+                    return
                 elif phase == "response_body" and s.error_status:
                     # BUFFERED: the whole body in one message. Were it ever to come in pieces,
                     # each is held back and the rewrite goes out with the last.
@@ -384,9 +410,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """`_on_response_headers` for the stream: sets `s.error_status` when the engine's
         error body is to be held and rewritten."""
-        reply, s.error_status = self._on_response_headers(
-            msg, s.routed, s.reservation, s.observer, s.record, s.admission.headers if s.admission is not None else None
-        )
+        extra = s.admission.headers if s.admission is not None else None
+        if s.queue_ms is not None:
+            extra = {**(extra or {}), QUEUE_HEADER: str(s.queue_ms)}
+        reply, s.error_status = self._on_response_headers(msg, s.routed, s.reservation, s.observer, s.record, extra)
+        if self._flow is not None:
+            self._flow.wake()  # a 2xx's headers mark its first token: its endpoint's prefill count fell
         return reply
 
     @staticmethod
@@ -438,7 +467,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         sampled = self._sample_rate >= 1.0 or self._rng.random() < self._sample_rate
         tenant = self._ratelimit.tenant(hdrs) if self._ratelimit is not None else None
         observe = sampled or (tenant is not None and self._ratelimit.wants_usage(tenant))  # type: ignore[union-attr]
+        if not observe and self._displaceable and self._claims_sheddable(hdrs):
+            observe = True  # displacement evicts on a response chunk: its response must come here
         return sampled, tenant, observe
+
+    def _claims_sheddable(self, hdrs: dict[str, str]) -> bool:
+        """The request's headers claim `sheddable` (displacement's candidates are observed; one
+        without a priority header is not a candidate unless it is observed anyway)."""
+        trusted = hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None
+        claim = trusted or hdrs.get(self._priority_header) or ""
+        return claim.strip(" \t").lower() == "sheddable"
 
     def _observer_for(self, routed: Routed, admission: Admission | None, start_ns: int, sampled: bool) -> StreamObserver | None:
         """The response observer of an observed request (None when there is nothing to feed:
@@ -488,6 +526,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         settle the rate-limit charge and release the reservation. Never raises past the release."""
         if s.first_token is not None:
             s.first_token.cancel()
+        if self._displaceable:
+            self._flow.untrack(s)  # type: ignore[union-attr]
         observer, record, routed, admission, reservation = s.observer, s.record, s.routed, s.admission, s.reservation
         if observer is not None:
             try:
@@ -505,6 +545,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._settle(admission, observer, routed)
         if reservation is not None:
             reservation.release()
+            if self._flow is not None:
+                self._flow.wake()  # room on its endpoint: a queued request may go
         self.active_streams -= 1
         self._metrics.streams_active.dec()
 
@@ -567,9 +609,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
         No timer guards the whole decision: its only wait is token counting off the event loop,
         which the pipeline bounds (half of `limits.decision_timeout_ms`, then a character
-        estimate); the rest runs without yielding."""
+        estimate); the rest runs without yielding.
+
+        With flow control (`_flow_route`) the charge comes before scheduling, and nothing awaits
+        between schedule and reserve; a request the fleet cannot take now waits in a queue
+        (bounded by its band's TTL) after the charge, which is given back when it is refused
+        there or its stream is cancelled while it waits."""
         start = time.perf_counter()
         admission: Admission | None = None
+        held: Reservation | None = None  # made by flow control's dispatch cycle
         kind, hdrs, record, tenant = s.kind, s.hdrs, s.record, s.tenant
 
         try:
@@ -584,8 +632,22 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
                 subset=s.subset,
             )
-            routed = self._pipeline.schedule(counted)
-            if tenant is not None:
+            if self._flow is not None:
+                s.priority = counted.priority
+                # Flow control: the tenant's rate limit first (a request over it gets its 429
+                # and never queues), then schedule and reserve with no await between — at once,
+                # or from the queue when the fleet cannot take it now.
+                if tenant is not None:
+                    admission = await self._ratelimit.admit(tenant, counted.request)  # type: ignore[union-attr]
+                try:
+                    routed, held = await self._flow_route(counted, s, len(body))
+                except asyncio.CancelledError:
+                    if admission is not None:  # the client left while queued: nothing was sent
+                        self._ratelimit.settle(admission, 0)  # type: ignore[union-attr]
+                    raise
+            else:
+                routed = self._pipeline.schedule(counted)
+            if tenant is not None and self._flow is None:
                 admission = await self._ratelimit.admit(tenant, routed.request)  # type: ignore[union-attr]
                 if not self._still_listed(routed):
                     # Discovery drained or removed the endpoint during the charge's round trip:
@@ -606,14 +668,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         else:
             # Nothing below may leave the charge or the reservation behind: they reach the
             # stream only with the returned Decision, so a failure here gives both back.
-            reservation: Reservation | None = None
+            reservation: Reservation | None = held
+            queued_s = s.queue_ms / 1000.0 if s.queue_ms is not None else 0.0
             try:
+                if queued_s:  # the decision's phases, not the wait (the queue has its own histogram)
+                    routed.timings_s["total"] = max(0.0, routed.timings_s["total"] - queued_s)
                 if record is not None:
-                    record.decision_s, record.tier = time.perf_counter() - start, routed.tier
+                    record.decision_s, record.tier = time.perf_counter() - start - queued_s, routed.tier
+                    record.queue_s = queued_s if s.queue_ms is not None else None
                     if routed.endpoint is not None:
                         record.endpoint = routed.endpoint.address
                         record.predict(routed)
-                reservation = self._pipeline.reserve(routed)
+                if reservation is None:
+                    reservation = self._pipeline.reserve(routed)
                 m = self._metrics
                 m.observe_each(m.decision_seconds, routed.timings_s)
                 m.prompt_tokens.observe(routed.request.prompt_tokens)
@@ -643,8 +710,60 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if record is not None and self._log is not None:
             record.outcome, record.reason, record.status = "rejected", err.code, err.status
             record.decision_s = time.perf_counter() - start
+            if s.queue_ms is not None:  # refused after waiting in a queue (expired, shutdown)
+                record.queue_s = s.queue_ms / 1000.0
+                record.decision_s = max(0.0, record.decision_s - record.queue_s)
             self._log.write(record)
         return self._reject(err, hdrs)
+
+    async def _flow_route(self, counted: Counted, s: _Stream, nbytes: int) -> tuple[Routed, Reservation | None]:
+        """Flow control's decision on a counted request (rate limit already charged).
+
+        Fast path — nothing queued for its model pool: schedule, and when the gate admits the
+        chosen endpoint return (routed, None) for the caller to reserve with no await between;
+        no allocation, no await. Otherwise (something queued, the gate closed, or the scheduler
+        answered "not now": no KV room, saturation shedding) the request queues in its (tenant,
+        band) flow and this awaits its dispatch: (routed, its reservation), both made by the
+        dispatch cycle in one step. `s.queue_ms` is set when it queued.
+
+        Raises:
+            ExtProcError: the scheduler's refusal (any but "not now"), a queue bound (429
+                `queue_full`), expiry (503 `queue_timeout`), shutdown (503 `shutting_down`), a
+                trusted flow header's bad value (400).
+            asyncio.CancelledError: the stream ended while queued; its ticket is gone, and a
+                reservation made for it in that instant is released.
+        """
+        fc = self._flow
+        assert fc is not None
+        pool = counted.request.served_model
+        routed: Routed | None = None
+        if fc.idle(pool):
+            try:
+                routed = self._pipeline.schedule(counted)
+            except ExtProcError as err:
+                if not not_now(err):
+                    raise
+            else:
+                if fc.gate.admits(routed):
+                    fc.count_immediate(counted.priority)
+                    return routed, None
+        ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority)
+        req = counted.request
+        if routed is not None:  # charged as the scheduler sees it: uncached prompt + expected output
+            cost = routed.prefill_counts.uncached + routed.decode_tokens * req.sequences
+        else:
+            output = counted.parsed.max_tokens or counted.model.default_output_tokens
+            cost = int(req.prompt_tokens) + output * req.sequences
+        began = time.monotonic()
+        ticket = fc.enqueue(counted, pool, ident, nbytes, max(1, cost))
+        try:
+            done = await ticket.future  # type: ignore[misc]
+        except asyncio.CancelledError:
+            fc.cancel(ticket)
+            raise
+        finally:
+            s.queue_ms = round((time.monotonic() - began) * 1000)
+        return done.routed, done.reservation
 
     def _still_listed(self, routed: Routed) -> bool:
         """The routed endpoint is still in the datastore, as the same object, and takes new

@@ -34,6 +34,14 @@ def test_a_valid_config_is_one_ok_line(tmp_path: Path) -> None:
     )
 
 
+
+def test_flow_control_says_the_envoy_timeout_it_needs(tmp_path: Path) -> None:
+    # Without it, the shipped 2 s message_timeout answers 504 to every request queued over ~0.5 s.
+    _, result = _check(tmp_path, VALID + "flow_control: {enabled: true, bands: {critical: {ttl_s: 90}}}\n")
+    assert result.exit_code == 0, result.output
+    assert "flow control (drr fairness, router gate; Envoy's ext_proc message_timeout must be >= 92 s)" in result.output
+
+
 def test_every_problem_is_printed_and_the_exit_is_2(tmp_path: Path) -> None:
     """Both config problems, and the admin token file `serve` would also refuse."""
     bad = VALID.replace("profile: least-inflight", "profile: least-inflight, prefill_model: {attention_ratio: 0.2}")

@@ -22,7 +22,7 @@ from extproc.telemetry.decision_log import MAX_REQUEST_ID_CHARS, DecisionLog, De
 FIELDS = {
     "time", "kind", "model", "tenant", "prompt_tokens", "output_budget", "endpoint", "tier", "predicted_ttft_ms",
     "observed_ttft_ms", "status", "outcome", "reason", "truncation", "decision_ms", "request_id", "prefix_blocks",
-    "prefix_tokens",
+    "prefix_tokens", "queue_ms",
 }  # fmt: skip
 
 
