@@ -13,6 +13,7 @@ Shape (see `deploy/config.example.yaml` for a commented example)::
     decision_log: {path, max_bytes, backup_count, queue_size}
     replicas:  {sync: off|redis, channel, heartbeat_s, owner_timeout_s, ...}  (Redis: ratelimit.redis)
     protocol:  {mode: buffered | epp, fallbacks, destination_namespace, subset_namespace, chunk_bytes}
+    flow_control: {enabled, fairness, ordering, weights, bands: {...}, gate: {...}, ...}  (extproc.flowcontrol.config)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from extproc.config.diagnose import did_you_mean, undefined_profile, unknown_mod
 from extproc.config_base import ConfigProblem, Strict, key_text, raise_problems
 from extproc.config_base import yaml_off
 from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PREFILL_S_PER_TOKEN_BY_GPU, gpu_table, prefill_work
+from extproc.flowcontrol.config import FlowControlConfig
 from extproc.ratelimit.config import RateLimitConfig
 from extproc.replicas.config import ReplicasConfig
 from extproc.telemetry.observer import ObserverOptions
@@ -1056,6 +1058,7 @@ class Config(Strict):
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
+    flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -1,5 +1,5 @@
 """The admin HTTP server (default port 9090): `/metrics`, `/healthz`, `/api/v1/endpoints`,
-`/api/v1/weights`, `/api/v1/tenants` (each rate-limited tenant's window), and the authenticated
+`/api/v1/weights`, `/api/v1/tenants` (each rate-limited tenant's window), `/api/v1/queues` (flow control's queues live), and the authenticated
 override routes of `extproc.server.overrides_api`.
 
 `/api/v1/weights` is what an external balancer (or Grafana) pulls: per endpoint, the active
@@ -14,7 +14,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
@@ -74,6 +74,8 @@ class AdminServer:
         sample_rate: `telemetry.sample_rate` (the share of responses the stream statistics of
             `/api/v1/endpoints` come from), shown there; None when telemetry is off.
         replicas: replica sync, summarised in `/api/v1/endpoints` (None: sync off).
+        flow: flow control (`extproc.flowcontrol.controller.FlowController`), shown at
+            `/api/v1/queues` (None: off).
     """
 
     def __init__(
@@ -89,8 +91,10 @@ class AdminServer:
         sample_rate: float | None = None,
         admin_token: str | None = None,
         replicas: ReplicaSync | None = None,
+        flow: Any = None,
     ) -> None:
         self._replicas = replicas
+        self._flow = flow
         # The write routes' credential: given, else from the environment (None refuses them).
         self._overrides = OverridesAPI(store, metrics, admin_token if admin_token is not None else load_admin_token())
         self._reuse_port = reuse_port
@@ -112,6 +116,7 @@ class AdminServer:
         app.router.add_get("/api/v1/endpoints", self._endpoints)
         app.router.add_get("/api/v1/weights", self._weights)
         app.router.add_get("/api/v1/tenants", self._tenants)
+        app.router.add_get("/api/v1/queues", self._queues)
         self._overrides.add_routes(app)
         return app
 
@@ -213,6 +218,14 @@ class AdminServer:
                 ],
             }
         )
+
+    async def _queues(self, request: web.Request) -> web.Response:
+        """Flow control's queues live (`FlowController.snapshot`: totals, per model pool and
+        band the flows with the most requests waiting, by tenant label); `{"enabled": false}`
+        when flow control is off."""
+        if self._flow is None:
+            return web.json_response({"enabled": False})
+        return web.json_response(self._flow.snapshot())
 
     async def _tenants(self, request: web.Request) -> web.Response:
         """Each limited tenant's sliding window (labels only, never keys); empty when rate

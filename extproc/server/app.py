@@ -1,8 +1,9 @@
 """The server's lifecycle: load models, start the datastore, gRPC and admin servers; stop them.
 
 `grpc.aio` serves `envoy.service.ext_proc.v3.ExternalProcessor` and `grpc.health.v1.Health`
-on one port. SIGTERM → health NOT_SERVING, stop accepting new streams, let in-flight streams
-finish for up to `limits.shutdown_grace_s`, then cancel the rest.
+on one port. SIGTERM → health NOT_SERVING, answer every request still in a flow-control queue 503
+`shutting_down`, stop accepting new streams, let in-flight streams finish for up to
+`limits.shutdown_grace_s`, then cancel the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from extproc.datastore.scraper import MetricsScraper
 from extproc.discovery.base import SourceContext
 from extproc.discovery.manager import Discovery
 from extproc.discovery.registry import build_source
+from extproc.flowcontrol.controller import FlowController
+from extproc.flowcontrol.gate import Gate
+from extproc.flowcontrol.metrics import FlowMetrics
 from extproc.metrics import Metrics
 from extproc.pipeline.request import ModelRuntime, RequestPipeline
 from extproc.pipeline.tokens import TokenCounter
@@ -199,6 +203,7 @@ class ExtProcApp:
         self._admin: AdminServer | None = None
         self._serving = False
         self.servicer: ExtProcServicer | None = None
+        self.flow: FlowController | None = None
         self.grpc_port = 0
         self.admin_port = 0
 
@@ -251,6 +256,8 @@ class ExtProcApp:
             endpoint.scrape_errors = 0
             self.store.settle_scraped(endpoint, endpoint.engine.scraped_at)
             self.prefix.on_scrape(endpoint)
+            if self.flow is not None:
+                self.flow.wake()  # the engine's queue may have emptied: the gate reads it
         else:
             endpoint.scrape_errors += 1
             m.scrape_errors.labels(endpoint.address).inc()
@@ -269,6 +276,7 @@ class ExtProcApp:
                 ("rate limits", self.ratelimit is not None),
                 ("truncation", any(m.truncation.mode != "off" for m in cfg.models)),
                 ("protocol.mode: epp (FULL_DUPLEX_STREAMED takes no mode override)", cfg.protocol.mode == "epp"),
+                ("flow control (x-llm-queue-ms)", cfg.flow_control.enabled),
             )
             if on
         ]
@@ -298,6 +306,15 @@ class ExtProcApp:
         self.pipeline = pipeline = RequestPipeline(
             cfg, self.store, self._models, self.metrics, prefix=self.prefix, tokenize_threads=TOKENIZE_THREADS
         )
+        if cfg.flow_control.enabled:
+            fc = cfg.flow_control
+            gate = Gate(fc.gate, self.store.for_model, stale_after_s=cfg.scheduling.metrics.stale_after_s)
+            self.flow = FlowController(fc, gate, pipeline.schedule, pipeline.reserve, FlowMetrics(self.metrics))
+            log.info(
+                "flow control on (%s fairness, %s gate): Envoy's ext_proc message_timeout must be at least %.1f s, "
+                "or requests queued longer get Envoy's 504 (llm-extproc envoy-config sets it)",
+                fc.fairness, fc.gate.mode, fc.message_timeout_s(cfg.limits.decision_timeout_ms),
+            )  # fmt: skip
         od = cfg.scheduling.outlier_detection
         servicer_kwargs = {}
         servicer_class = ExtProcServicer
@@ -319,6 +336,7 @@ class ExtProcApp:
             ratelimit=self.ratelimit,
             decision_log=self._decision_log,
             skip_response_headers=self._skip_response_headers(cfg),
+            flow_control=self.flow,
         )
         await self.discovery.start()
         await self._checker.start()
@@ -373,6 +391,7 @@ class ExtProcApp:
                 sample_rate=rate,
                 ratelimit=self.ratelimit,
                 replicas=self.sync,
+                flow=self.flow,
             )
             try:
                 await self._admin.start()
@@ -387,6 +406,10 @@ class ExtProcApp:
         grace = self.config.limits.shutdown_grace_s if grace_s is None else grace_s
         self._serving = False
         await self._health.enter_graceful_shutdown()
+        if self.flow is not None:
+            answered = self.flow.close()  # before the streams are waited for: nobody waits on a queue
+            if answered:
+                log.info("shutdown: %d queued requests answered 503", answered)
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None

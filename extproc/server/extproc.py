@@ -50,8 +50,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc.datastore.endpoints import Endpoint, Reservation
 from extproc.datastore.outliers import OutlierDetector
 from extproc.errors import BadRequestError, ExtProcError, MethodNotAllowedError, NoEndpointError
+from extproc.flowcontrol.controller import FlowController, not_now
 from extproc.metrics import Metrics
-from extproc.pipeline.request import RequestPipeline, Routed
+from extproc.pipeline.request import Counted, RequestPipeline, Routed
 from extproc.pipeline.truncate import TRUNCATE_HEADER
 from extproc.protocol.openai import generation_path, route_kind, with_model
 from extproc.ratelimit.limiter import Admission, RateLimiter
@@ -99,6 +100,7 @@ class _Stream:
         subset: the gateway's subset hint (Endpoint Picker Protocol), or None.
         body: the request body held for the decision (Endpoint Picker Protocol).
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
+        queue_ms: how long flow control held it (milliseconds; None: never queued).
     """
 
     hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -120,7 +122,11 @@ class _Stream:
     subset: Callable[[Endpoint], bool] | None = None
     body: bytearray = dataclasses.field(default_factory=bytearray)
     buffering: bool = False
+    queue_ms: int | None = None
 
+
+QUEUE_HEADER = "x-llm-queue-ms"
+"""Response header: milliseconds flow control held the request (only on requests that queued)."""
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
@@ -145,6 +151,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         skip_response_headers: unobserved generation requests skip the response-headers
             message and leave prefill at their endpoint's predicted TTFT (a timer) instead;
             only when nothing else needs those headers (`telemetry.response_headers`).
+        flow_control: holds requests the fleet cannot take now (`extproc.flowcontrol`), or None.
     """
 
     full_duplex = False
@@ -168,8 +175,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         decision_log: DecisionLog | None = None,
         ratelimit: RateLimiter | None = None,
         skip_response_headers: bool = False,
+        flow_control: FlowController | None = None,
     ) -> None:
         self._skip_response_headers = skip_response_headers
+        self._flow = flow_control
         self._ratelimit = ratelimit
         self._pipeline = pipeline
         self._log = decision_log
@@ -190,6 +199,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             wanted.add(trusted_priority_header)
         if ratelimit is not None:
             wanted.update(ratelimit.headers)
+        if flow_control is not None:
+            wanted.update(flow_control.config.trusted_headers)
         self._wanted = frozenset(wanted)
         self.active_streams = 0
 
@@ -338,9 +349,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """`_on_response_headers` for the stream: sets `s.error_status` when the engine's
         error body is to be held and rewritten."""
-        reply, s.error_status = self._on_response_headers(
-            msg, s.routed, s.reservation, s.observer, s.record, s.admission.headers if s.admission is not None else None
-        )
+        extra = s.admission.headers if s.admission is not None else None
+        if s.queue_ms is not None:
+            extra = {**(extra or {}), QUEUE_HEADER: str(s.queue_ms)}
+        reply, s.error_status = self._on_response_headers(msg, s.routed, s.reservation, s.observer, s.record, extra)
+        if self._flow is not None:
+            self._flow.wake()  # a 2xx's headers mark its first token: its endpoint's prefill count fell
         return reply
 
     @staticmethod
@@ -459,6 +473,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._settle(admission, observer, routed)
         if reservation is not None:
             reservation.release()
+            if self._flow is not None:
+                self._flow.wake()  # room on its endpoint: a queued request may go
         self.active_streams -= 1
         self._metrics.streams_active.dec()
 
@@ -524,6 +540,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         estimate); the rest runs without yielding."""
         start = time.perf_counter()
         admission: Admission | None = None
+        held: Reservation | None = None  # made by flow control's dispatch cycle
         kind, hdrs, record, tenant = s.kind, s.hdrs, s.record, s.tenant
 
         try:
@@ -538,8 +555,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 before_count=functools.partial(self._ratelimit.precheck, tenant) if tenant is not None else None,  # type: ignore[union-attr]
                 subset=s.subset,
             )
-            routed = self._pipeline.schedule(counted)
-            if tenant is not None:
+            if self._flow is not None:
+                # Flow control: the tenant's rate limit first (a request over it gets its 429
+                # and never queues), then schedule and reserve with no await between — at once,
+                # or from the queue when the fleet cannot take it now.
+                if tenant is not None:
+                    admission = await self._ratelimit.admit(tenant, counted.request)  # type: ignore[union-attr]
+                try:
+                    routed, held = await self._flow_route(counted, s, len(body))
+                except asyncio.CancelledError:
+                    if admission is not None:  # the client left while queued: nothing was sent
+                        self._ratelimit.settle(admission, 0)  # type: ignore[union-attr]
+                    raise
+            else:
+                routed = self._pipeline.schedule(counted)
+            if tenant is not None and self._flow is None:
                 admission = await self._ratelimit.admit(tenant, routed.request)  # type: ignore[union-attr]
                 if not self._still_listed(routed):
                     # Discovery drained or removed the endpoint during the charge's round trip:
@@ -560,14 +590,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         else:
             # Nothing below may leave the charge or the reservation behind: they reach the
             # stream only with the returned Decision, so a failure here gives both back.
-            reservation: Reservation | None = None
+            reservation: Reservation | None = held
+            queued_s = s.queue_ms / 1000.0 if s.queue_ms is not None else 0.0
             try:
+                if queued_s:  # the decision's phases, not the wait (the queue has its own histogram)
+                    routed.timings_s["total"] = max(0.0, routed.timings_s["total"] - queued_s)
                 if record is not None:
-                    record.decision_s, record.tier = time.perf_counter() - start, routed.tier
+                    record.decision_s, record.tier = time.perf_counter() - start - queued_s, routed.tier
+                    record.queue_s = queued_s if s.queue_ms is not None else None
                     if routed.endpoint is not None:
                         record.endpoint = routed.endpoint.address
                         record.predict(routed)
-                reservation = self._pipeline.reserve(routed)
+                if reservation is None:
+                    reservation = self._pipeline.reserve(routed)
                 m = self._metrics
                 m.observe_each(m.decision_seconds, routed.timings_s)
                 m.prompt_tokens.observe(routed.request.prompt_tokens)
@@ -597,6 +632,55 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             record.decision_s = time.perf_counter() - start
             self._log.write(record)
         return self._reject(err, hdrs)
+
+    async def _flow_route(self, counted: Counted, s: _Stream, nbytes: int) -> tuple[Routed, Reservation | None]:
+        """Flow control's decision on a counted request (rate limit already charged).
+
+        Fast path — nothing queued for its model pool: schedule, and when the gate admits the
+        chosen endpoint return (routed, None) for the caller to reserve with no await between;
+        no allocation, no await. Otherwise (something queued, the gate closed, or the scheduler
+        answered "not now": no KV room, saturation shedding) the request queues in its (tenant,
+        band) flow and this awaits its dispatch: (routed, its reservation), both made by the
+        dispatch cycle in one step. `s.queue_ms` is set when it queued.
+
+        Raises:
+            ExtProcError: the scheduler's refusal (any but "not now"), a queue bound (429
+                `queue_full`), expiry (503 `queue_timeout`), shutdown (503 `shutting_down`), a
+                trusted flow header's bad value (400).
+            asyncio.CancelledError: the stream ended while queued; its ticket is gone, and a
+                reservation made for it in that instant is released.
+        """
+        fc = self._flow
+        assert fc is not None
+        pool = counted.request.served_model
+        routed: Routed | None = None
+        if fc.idle(pool):
+            try:
+                routed = self._pipeline.schedule(counted)
+            except ExtProcError as err:
+                if not not_now(err):
+                    raise
+            else:
+                if fc.gate.admits(routed):
+                    fc.count_immediate(counted.priority)
+                    return routed, None
+        ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority)
+        req = counted.request
+        if routed is not None:  # charged as the scheduler sees it: uncached prompt + expected output
+            cost = routed.prefill_counts.uncached + routed.decode_tokens * req.sequences
+        else:
+            output = counted.parsed.max_tokens or counted.model.default_output_tokens
+            cost = int(req.prompt_tokens) + output * req.sequences
+        began = time.monotonic()
+        ticket = fc.enqueue(counted, pool, ident, nbytes, max(1, cost))
+        try:
+            done = await ticket.future  # type: ignore[misc]
+        except asyncio.CancelledError:
+            fc.cancel(ticket)
+            raise
+        finally:
+            s.queue_ms = round((time.monotonic() - began) * 1000)
+        return done.routed, done.reservation
 
     def _still_listed(self, routed: Routed) -> bool:
         """The routed endpoint is still in the datastore, as the same object, and takes new

@@ -7,7 +7,9 @@ addresses, llm-extproc's gRPC address (the `llm_extproc` cluster), the fail-open
 cluster's endpoints (every configured endpoint), the body / gRPC message limits (equal to
 `limits.max_body_bytes` / `limits.grpc_max_message_bytes`, so both layers draw the line at the
 same byte), and the headers the config trusts (`ratelimit.tenant_header`,
-`admission.priority.trusted_header`) added to those stripped from clients. Everything else — header stripping, the ext_proc filter, the `ORIGINAL_DST`
+`admission.priority.trusted_header`, flow control's trusted headers) added to those stripped
+from clients, and with flow control on, the ext_proc `message_timeout` raised above the longest
+queue wait (`FlowControlConfig.message_timeout_s`). Everything else — header stripping, the ext_proc filter, the `ORIGINAL_DST`
 cluster, error mapping — comes from the template as shipped, so a later edit to the shipped
 YAML flows into every generated file.
 """
@@ -90,13 +92,16 @@ def envoy_bootstrap(
             endpoints=[_host_port(e.address) for e in cfg.endpoints],
             max_body_bytes=cfg.limits.max_body_bytes,
             grpc_max_message_bytes=cfg.limits.grpc_max_message_bytes,
+            message_timeout_s=(
+                cfg.flow_control.message_timeout_s(cfg.limits.decision_timeout_ms) if cfg.flow_control.enabled else None
+            ),
         )
     except ValueError as exc:
         raise EnvoyError(str(exc)) from None
     boot = rewrite_config(load_envoy_config(template), settings)
     # Headers this config trusts (a layer after Envoy's strip sets them): a client's copy must
     # go, as the shipped x-llm-tenant does, or any client names any tenant or claims `critical`.
-    trusted = [cfg.ratelimit.tenant_header, cfg.admission.priority.trusted_header]
+    trusted = [cfg.ratelimit.tenant_header, cfg.admission.priority.trusted_header, *cfg.flow_control.trusted_headers]
     strip_request_headers(boot, [h for h in trusted if h])
     return boot
 

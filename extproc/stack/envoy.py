@@ -337,6 +337,10 @@ class RunSettings:
         extproc_replicas: more llm-extproc processes (host, port) listed beside `extproc` in
             its cluster (`serve --workers N`); the cluster then checks each over
             grpc.health.v1, so a draining or dead one gets no new streams.
+        message_timeout_s: the ext_proc filter's `message_timeout` (seconds): how long Envoy
+            waits for each answer. A request held in a flow-control queue is answered only when
+            dispatched, so it must exceed the longest queue wait plus a decision
+            (`message_timeout_for`); None keeps the config's (2 s in the shipped files).
     """
 
     listener: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -349,6 +353,7 @@ class RunSettings:
     extra_served_paths: Sequence[str] = ()
     extproc_tls: ExtProcTLS | None = None
     extproc_replicas: Sequence[tuple[str, int]] = ()
+    message_timeout_s: float | None = None
 
 
 def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, Any]:
@@ -366,9 +371,13 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
     if settings.max_body_bytes is not None:
         _listener(out)["per_connection_buffer_limit_bytes"] = settings.max_body_bytes
     ext_proc = _http_filter(out, _EXT_PROC)
-    if ext_proc is None and (settings.extproc is not None or settings.grpc_max_message_bytes is not None or settings.extproc_tls is not None):
+    if ext_proc is None and (
+        settings.extproc is not None or settings.grpc_max_message_bytes is not None or settings.extproc_tls is not None or settings.message_timeout_s is not None
+    ):
         raise EnvoyError(f"the config has no {_EXT_PROC} filter")
     if ext_proc is not None:
+        if settings.message_timeout_s is not None:
+            ext_proc["message_timeout"] = f"{settings.message_timeout_s:.3f}s"
         envoy_grpc = _get(ext_proc, "grpc_service", "envoy_grpc", what="ext_proc grpc_service.envoy_grpc")
         if settings.grpc_max_message_bytes is not None:
             envoy_grpc["max_receive_message_length"] = settings.grpc_max_message_bytes

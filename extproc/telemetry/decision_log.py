@@ -17,7 +17,8 @@ refusal: at once), so it can carry what the response showed. Fields:
 | `status` | the HTTP status the client got (ours on a refusal, the engine's otherwise), or null |
 | `outcome` / `reason` | `routed` or `rejected`; the error code of a refusal |
 | `truncation` | null, or what head + tail truncation did (`Truncation.as_dict`) |
-| `decision_ms` | time to decide (ms) |
+| `decision_ms` | time to decide (ms), a flow-control queue wait excluded |
+| `queue_ms` | time held in a flow-control queue (ms), or null when it never queued |
 
 Never prompt text, message content, headers or credentials: only counts, names from the
 configuration, addresses, and the tenant's hash.
@@ -102,6 +103,7 @@ class DecisionRecord:
     reason: str | None = None
     truncation: Truncation | None = None
     decision_s: float | None = None
+    queue_s: float | None = None
 
     def counted(self, prompt_tokens: list[int], max_tokens: int | None, model: ModelConfig) -> None:
         """Record the prompt's tokens (summed over prompts) and the output budget: `max_tokens`,
@@ -139,6 +141,7 @@ class DecisionRecord:
             "reason": self.reason,
             "truncation": None if self.truncation is None else self.truncation.as_dict(),
             "decision_ms": _ms(self.decision_s),
+            "queue_ms": _ms(self.queue_s),
         }
 
 

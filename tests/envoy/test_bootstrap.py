@@ -105,3 +105,19 @@ def test_workers_are_each_listed_and_health_checked(tmp_path: Path, template: st
     validate_config_file(path)
     with pytest.raises(EnvoyError, match="65535"):
         envoy_bootstrap(config_from_mapping({**CONFIG, "listen": {"grpc": "127.0.0.1:65535"}}), workers=2)
+
+
+def test_flow_control_raises_the_message_timeout_above_the_longest_queue_wait(tmp_path: Path):
+    # A request held in a queue is answered only when dispatched: with the shipped 2 s, Envoy
+    # answered 504 to every request queued longer than ~0.5 s.
+    flow = {"enabled": True, "bands": {"critical": {"ttl_s": 45}}, "slo_header": {"name": "x-slo-ttft-ms", "trusted": True}}
+    boot = envoy_bootstrap(config_from_mapping({**CONFIG, "flow_control": flow}), template="fail-closed")
+    (ext_proc,) = [f for f in boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+                   if f["name"] == "envoy.filters.http.ext_proc"]  # fmt: skip
+    assert ext_proc["typed_config"]["message_timeout"] == "47.000s"  # 45 s + the 1.5 s decision + 0.5 s
+    assert "x-slo-ttft-ms" in stripped_headers(boot)  # trusted: a client's copy must go
+    off = envoy_bootstrap(config_from_mapping(CONFIG), template="fail-closed")
+    assert "x-slo-ttft-ms" not in stripped_headers(off)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(boot, template="fail-closed", source="cfg.yaml"), encoding="utf-8")
+    validate_config_file(path)

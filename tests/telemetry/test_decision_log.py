@@ -21,7 +21,7 @@ from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
 
 FIELDS = {
     "time", "kind", "model", "tenant", "prompt_tokens", "output_budget", "endpoint", "tier", "predicted_ttft_ms",
-    "observed_ttft_ms", "status", "outcome", "reason", "truncation", "decision_ms",
+    "observed_ttft_ms", "status", "outcome", "reason", "truncation", "decision_ms", "queue_ms",
 }  # fmt: skip
 
 

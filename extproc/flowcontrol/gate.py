@@ -1,0 +1,118 @@
+"""The saturation gate: may the request go to the endpoint the scheduler chose, now?
+
+Three shapes (`flow_control.gate.mode`, docs/decisions/0310 for the trade-off):
+
+* `router` (default) — the router's own knowledge first. The endpoint takes the request while
+  fewer than `max_prefill_requests` of the requests routed there are still before their first
+  token. That count is ours: it moves at the moment of each reservation (synchronously, in
+  the decision), at each first token and each release, and it includes every replica's picks
+  (`extproc.replicas.sync` applies the others' reservations to the same `Endpoint`), so a burst
+  cannot pass on a scrape taken before it. Then, when configured, the engine's own reported
+  queue (`max_engine_waiting`: a scraped number can only close the gate, and a stale high value
+  closes it until the next scrape — conservative) and the learned prefill fit's predicted TTFT
+  for this request behind the prefill already there (`max_predicted_ttft_ms`).
+* `concurrency` — a pure cap: requests in flight (`max_inflight`) and/or decode-context tokens
+  in flight (`max_inflight_tokens`) per endpoint. Simple and predictable, but blind to prompt
+  length and prefix reuse: the cap must be tuned per model, GPU and workload.
+* `utilization` — llm-d-router's detector: the pool is saturated when the mean over its
+  endpoints of max(waiting / `queue_depth`, KV usage / `kv_threshold`) reaches 1, an endpoint
+  without fresh metrics counting as saturated. Scraped numbers only (our unsettled KV
+  reservations are added): between scrapes a burst passes.
+
+Counters are never reaped by age (llm-d-router #2295: a staleness reaper freed in-flight
+accounting of live streams and the gate kept reopening): a reservation leaves the counts only
+when its stream ends. An endpoint that leaves and comes back under the same address is a new
+`Endpoint` object with its own counters; a request still holding the old one releases against
+the old object (llm-d-router PR #1739's underflow cannot happen).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from extproc.datastore.endpoints import Endpoint
+from extproc.flowcontrol.config import GateConfig
+from extproc.scheduling.plugins.scorers.kv_utilization import effective_kv_usage
+
+__all__ = ["Gate"]
+
+
+class Gate:
+    """`admits(routed)`: whether the routed request may be reserved now.
+
+    Args:
+        config: `flow_control.gate`.
+        pool_of: model name → its endpoints (utilization mode reads the whole pool).
+        stale_after_s: metrics older than this count as saturated (utilization; seconds).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        config: GateConfig,
+        pool_of: Callable[[str], Sequence[Endpoint]] | None = None,
+        stale_after_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._pool_of = pool_of
+        self._stale_after_s = stale_after_s
+        self._clock = clock
+        self.admits: Callable[[Any], bool] = {
+            "router": self._router,
+            "concurrency": self._concurrency,
+            "utilization": self._utilization,
+        }[config.mode]
+
+    def _router(self, routed: Any) -> bool:
+        ep = routed.endpoint
+        if ep is None:  # tier mode: Envoy picks the endpoint; nothing of ours to read
+            return True
+        cfg = self.config
+        if ep.prefill_inflight >= cfg.max_prefill_requests:
+            return False
+        engine = ep.engine
+        if cfg.max_engine_waiting is not None and engine is not None and engine.waiting > cfg.max_engine_waiting:
+            return False
+        if cfg.max_predicted_ttft_ms is not None:
+            ahead = ep.prefill_ahead(self._clock()) + routed.prefill_tokens
+            if ep.prefill_fit.predict(ahead) * 1000.0 > cfg.max_predicted_ttft_ms:
+                return ep.prefill_inflight == 0  # alone, it waits for nobody: never blocked for good
+        return True
+
+    def _concurrency(self, routed: Any) -> bool:
+        ep = routed.endpoint
+        if ep is None:
+            return True
+        cfg = self.config
+        if cfg.max_inflight is not None and ep.inflight >= cfg.max_inflight:
+            return False
+        if cfg.max_inflight_tokens is not None and ep.inflight > 0:
+            own = routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2
+            if ep.context_tokens + own > cfg.max_inflight_tokens:
+                return False
+        return True
+
+    def _utilization(self, routed: Any) -> bool:
+        ep = routed.endpoint
+        if ep is None or self._pool_of is None:
+            return True
+        return self.pool_saturation(self._pool_of(routed.request.served_model)) < 1.0
+
+    def pool_saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        """llm-d's utilization of a pool (0 idle, ≥ 1 saturated): the mean over endpoints of
+        max(waiting / queue_depth, effective KV usage / kv_threshold); an endpoint without
+        metrics, or with metrics older than `stale_after_s`, counts 1. An empty pool is 1."""
+        if not endpoints:
+            return 1.0
+        cfg, now, total = self.config, self._clock(), 0.0
+        for ep in endpoints:
+            age = ep.metrics_age(now)
+            if age is None or age > self._stale_after_s:
+                total += 1.0
+                continue
+            kv = effective_kv_usage(ep) or 0.0
+            total += max(ep.engine.waiting / cfg.queue_depth, kv / cfg.kv_threshold)
+        return total / len(endpoints)

@@ -1,0 +1,206 @@
+"""Flow control through the real servicer over gRPC, as Envoy drives it: a request the fleet
+cannot take now waits inside its ext_proc stream and is routed when room appears (with
+`x-llm-queue-ms`), bounded queues answer 429 with retry-after, expiry 503, a client that leaves
+while queued leaves nothing behind (queue counts, rate-limit charge), shutdown answers every
+queued request 503, and critical requests go before lower bands."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from tests.server.test_contract import body_msg, chat_body, error_of, headers_msg, set_headers, wait_until
+
+SECRET = "sk-flow-control-0123456789"
+
+
+def _fc(**extra) -> dict:
+    """Flow control on; each endpoint takes one request before its first token."""
+    gate = {"mode": "router", "max_prefill_requests": 1, **extra.pop("gate", {})}
+    return {"enabled": True, "gate": gate, **extra}
+
+
+def _ok_headers() -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")]
+    )
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm, end_of_stream=False))
+
+
+async def _send(stub, body: bytes | None = None, extra: dict[str, bytes] | None = None):
+    """Open a generation stream and send its headers and body; returns the call (the body's
+    answer not read yet: it comes when the request is dispatched)."""
+    call = stub.Process()
+    await call.write(headers_msg("POST", "/v1/chat/completions", extra=extra))
+    await call.read()
+    await call.write(body_msg(body or chat_body(max_tokens=16)))
+    return call
+
+
+async def _routed(call) -> str:
+    reply = await call.read()
+    assert reply.WhichOneof("response") == "request_body", reply
+    return set_headers(reply.request_body.response)["x-gateway-destination-endpoint"]
+
+
+async def _fill(app, stub) -> list:
+    """Hold both endpoints' one prefill slot (two routed streams, no first token yet)."""
+    calls = [await _send(stub) for _ in range(2)]
+    for c in calls:
+        await _routed(c)
+    assert {ep.prefill_inflight for ep in app.store.all()} == {1}
+    return calls
+
+
+async def test_a_burst_beyond_capacity_waits_and_is_routed_when_room_appears(make_app):
+    app = await make_app(flow_control=_fc())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        waiting = await _send(stub)
+        read = asyncio.ensure_future(_routed(waiting))
+        await wait_until(lambda: app.flow.live == 1)
+        await asyncio.sleep(0.1)
+        assert not read.done(), "routed while every endpoint was busy"
+        # The first token of one held request frees its endpoint's prefill slot.
+        await held[0].write(_ok_headers())
+        await held[0].read()
+        endpoint = await asyncio.wait_for(read, 5)
+        assert app.flow.live == 0 and app.store.get(endpoint).inflight == 2
+        await waiting.write(_ok_headers())
+        added = {o.header.key: o.header.raw_value.decode() for o in (await waiting.read()).response_headers.response.header_mutation.set_headers}
+        assert int(added["x-llm-queue-ms"]) >= 100
+        for c in [*held, waiting]:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert app.metrics.registry.get_sample_value("llm_extproc_flow_requests_total", {"band": "standard", "outcome": "dispatched"}) == 1
+
+
+async def test_full_queues_answer_429_with_retry_after(make_app):
+    app = await make_app(flow_control=_fc(max_requests=1, retry_after_s=3))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        queued = await _send(stub)
+        await wait_until(lambda: app.flow.live == 1)
+        refused = await _send(stub)
+        status, body, hdrs = error_of(await refused.read())
+        assert status == 429 and body["error"]["code"] == "queue_full" and hdrs["retry-after"] == "3"
+        for c in [*held, queued, refused]:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
+
+
+async def test_a_request_past_its_band_ttl_is_a_503(make_app):
+    app = await make_app(flow_control=_fc(bands={"standard": {"ttl_s": 0.2}}))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        waiting = await _send(stub)
+        status, body, _ = error_of(await asyncio.wait_for(waiting.read(), 5))
+        assert status == 503 and body["error"]["code"] == "queue_timeout"
+        assert app.flow.live == 0 and app.flow.bytes == 0
+        for c in [*held, waiting]:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_a_client_leaving_while_queued_leaves_nothing_behind(make_app):
+    limited = {"enabled": True, "default": {"tokens_per_minute": 100_000, "requests_per_minute": 1000}}
+    app = await make_app(flow_control=_fc(), ratelimit=limited)
+    auth = {"authorization": f"Bearer {SECRET}".encode()}
+    tenant = app.ratelimit.tenant({"authorization": f"Bearer {SECRET}"})
+
+    async def used() -> tuple[int, int]:
+        window = (await app.ratelimit.backend.peek(app.ratelimit.scopes(tenant, "Qwen/Qwen3-8B"))).uses[0]
+        return window.tokens, window.requests
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        before = await used()
+        waiting = [await _send(stub, extra=auth) for _ in range(20)]
+        await wait_until(lambda: app.flow.live == 20)
+        charged = await used()
+        assert charged[0] > before[0]  # admitted (charged) before it queued
+        for c in waiting:
+            c.cancel()
+        await wait_until(lambda: app.flow.live == 0)
+        await wait_until(lambda: app.servicer.active_streams == 2)
+        assert app.flow.bytes == 0
+        assert (await used())[0] == before[0], "the charge of a request that left while queued is given back"
+        assert app.store.open_reservations == 2
+        # Room appears: nothing stale is dispatched (no reservation made for the departed).
+        await held[0].write(_ok_headers())
+        await held[0].read()
+        await asyncio.sleep(0.1)
+        assert app.store.open_reservations == 2
+        for c in held:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+    assert app.metrics.registry.get_sample_value("llm_extproc_flow_queued_requests", {"band": "standard", "tenant": tenant.label}) == 0
+
+
+async def test_shutdown_answers_queued_requests_503(make_app):
+    app = await make_app(flow_control=_fc())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        waiting = [await _send(stub) for _ in range(3)]
+        await wait_until(lambda: app.flow.live == 3)
+        closing = asyncio.create_task(app.aclose(grace_s=5))
+        for c in waiting:
+            status, body, _ = error_of(await asyncio.wait_for(c.read(), 2))
+            assert status == 503 and body["error"]["code"] == "shutting_down"
+        for c in held:
+            c.cancel()
+        await asyncio.wait_for(closing, 6)
+    assert app.store.open_reservations == 0 and app.flow.live == 0
+
+
+async def test_critical_goes_before_queued_lower_bands(make_app):
+    priority = {"priority": {"trusted_header": "x-trusted-priority"}}
+    app = await make_app(flow_control=_fc(), admission=priority)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        sheddable = await _send(stub, extra={"x-llm-priority": b"sheddable"})
+        await wait_until(lambda: app.flow.live == 1)
+        critical = await _send(stub, extra={"x-trusted-priority": b"critical"})
+        await wait_until(lambda: app.flow.live == 2)
+        first = asyncio.ensure_future(_routed(critical))
+        later = asyncio.ensure_future(_routed(sheddable))
+        await held[0].write(_ok_headers())
+        await held[0].read()
+        await asyncio.wait_for(first, 5)
+        await asyncio.sleep(0.1)
+        assert not later.done(), "the sheddable request went before (or beside) the critical one"
+        await held[1].write(_ok_headers())
+        await held[1].read()
+        await asyncio.wait_for(later, 5)
+        for c in [*held, sheddable, critical]:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
+
+
+async def test_queues_are_shown_live_on_the_admin_api(make_app):
+    import httpx
+
+    app = await make_app(flow_control=_fc(), admin={"enabled": True})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        held = await _fill(app, stub)
+        waiting = await _send(stub)
+        await wait_until(lambda: app.flow.live == 1)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            shown = (await client.get(f"http://127.0.0.1:{app.admin_port}/api/v1/queues")).json()
+        assert shown["queued"] == 1 and shown["pools"][0]["saturated"] is True
+        band = next(b for b in shown["pools"][0]["bands"] if b["band"] == "standard")
+        assert band["queued"] == 1 and band["top_flows"][0]["tenant"] == "anonymous"
+        for c in [*held, waiting]:
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0)
