@@ -61,9 +61,22 @@ from extproc.bench.tenants import parse_tenants
 from extproc.config.loader import ConfigError, config_from_mapping
 
 TRACES = {
-    "azure-conv": "/work/shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
-    "mooncake-conv": "/work/shared/data/traces/mooncake/conversation_trace.jsonl",
+    "azure-conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
+    "mooncake-conv": "mooncake/conversation_trace.jsonl",
 }
+"""Trace files under `--traces-dir` (docs/benchmarks.md says where they come from)."""
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _traces_dir(given: str) -> Path:
+    """`--traces-dir`, else the first of ../shared/data/traces and ../../shared/data/traces
+    beside the repository (a checkout, or a worktree one level down) that exists."""
+    if given:
+        return Path(given)
+    for candidate in (_REPO.parent / "shared/data/traces", _REPO.parent.parent / "shared/data/traces"):
+        if candidate.is_dir():
+            return candidate
+    sys.exit("no trace folder at ../shared/data/traces beside the repository: pass --traces-dir")
 NO_SHEDDING = {"admission": {"priority": {"shed_sheddable_at": 1e6, "shed_standard_at": 1e6}}}
 MODES = {
     "no-gate": NO_SHEDDING,
@@ -163,7 +176,7 @@ async def overload(args: argparse.Namespace, modes: list[str], console: Console)
         for load in (1.5, 2.0):
             for seed in range(args.seeds):
                 for mode in modes:
-                    tenant = {"name": "trace", "load": load, "arrival": "trace", "workload": TRACES[name], "seed": 5}
+                    tenant = {"name": "trace", "load": load, "arrival": "trace", "workload": str(_traces_dir(args.traces_dir) / TRACES[name]), "seed": 5}
                     spec = {"duration_s": args.duration, "tenants": [tenant], "extproc_config": _mode_config(mode)}
                     report = await _run(spec, args, seed, f"overload {name} {load:g}×, {mode}", console)
                     t = _tenant(report, "trace")
@@ -223,6 +236,7 @@ def main() -> None:
     ap.add_argument("--speed", type=float, default=0.25, help="simulated seconds per wall second (< 1: the fleet slowed)")
     ap.add_argument("--duration", type=float, default=20.0, help="simulated seconds of arrivals per run")
     ap.add_argument("--traces", default="azure-conv,mooncake-conv", help=f"overload traces, of {', '.join(TRACES)}")
+    ap.add_argument("--traces-dir", default="", help="folder of the public traces (default: ../shared/data/traces beside the repository)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per attempt (simulated seconds)")
