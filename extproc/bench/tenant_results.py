@@ -3,7 +3,7 @@
     {"tenants": [{"tenant", "offered_rps", "requests", "sent", "ok", "refused_429", "refused_503",
                   "other_errors": {reason: count}, "gave_up",
                   "ttft_ms": {"p50", "p99"}, "tpot_ms": {"p50", "p99"},
-                  "goodput_rps", "completed_tokens", "completed_tokens_per_s",
+                  "goodput_rps", "completed_tokens", "completed_tokens_per_s", "completed_tokens_while_sending",
                   "behind_schedule_fraction"}],
      "slo": {"ttft_ms", "itl_ms"}, "duration_s", "time_unit", "speed", "settings"}
 
@@ -20,6 +20,9 @@ Definitions:
     (a one-token answer meets the TPOT half), per second of the run;
   - `completed_tokens`: prompt + output tokens of completed requests (the engine's `usage`
     when sent, else the workload's prompt length); per second of the run;
+  - `completed_tokens_while_sending`: the same, of requests that ended before the run's last
+    first send (every tenant's arrivals still coming): the share each tenant got while all were
+    sending, before the backlog drains (a drain serves whoever is left, whatever the weights);
   - the run's duration is first send to last end over every tenant, in the run's time unit.
 """
 
@@ -60,6 +63,7 @@ class TenantSummary(_Model):
     completed_tokens: int
     completed_tokens_per_s: float | None
     behind_schedule_fraction: float
+    completed_tokens_while_sending: int | None = None
 
 
 class TenantReport(_Model):
@@ -79,9 +83,10 @@ def _client_ttft_s(r: RequestResult) -> float | None:
 
 def summarize_tenant(
     name: str, results: Sequence[RequestResult], *, offered_rps: float, duration_s: float, slo: SLO,
-    lag_threshold_s: float = 0.050,
+    lag_threshold_s: float = 0.050, sending_until_wall_s: float | None = None,
 ) -> TenantSummary:  # fmt: skip
-    """One tenant's summary from its attempts (`duration_s`: the run's, in its time unit)."""
+    """One tenant's summary from its attempts (`duration_s`: the run's, in its time unit;
+    `sending_until_wall_s`: the run's last first send, wall seconds from its start)."""
     ok = [r for r in results if r.ok]
     status = Counter(r.status for r in results if not r.ok)
     other = Counter(r.error or str(r.status) for r in results if not r.ok and r.status not in (429, 503))
@@ -95,7 +100,13 @@ def summarize_tenant(
         and t * 1000 <= slo.ttft_ms
         and (r.itl_s is None or r.itl_s * 1000 <= slo.itl_ms)
     )
-    tokens = sum((r.prompt_tokens if r.prompt_tokens is not None else r.input_tokens) + (r.output_tokens or 0) for r in ok)
+    def work(rs: list[RequestResult]) -> int:
+        return sum((r.prompt_tokens if r.prompt_tokens is not None else r.input_tokens) + (r.output_tokens or 0) for r in rs)
+
+    tokens = work(ok)
+    while_sending = None
+    if sending_until_wall_s is not None:
+        while_sending = work([r for r in ok if r.done_wall_s is not None and r.done_wall_s <= sending_until_wall_s])
     first = [r for r in results if r.attempt == 0]
     behind = sum(1 for r in first if r.lag_s > lag_threshold_s)
     return TenantSummary(
@@ -114,6 +125,7 @@ def summarize_tenant(
         completed_tokens=tokens,
         completed_tokens_per_s=tokens / duration_s if duration_s > 0 else None,
         behind_schedule_fraction=behind / len(first) if first else 0.0,
+        completed_tokens_while_sending=while_sending,
     )
 
 
@@ -137,8 +149,12 @@ def tenant_report(
     wall = (max(ends) - min(r.sent_wall_s for r in results)) if ends else 0.0
     scale = scales.pop()
     duration = wall * scale
+    last_send = max((r.sent_wall_s for r in results if r.attempt == 0), default=None)
     tenants = [
-        summarize_tenant(name, rec.results, offered_rps=rate, duration_s=duration, slo=slo, lag_threshold_s=rec.lag_threshold_s)
+        summarize_tenant(
+            name, rec.results, offered_rps=rate, duration_s=duration, slo=slo, lag_threshold_s=rec.lag_threshold_s,
+            sending_until_wall_s=last_send,
+        )  # fmt: skip
         for name, rate, rec in records
     ]
     return TenantReport(

@@ -190,6 +190,12 @@ def test_the_report_spans_every_tenant_on_one_clock() -> None:
     assert report.duration_s == pytest.approx(6.0)  # 0 → 3 wall seconds at ×2
     assert [t.tenant for t in report.tenants] == ["a", "b"]
     assert report.tenants[1].refused_429 == 1 and report.tenants[1].offered_rps == 3.0
+    # the last first send was at 0.6 s: a's request (ended at 1.0) came after it, as did b's
+    assert [t.completed_tokens_while_sending for t in report.tenants] == [0, 0]
+    early = RunRecord([_result(0, sent=0.0, done=0.5), _result(1, sent=0.7, done=2.0)], "simulated", 2.0, 2.0, 2)
+    shares = tenant_report([("a", 1.0, early), ("b", 3.0, b)], SLO())
+    assert [t.completed_tokens_while_sending for t in shares.tenants] == [151, 0]
+    assert [t.completed_tokens for t in shares.tenants] == [302, 151]
     with pytest.raises(ValueError, match="different clocks"):
         tenant_report([("a", 1.0, a), ("b", 1.0, RunRecord([], "simulated", 1.0, 0.0, 0))], SLO())
 
