@@ -307,6 +307,11 @@ def bench(
         None, "--report", help="run nothing: print the table of these --json reports (comma-separated, e.g. one "
         "per policy) as one; --json writes them as one report",
     ),
+    tenants: str | None = typer.Option(
+        None, "--tenants", help="multi-tenant mode: a YAML file (or inline YAML) of tenants, each with its own "
+        "arrivals, workload, API key, retry behaviour and limits (extproc/bench/tenants.py); reports per tenant; "
+        "one llm-extproc policy; --trace, --requests, --rate-scale and --rate do not apply",
+    ),
 ) -> None:
     """Replay the same requests through each policy in turn (fresh simulators for each) and compare."""
     import asyncio
@@ -324,6 +329,12 @@ def bench(
         if plot is not None or requests_out is not None:
             raise _fail("--report reads summaries only: --plot and --requests-out need the runs themselves")
         raise typer.Exit(report_files(paths, json_path, console))
+    if tenants is not None:
+        _bench_tenants(
+            tenants, policies=policies, fleet=fleet, seed=seed, speed=speed, stream_interval=stream_interval,
+            json_path=json_path, slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms), request_timeout=request_timeout,
+            extproc_config=extproc_config, console=console,
+        )  # fmt: skip
     speed_value = 1.0 if speed == "auto" else _parse_speed(speed)
     chosen, settings = _common(
         policy_names=policies, fleet=fleet, speed=speed_value, stream_interval=stream_interval, seed=seed, port=0
@@ -354,6 +365,77 @@ def bench(
         slo=SLO(ttft_ms=slo_ttft_ms, itl_ms=slo_itl_ms),
     )  # fmt: skip
     raise typer.Exit(asyncio.run(run_bench(options, console)))
+
+
+def _read_tenants(text: str):  # type: ignore[no-untyped-def]
+    """`--tenants`: a file, or inline YAML (a value with a newline or starting with `{`)."""
+    import yaml
+
+    from extproc.bench.overlay import MAX_OVERLAY_BYTES
+    from extproc.bench.tenants import TenantSpecError, parse_tenants
+
+    inline = "\n" in text or text.lstrip().startswith("{")
+    try:
+        if inline:
+            raw = text
+        else:
+            with Path(text).open("rb") as fh:
+                data = fh.read(MAX_OVERLAY_BYTES + 1)
+            if len(data) > MAX_OVERLAY_BYTES:
+                raise _fail(f"--tenants: {text} is larger than {MAX_OVERLAY_BYTES} bytes")
+            raw = data.decode("utf-8")
+        return parse_tenants(yaml.safe_load(raw))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise _fail(f"--tenants: cannot read {'the inline spec' if inline else text}: {exc}") from None
+    except TenantSpecError as exc:
+        raise _fail(f"--tenants: {exc}") from None
+
+
+def _bench_tenants(text: str, *, policies: str, fleet: str, seed: int, speed: str, stream_interval: int,
+                   json_path: Path | None, slo, request_timeout: float, extproc_config: Path | None,
+                   console) -> None:  # type: ignore[no-untyped-def]
+    """`bench --tenants`: parse, build every tenant's workload, pick the speed, run; exits."""
+    import asyncio
+    import dataclasses
+
+    from extproc.bench.commands import run_tenant_bench
+    from extproc.bench.runner import auto_speed
+    from extproc.bench.tenant_run import TenantRunOptions, prepare_tenants, tenant_server_overrides
+    from extproc.bench.tenants import TenantSpecError
+    from extproc.bench.traces import TraceFormatError
+    from extproc.config.loader import ConfigError, config_from_mapping
+    from extproc.bench.stacks import policy_server_config
+
+    spec = _read_tenants(text)
+    if policies == BENCH_POLICIES:
+        policies = "llm-extproc"
+    chosen, settings = _common(
+        policy_names=policies, fleet=fleet, speed=1.0 if speed == "auto" else _parse_speed(speed),
+        stream_interval=stream_interval, seed=seed, port=0,
+    )  # fmt: skip
+    if len(chosen) != 1 or chosen[0].kind != "extproc":
+        raise _fail("--tenants runs one llm-extproc policy (tenants are told apart by its rate limiter)")
+    if not (0 < request_timeout < float("inf")):
+        raise _fail(f"--request-timeout must be a finite number > 0, got {request_timeout}")
+    if extproc_config is not None:
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
+    sample = {f"127.0.0.1:{8000 + i}": p for i, p in enumerate(settings.profiles)}
+    try:  # the tenants' limits and the spec's extproc_config, checked before anything starts
+        merged = tenant_server_overrides(spec, settings.server_overrides)
+        config_from_mapping(policy_server_config(chosen[0], dataclasses.replace(settings, server_overrides=merged), sample), source="--tenants")
+    except ConfigError as exc:
+        raise _fail(f"--tenants: the generated llm-extproc config is invalid: {exc}") from None
+    options = TenantRunOptions(settings=settings, policy=chosen[0], slo=slo, seed=seed, request_timeout_s=request_timeout)
+    try:
+        prepared = prepare_tenants(spec, options)
+    except (TenantSpecError, TraceFormatError, ValueError) as exc:
+        raise _fail(f"--tenants: {exc}") from None
+    if speed == "auto":
+        total = sum(rate for _, rate in prepared)
+        value = round(auto_speed(total, BENCH_MAX_WALL_RPS), 3)
+        options = dataclasses.replace(options, settings=dataclasses.replace(settings, speed=value))
+        console.print(f"--speed auto: {value:g} ({total:.1f} requests/s offered in all)", highlight=False)
+    raise typer.Exit(asyncio.run(run_tenant_bench(spec, options, prepared, json_path, console)))
 
 
 def _server_overrides(path: Path, profiles) -> dict:  # type: ignore[no-untyped-def]

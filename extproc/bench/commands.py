@@ -27,7 +27,7 @@ from extproc.bench.results import SLO, LabeledRun, Report, build_report, merge_r
 from extproc.bench.runner import Interrupts, ReplayOptions, Workload, replay
 from extproc.bench.stacks import PolicyStack, StackSettings
 
-__all__ = ["BenchOptions", "DemoOptions", "Outputs", "report_files", "run_bench", "run_demo", "run_up"]
+__all__ = ["BenchOptions", "DemoOptions", "Outputs", "report_files", "run_bench", "run_demo", "run_tenant_bench", "run_up"]
 
 _BEHIND_WARN = 0.01  # behind-schedule fraction above which a run is flagged (CPU headroom gone)
 
@@ -407,3 +407,31 @@ def _plot_bench(options: BenchOptions, runs: list[LabeledRun], report: Report, c
         goodput = path.with_name(f"{path.stem}-goodput{path.suffix or '.png'}")
         plot_goodput(report, goodput)
         console.print(f"wrote {goodput} (goodput vs offered load)", highlight=False)
+
+
+async def run_tenant_bench(spec, options, prepared, json_path: Path | None, console: Console) -> int:  # type: ignore[no-untyped-def]
+    """`bench --tenants`: one multi-tenant run (`tenant_run.run_tenants`), its per-tenant table
+    and JSON report. Exit 0 done, 1 a child failed, 2 cannot write, 130 interrupted."""
+    from extproc.bench.tenant_results import TenantReport, render_tenants
+    from extproc.bench.tenant_run import run_tenants
+
+    logs = _Logs("llm-extproc-tenants-")
+    reports: list[TenantReport] = []
+
+    async def work(interrupts: Interrupts) -> None:
+        console.print(f"starting: {options.policy.description}; speed {options.settings.speed:g}", highlight=False)
+        reports.append(await run_tenants(spec, options, console=console, workdir=logs.path, prepared=prepared))
+
+    outcome = await _guarded(work, logs, console)
+    if not reports:
+        return 1 if outcome == "failed" else 130
+    console.print(render_tenants(reports[0]))
+    if json_path is not None:
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_bytes(orjson.dumps(reports[0].model_dump(mode="json"), option=orjson.OPT_INDENT_2))
+        except OSError as exc:
+            console.print(f"[red]error:[/red] cannot write: {exc}", highlight=False)
+            return 2
+        console.print(f"wrote {json_path}", highlight=False)
+    return 0

@@ -23,6 +23,13 @@ from the final usage); E2E (send → end of stream); output tokens from `usage`;
 that served it (first response header present among `endpoint_headers`); and how late the send
 was against the schedule (a send more than `lag_threshold_s` late counts as behind schedule).
 
+Refusals: with `LoadGenConfig.retry` a refused request (429 or 503) is sent again, as a new
+attempt with its own `RequestResult` (same `index`, `attempt` 1, 2, ...): at once (`immediate`, a
+client that ignores `retry-after`) or after the response's `retry-after` seconds (`retry-after`,
+wall seconds: the gateway's clock, not the simulator's), at most `max_attempts` sends in all.
+A later attempt records `waited_s`, the time since the first attempt was sent, so a client's
+own TTFT is `waited_s + ttft_s`.
+
 Ctrl-C: `stop()` (or `run(..., handle_signals=True)`) stops sending and cancels in-flight
 requests, which are recorded as `cancelled`; `run` still returns what was measured.
 """
@@ -47,9 +54,70 @@ if TYPE_CHECKING:
     from extproc.bench.prompts import PromptSynthesizer
     from extproc.bench.traces import TraceRequest
 
-__all__ = ["LoadGenConfig", "LoadGenerator", "Progress", "RequestResult", "RunRecord", "error_reason"]
+__all__ = [
+    "LoadGenConfig", "LoadGenerator", "Progress", "RequestResult", "RetryPolicy", "RunRecord", "error_reason",
+    "parse_retry_after",
+]
 
 _ERROR_BODY_LIMIT = 64 * 1024
+_RETRY_STATUSES = (429, 503)
+_RETRY_AFTER_MAX_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """What a client does with a refusal (HTTP 429 or 503).
+
+    Attributes:
+        mode: `never` (give up), `immediate` (send again at once, ignoring `retry-after`: a
+            flooding client), `retry-after` (wait the response's `retry-after`, else
+            `default_wait_s`, then send again).
+        max_attempts: sends of one request in all, the first included (>= 1).
+        default_wait_s: the wait when `retry-after` is absent or unreadable (wall seconds).
+        give_up_after_s: no resend starts later than this after the request's first send
+            (wall seconds), as a client gives up at last (a `retry-after` of a minute would
+            otherwise outlast a short run).
+    """
+
+    mode: str = "never"
+    max_attempts: int = 1
+    default_wait_s: float = 1.0
+    give_up_after_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("never", "immediate", "retry-after"):
+            raise ValueError(f"retry mode must be never, immediate or retry-after, got {self.mode!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not (self.default_wait_s >= 0 and math.isfinite(self.default_wait_s)):
+            raise ValueError(f"default_wait_s must be a finite number >= 0, got {self.default_wait_s}")
+        if not self.give_up_after_s >= 0:
+            raise ValueError(f"give_up_after_s must be >= 0, got {self.give_up_after_s}")
+
+    def wait_s(self, result: RequestResult, attempts: int, waited_s: float = 0.0) -> float | None:
+        """Wall seconds to wait before sending `result`'s request again, after `attempts` sends
+        and `waited_s` wall seconds since its first; None: do not send it again (not a refusal,
+        mode `never`, attempts used up, or the resend would start past `give_up_after_s`)."""
+        if self.mode == "never" or attempts >= self.max_attempts or result.status not in _RETRY_STATUSES:
+            return None
+        wait = 0.0 if self.mode == "immediate" else (
+            self.default_wait_s if result.retry_after_s is None else result.retry_after_s
+        )  # fmt: skip
+        return None if waited_s + wait > self.give_up_after_s else wait
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """`retry-after` as seconds (RFC 9110 delay-seconds; an HTTP date is not read): None when
+    absent or not a number >= 0; capped at an hour."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        return None
+    return min(seconds, _RETRY_AFTER_MAX_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +149,7 @@ class LoadGenConfig:
             that send a huge `max_tokens` do: an engine (the simulator: its log-normal draw,
             median 150 tokens) then stops at the output length or later, at its own end of
             sequence. None: `max_tokens = min_tokens = output length` with `ignore_eos`.
+        retry: what to do with a 429 / 503 (`RetryPolicy`; default: give up).
     """
 
     base_url: str
@@ -99,6 +168,7 @@ class LoadGenConfig:
     closed_loop_sessions: bool = False
     think_time_s: float = 0.0
     max_tokens: int | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -141,6 +211,9 @@ class RequestResult:
         chunk_tokens: tokens carried by each content event.
         chunk_tokens_exact: whether `chunk_tokens` came from per-chunk usage (else estimated).
         output_tokens / prompt_tokens: from the response's `usage`, when sent.
+        attempt: 0 for the first send of a request, n for its n-th resend (`RetryPolicy`).
+        waited_s: time from the request's first send to this attempt's send (run's unit).
+        retry_after_s: the response's `retry-after` (seconds), when it sent one.
     """
 
     index: int
@@ -164,6 +237,9 @@ class RequestResult:
     chunk_tokens_exact: bool = False
     output_tokens: int | None = None
     prompt_tokens: int | None = None
+    attempt: int = 0
+    waited_s: float = 0.0
+    retry_after_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -397,7 +473,7 @@ class LoadGenerator:
                     await asyncio.wait({stop_waiter}, timeout=delay)
                 if self._stop.is_set():
                     return
-                task = asyncio.create_task(self._send(session, url, body, *self._start(request, index, target, results, t0)))
+                task = asyncio.create_task(self._attempts(session, url, body, request, index, target, results, t0))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             if self.config.closed_loop_sessions and request.session is not None:
@@ -423,7 +499,38 @@ class LoadGenerator:
         delay = target - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        await self._send(session, url, body, *self._start(request, index, target, results, t0))
+        await self._attempts(session, url, body, request, index, target, results, t0)
+
+    async def _attempts(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        body: bytes,
+        request: TraceRequest,
+        index: int,
+        target: float,
+        results: list[RequestResult],
+        t0: float,
+    ) -> None:
+        """Send `request` now, and again after each refusal as `config.retry` says (a resend is
+        a new attempt, due at once: its lag is 0 unless the loop is late)."""
+        assert self._stop is not None
+        loop = asyncio.get_running_loop()
+        headers, result, _ = self._start(request, index, target, results, t0)
+        first = result.sent_wall_s
+        await self._send(session, url, body, headers, result, t0)
+        attempts = 1
+        while not self._stop.is_set():
+            wait = self.config.retry.wait_s(result, attempts, loop.time() - t0 - first)
+            if wait is None:
+                break
+            if wait > 0:
+                await asyncio.sleep(wait)
+            headers, result, _ = self._start(request, index, loop.time(), results, t0)
+            result.attempt = attempts
+            result.waited_s = (result.sent_wall_s - first) * self.config.speed
+            attempts += 1
+            await self._send(session, url, body, headers, result, t0)
 
     def _start(
         self, request: TraceRequest, index: int, target: float, results: list[RequestResult], t0: float
@@ -518,6 +625,7 @@ class LoadGenerator:
                 if self.config.debug_header is not None:
                     result.route_debug = response.headers.get(self.config.debug_header)
                 if response.status != 200:
+                    result.retry_after_s = parse_retry_after(response.headers.get("retry-after"))
                     result.error, result.error_detail = error_reason(
                         response.status, await response.content.read(_ERROR_BODY_LIMIT)
                     )

@@ -244,6 +244,18 @@ def policy_server_config(
     return cfg
 
 
+def _message_timeout_s(cfg: Mapping[str, Any]) -> float | None:
+    """Envoy's ext_proc `message_timeout` for llm-extproc's config `cfg` (seconds): above the
+    longest flow-control queue wait when flow control is on (as `envoy-config` sets it; with the
+    shipped 2 s a request queued past ~0.5 s got Envoy's 504), else None (the shipped value)."""
+    from extproc.config.loader import config_from_mapping
+
+    parsed = config_from_mapping(cfg)
+    if not parsed.flow_control.enabled:
+        return None
+    return parsed.flow_control.message_timeout_s(parsed.limits.decision_timeout_ms)
+
+
 class PolicyStack:
     """A fleet and the front for `policy`, started and stopped as one.
 
@@ -276,6 +288,7 @@ class PolicyStack:
         self.peer: ManagedProcess | None = None
         self._peer_port: int | None = None
         self._peer_metrics_port: int | None = None
+        self._message_timeout_s: float | None = None
 
     @property
     def url(self) -> str:
@@ -339,6 +352,7 @@ class PolicyStack:
         path = self.workdir / "llm-extproc.yaml"
         cfg = policy_server_config(self.policy, self.settings, self.fleet.profiles, kv_events=self.fleet.kv_events)
         path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+        self._message_timeout_s = _message_timeout_s(cfg)
         self.server = ExtProcServerProcess(path, workdir=self.workdir, log_level="warning")
         await self.server.start()
 
@@ -354,6 +368,7 @@ class PolicyStack:
                 listener=("127.0.0.1", self.settings.port),
                 extproc=self.server.grpc_address if self.server is not None else None,
                 endpoints=endpoints,
+                message_timeout_s=self._message_timeout_s,
             ),
         )
         self.envoy = EnvoyProcess(cfg, workdir=self.workdir, concurrency=self.settings.envoy_concurrency)

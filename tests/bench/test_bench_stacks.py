@@ -131,3 +131,14 @@ def test_check_port_free() -> None:
         with pytest.raises(PortBusyError, match=f"port {port} on 127.0.0.1 is already in use"):
             check_port_free(port)
     check_port_free(port)  # released: free again
+
+
+def test_flow_control_raises_envoys_message_timeout_above_the_longest_queue_wait() -> None:
+    """A request held in a flow-control queue is answered only when dispatched: the bench's Envoy
+    must wait longer than the shipped 2 s or a request queued past ~0.5 s gets Envoy's 504."""
+    from extproc.bench.stacks import _message_timeout_s
+
+    cfg = server_config({"127.0.0.1:8000": "h100-qwen3-8b"}, profile="load-aware")
+    assert _message_timeout_s(cfg) is None
+    on = merge_config(cfg, {"flow_control": {"enabled": True, "bands": {"standard": {"ttl_s": 45}}}})
+    assert _message_timeout_s(on) > 60  # critical's default 60 s TTL is the longest wait
