@@ -46,6 +46,7 @@ PAGES: dict[tuple[str, str], str] = {
     ("GET", "/api/v1/endpoints"): "each endpoint's health, load, KV cache, prefill fit; prefix index, token encoders, replica sync",
     ("GET", "/api/v1/weights"): "each endpoint's routing weight for a reference request, its scorers and operator override",
     ("GET", "/api/v1/tenants"): "each rate-limited tenant's window and limits (labels only, never keys)",
+    ("GET", "/api/v1/queues"): "flow control's queues live: per model, band and tenant (labels only)",
     **OVERRIDE_PAGES,
 }
 """Method and path → one line on the page, listed at `INDEX_PATHS` (a test checks every route

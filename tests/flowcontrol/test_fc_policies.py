@@ -203,7 +203,7 @@ async def test_the_loop_runs_cycles_on_wake_and_on_the_tick():
 def test_config_errors_name_the_problem():
     from extproc.config.loader import ConfigError, config_from_mapping
 
-    base = {"models": [{"name": "m", "max_model_len": 4096}], "endpoints": [{"address": "127.0.0.1:1", "models": ["m"]}]}
+    base = {"models": [{"name": "m", "path": "builtin:qwen3-8b", "max_model_len": 4096}], "endpoints": [{"address": "127.0.0.1:1", "models": ["m"]}]}
     for bad, needle in [
         ({"gate": {"mode": "concurrency"}}, "max_inflight"),
         ({"weights": {"acme": 0}}, "weights must be finite numbers > 0"),
