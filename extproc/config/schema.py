@@ -459,6 +459,12 @@ class ModelConfig(Strict):
         return self
 
 
+ROLE_LABEL = "llm-d.ai/role"
+"""The endpoint label naming its P/D role (llm-d's Pod label; `EndpointConfig.role`)."""
+ENDPOINT_ROLES = ("prefill", "decode", "both")
+"""The P/D roles an endpoint may have (`EndpointConfig.role`)."""
+
+
 class EndpointConfig(Strict):
     """One inference endpoint (a vLLM server).
 
@@ -474,6 +480,11 @@ class EndpointConfig(Strict):
             endpoint's prefix index comes from its events (`extproc.prefix.precise`).
         kv_events_replay: the engine's replay socket (`replay_endpoint`), `tcp://host:port`, to
             recover missed batches; None: a gap drops the endpoint's index instead.
+        role: what it does in prefill/decode disaggregation (`extproc.scheduling.pd`):
+            `prefill` (takes only the prefill of disaggregated requests), `decode` (the
+            destination; prefills only what is not disaggregated) or `both` (a unified engine,
+            either pick). Left out: the `llm-d.ai/role` label's value when it has one (llm-d's
+            label, also read from Kubernetes Pods), else `both`.
     """
 
     address: str
@@ -482,6 +493,18 @@ class EndpointConfig(Strict):
     agent: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    role: Literal["prefill", "decode", "both"] = "both"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _role_from_label(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") is None and isinstance(data.get("labels"), dict):
+            label = data["labels"].get(ROLE_LABEL)
+            if label is not None:
+                if label not in ENDPOINT_ROLES:
+                    raise ValueError(f"label {ROLE_LABEL}={label!r} is not a role: one of {', '.join(ENDPOINT_ROLES)}")
+                data = {**data, "role": label}
+        return data
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

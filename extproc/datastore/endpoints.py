@@ -121,12 +121,15 @@ class Endpoint:
         agent: `host:port` of its node agent (`EndpointConfig.agent`), or None.
         kv_events / kv_events_replay: its engine's KV-event publisher and replay socket
             (`EndpointConfig.kv_events`, `tcp://host:port`), or None.
+        role: `prefill`, `decode` or `both` (`EndpointConfig.role`): which side of a
+            disaggregated request it may take (`extproc.scheduling.pd`).
     """
 
     address: EndpointAddress
     models: frozenset[str]
     labels: dict[str, str] = field(default_factory=dict)
     gpu: str = ""
+    role: str = "both"
     healthy: bool = True
     inflight: int = 0
     prefill_inflight: int = 0
@@ -454,7 +457,7 @@ class Datastore:
             if ep.draining:
                 log.info("endpoint %s back before its drain ended: it takes new requests again", ep.address)
                 ep.draining, ep.draining_since = False, None
-            elif ep.models == models and ep.labels == cfg.labels and not relinked:
+            elif ep.models == models and ep.labels == cfg.labels and ep.role == cfg.role and not relinked:
                 return ep
             gpu = cfg.labels.get(self._gpu_label, "")
             if ep.gpu.casefold() != gpu.casefold():
@@ -463,7 +466,7 @@ class Datastore:
                 # threw away what was learned.
                 ep.prefill_fit = PrefillFit(self._prior_for(cfg.labels))
             self._unindex(ep)
-            ep.models, ep.labels, ep.gpu = models, dict(cfg.labels), gpu
+            ep.models, ep.labels, ep.gpu, ep.role = models, dict(cfg.labels), gpu, cfg.role
             self._index(ep)
             if relinked:
                 ep.agent, ep.kv_events, ep.kv_events_replay = links
@@ -471,7 +474,7 @@ class Datastore:
                     hook(ep)
             return ep
         ep = Endpoint(
-            EndpointAddress(cfg.address), models, dict(cfg.labels), gpu=cfg.labels.get(self._gpu_label, ""),
+            EndpointAddress(cfg.address), models, dict(cfg.labels), gpu=cfg.labels.get(self._gpu_label, ""), role=cfg.role,
             prefill_fit=PrefillFit(self._prior_for(cfg.labels)),
         )
         ep.agent, ep.kv_events, ep.kv_events_replay = links
