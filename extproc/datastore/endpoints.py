@@ -250,7 +250,7 @@ class Reservation:
             with the other replicas, which count the work at their own attention ratio).
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "prefill_counts", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "prefill_counts", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "prefill_side", "_store", "_released")
 
     def __init__(
         self,
@@ -278,12 +278,23 @@ class Reservation:
         self.learns = True
         """False: its first token teaches the endpoint's prefill fit nothing (a request moved
         here after its headers came back from another attempt, whose start here is unknown)."""
+        self.prefill_side: Reservation | None = None
+        """A disaggregated request's reservation on its prefill endpoint (`attach_prefill_side`)."""
         self._store = store
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    def attach_prefill_side(self, prefill_side: Reservation) -> None:
+        """Make `prefill_side` (the same request's reservation on its prefill endpoint, P/D
+        disaggregation) end with this one's prefill: it is released when this reservation
+        reaches its first token (the KV has moved to this endpoint) or is released, whichever
+        comes first. This reservation's own time to first token then includes the remote
+        prefill and the transfer, so it teaches this endpoint's prefill fit nothing."""
+        self.prefill_side = prefill_side
+        self.learns = False
 
     def mark_first_token(self, now: float | None = None, *, learn: bool = True) -> None:
         """The first output token reached us: the request moves from prefill to decode.
@@ -296,6 +307,8 @@ class Reservation:
         """
         if self._released or not self.in_prefill:
             return
+        if self.prefill_side is not None:
+            self.prefill_side.release(now)
         self.in_prefill = False
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
@@ -328,6 +341,8 @@ class Reservation:
         """
         if self._released:
             return
+        if self.prefill_side is not None:
+            self.prefill_side.release(now)
         self.settle()
         self._released = True
         ep = self.endpoint

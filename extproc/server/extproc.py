@@ -578,6 +578,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if routed.result is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
                 headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
+                if (prefiller := routed.prefill_endpoint) is not None:
+                    headers[responses.PREFILLER_HEADER] = prefiller.address
                 req = routed.request
                 # A truncated prompt's body; an alias: the engines serve the model under its configured name.
                 rewritten = routed.body
