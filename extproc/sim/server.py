@@ -592,8 +592,9 @@ class SimServer:
             if not await self._wait_all(reqs, event):
                 return self._die(request)
             choices = [(output_text(r.uid, 0, r.num_output), r.finish_reason or "stop") for r in reqs]
-            # A decode side reports the pulled KV as cached, as vLLM does (the sidecar rewrites it).
-            cached = reqs[0].cached_tokens if transfer is not None and transfer.role == "decode" else None
+            # Both P/D sides report cached tokens (vLLM with --enable-prompt-tokens-details); a
+            # decode side counts the pulled KV as cached, as vLLM does (the sidecar rewrites it).
+            cached = reqs[0].cached_tokens if transfer is not None else None
             body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs), cached)
             if transfer is not None and transfer.role == "prefill":
                 body = self._with_transfer_params(body, reqs[0])
