@@ -170,11 +170,6 @@ class SimProcess(ChildHandle):
             await self.aclose()
             raise
 
-    async def aclose(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM by PID, wait up to `timeout_s` seconds, then SIGKILL. Safe to call twice."""
-        if self._proc is not None:
-            await self._proc.astop(timeout_s)
-
 
 class Fleet:
     """Simulators for `profiles` (one per entry, in order), started and stopped together.

@@ -80,8 +80,3 @@ class SidecarProcess(ChildHandle):
         except BaseException:
             await self.aclose()
             raise
-
-    async def aclose(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM by PID, wait up to `timeout_s` seconds, then SIGKILL. Safe to call twice."""
-        if self._proc is not None:
-            await self._proc.astop(timeout_s)
