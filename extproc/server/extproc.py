@@ -601,10 +601,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return self._reject(err, hdrs)
 
     def _still_listed(self, routed: Routed) -> bool:
-        """The routed endpoint is still in the datastore, as the same object, and takes new
-        requests (True also when nothing was picked)."""
-        ep = routed.endpoint
-        return ep is None or (self._pipeline.endpoint(ep.address) is ep and not ep.draining)
+        """The routed endpoints (the prefill one too, when disaggregated) are still in the
+        datastore, as the same objects, and take new requests (True also when nothing was picked)."""
+        return all(
+            ep is None or (self._pipeline.endpoint(ep.address) is ep and not ep.draining) for ep in (routed.endpoint, routed.prefill_endpoint)
+        )
 
     def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
         """Feed one answer's status to outlier detection; count and log an ejection."""
