@@ -19,7 +19,8 @@ listening where the router's destination points and forwarding to the local deco
    `usage.prompt_tokens_details.cached_tokens` rewritten to the prefill side's count (the
    decode engine counts the pulled prompt as cached).
 
-A failed prefill answers 502 (`prefill_failed`): it never recomputes the prompt on the decode
+A failed prefill answers 502 (`prefill_failed`, with `x-llm-prefill-failed`: the router then
+counts the failure against the prefill endpoint, not this decode one): it never recomputes the prompt on the decode
 engine unless `local_fallback` says so (llm-d removed its silent fallback, PR #1206: it hid
 broken transfers).
 """
@@ -38,7 +39,7 @@ from aiohttp import web
 from extproc.config.schema import parse_host_port
 from extproc.datastore.endpoints import Datastore, canonical_address
 from extproc.scheduling.pd import PREFILL_ROLES
-from extproc.server.responses import PREFILLER_HEADER
+from extproc.server.responses import PREFILL_FAILED_HEADER, PREFILLER_HEADER
 
 __all__ = ["PDSidecar", "discovered_prefillers", "static_prefillers", "PREFILL_KV_PARAMS", "RETRY_STATUSES"]
 
@@ -92,9 +93,9 @@ def static_prefillers(addresses: Iterable[str]) -> Callable[[str], bool]:
     return lambda address: canonical_address(address) in allowed
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
+def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
     body = {"object": "error", "message": message, "type": "BadRequestError" if status < 500 else "ServiceUnavailableError", "param": None, "code": code}
-    return web.Response(status=status, body=orjson.dumps({"error": body, **body}), content_type="application/json")
+    return web.Response(status=status, body=orjson.dumps({"error": body, **body}), content_type="application/json", headers=headers)
 
 
 class PDSidecar:
@@ -188,7 +189,8 @@ class PDSidecar:
         if isinstance(outcome, str):
             self.counts["prefill_failed"] += 1
             if not self.local_fallback:
-                return _error(502, f"prefill on {prefiller} failed: {outcome}", "prefill_failed")
+                # The header tells the router whose failure this is (its outlier detection).
+                return _error(502, f"prefill on {prefiller} failed: {outcome}", "prefill_failed", {PREFILL_FAILED_HEADER: "1"})
             self.counts["local_fallback"] += 1
             log.warning("prefill on %s failed (%s): decoding locally (local_fallback)", prefiller, outcome)
             return await self._forward(request, self.decode_url, raw)

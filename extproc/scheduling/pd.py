@@ -17,8 +17,10 @@ llm-d-router's rule (DESIGN.md §13, decision 0330), on a model whose endpoints 
    (one output token: the prefill side's blocks leave with the transfer).
 
 Both picks run full profiles, so health, outlier ejection, KV admission and operator overrides
-apply to each. No prefill endpoint passing its filters leaves the request on its decode endpoint
-(`reason=no_prefill_endpoint`), never refused: the decode engine can always prefill.
+apply to each; the prefill pick has no health panic (an unhealthy or ejected prefill endpoint is
+never chosen over local prefill). No prefill endpoint passing its filters leaves the request on
+its decode endpoint (`reason=no_prefill_endpoint`), never refused: the decode engine can always
+prefill.
 
 The pair's predicted TTFT is the prefill endpoint's predicted TTFT plus the KV transfer,
 `uncached tokens × KV bytes per token (the model's architecture) ÷ link bandwidth`.
@@ -160,7 +162,10 @@ class PDHandler:
             return PDDecision(DECODE_ONLY, "short_prompt", decode, uncached_tokens=uncached)
         # The prefill side holds the prompt's blocks only until the decode side pulls them.
         pctx = dataclasses.replace(ctx, expected_output_tokens=1, decode_output_tokens=1, data={})
-        prefill = self.prefill_profile.run(pctx, [ep for ep in endpoints if ep.role in PREFILL_ROLES and ep is not target])
+        # No panic for this pick: an unhealthy or ejected prefill endpoint is never worth more
+        # than the decode engine prefilling itself (healthy-filter would keep a lone failing one).
+        usable = [ep for ep in endpoints if ep.role in PREFILL_ROLES and ep is not target and ep.healthy and not ep.ejected(ctx.now)]
+        prefill = self.prefill_profile.run(pctx, usable)
         if prefill.pick is None:
             return PDDecision(DECODE_ONLY, "no_prefill_endpoint", decode, prefill, pctx, uncached)
         transfer = transfer_seconds(uncached, kv_bytes_per_token, self.link_bytes_per_s)

@@ -122,7 +122,7 @@ class _Stream:
     buffering: bool = False
 
 
-_RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
+_RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding", responses.PREFILL_FAILED_HEADER))
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -673,7 +673,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             and status
             and not is_client_error(status)
         ):
-            self._record_outcome(routed.endpoint, status, reservation.created_at)
+            # A disaggregated request whose prefill failed (the sidecar says so): the prefill
+            # endpoint answered badly, the decode one did nothing wrong.
+            failed_prefill = responses.PREFILL_FAILED_HEADER in found and routed.prefill_endpoint is not None
+            self._record_outcome(routed.prefill_endpoint if failed_prefill else routed.endpoint, status, reservation.created_at)  # type: ignore[arg-type]
         streamed = routed is not None and routed.request.stream
         if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
             # Without body telemetry, a stream's headers are our best signal that prefill is

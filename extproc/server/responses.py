@@ -20,6 +20,7 @@ __all__ = [
     "DESTINATION_HEADER",
     "OWNED_HEADERS",
     "PREFILLER_HEADER",
+    "PREFILL_FAILED_HEADER",
     "continue_request_headers",
     "generation_headers_reply",
     "response_headers",
@@ -44,6 +45,10 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 """The prefill endpoint of a disaggregated request (`host:port`), for the sidecar in front of
 the decode engine (llm-d's routing sidecar or `llm-extproc pd-sidecar`): a client's copy would
 make that sidecar send the prompt wherever the client says (llm-d-router #242)."""
+
+PREFILL_FAILED_HEADER = "x-llm-prefill-failed"
+"""Set by `llm-extproc pd-sidecar` on its 502 when the prefill endpoint failed: the router
+counts that answer against the prefill endpoint (outlier detection), not the decode one."""
 
 OWNED_HEADERS: tuple[str, ...] = (
     DESTINATION_HEADER,

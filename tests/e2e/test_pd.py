@@ -164,3 +164,25 @@ async def test_a_forged_prefiller_header_reaches_no_engine(stack: Stack):
         r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long("forged") + " more"}], "max_tokens": 2})
         assert "pd=decode-only/short_prompt" in r.headers["x-llm-route-debug"] and await served(c, stack.prefill) == before_p + 1
         await released(c, stack.server)
+
+
+async def test_a_dead_prefill_engine_is_ejected_and_the_decode_engine_is_not(stack: Stack):
+    # The prefill engine dies (the last test: it stays down): the sidecar answers 502 (never a silent
+    # recompute) with the header that tells the router whose failure it is; outlier detection
+    # (or the health probes) take the prefill endpoint out, and long prompts are then prefilled
+    # on the decode engine. Every request is answered; the decode endpoint is never ejected.
+    await stack.prefill.aclose()
+    async with httpx.AsyncClient(base_url=stack.envoy.url, trust_env=False, timeout=60) as c:
+        statuses, last = [], None
+        for i in range(12):
+            r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long(f"dead{i}x")}], "max_tokens": 2})
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                last = r
+                break
+        assert last is not None and set(statuses[:-1]) <= {502}, statuses
+        assert "pd=decode-only/no_prefill_endpoint" in last.headers["x-llm-route-debug"]
+        eps = {e["role"]: e for e in (await c.get(f"{stack.server.admin_url}/api/v1/endpoints")).json()["endpoints"]}
+        assert eps["decode"]["ejections"] == 0 and eps["decode"]["consecutive_5xx"] == 0
+        assert eps["prefill"]["ejections"] >= 1 or not eps["prefill"]["healthy"]
+        await released(c, stack.server)

@@ -72,6 +72,12 @@ def test_prefill_pick_honours_health_ejection_and_kv_admission_and_falls_back_to
     assert handler().run(context(prompt=3000), store.all(), QWEN3_8B_KV_BYTES).prefill_endpoint is p2
     p1.healthy, p2.ejected_until = True, 1e18  # outlier detection
     assert handler().run(context(prompt=3000), store.all(), QWEN3_8B_KV_BYTES).prefill_endpoint is p1
+    # No panic on the prefill side: both out → the decode engine prefills (healthy-filter alone
+    # would keep every endpoint when all are ejected).
+    p1.healthy = False
+    d = handler().run(context(prompt=3000), store.all(), QWEN3_8B_KV_BYTES)
+    assert (d.decision, d.reason) == (DECODE_ONLY, "no_prefill_endpoint")
+    p1.healthy = True
     p2.ejected_until = 0.0
     p1.engine = engine(blocks=100)  # 3,000 tokens need 188 blocks of 16
     assert handler().run(context(prompt=3000), store.all(), QWEN3_8B_KV_BYTES).prefill_endpoint is p2
