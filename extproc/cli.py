@@ -1,4 +1,4 @@
-"""The `llm-extproc` command: serve | check-config | envoy-config | agent | sim | demo | up | bench | load | analyze.
+"""The `llm-extproc` command: serve | check-config | envoy-config | agent | sim | pd-sidecar | demo | up | bench | load | analyze.
 
 Each subcommand's options live beside its implementation; heavy imports happen inside the
 command bodies so `llm-extproc --help` stays fast.
@@ -13,6 +13,7 @@ from extproc.bench.cli import analyze, bench, demo, up
 from extproc.bench.load_cli import load
 from extproc.clitools import FileMetavarCommand
 from extproc.server.cli import check_config, envoy_config, serve
+from extproc.pd.cli import pd_sidecar
 from extproc.sim.cli import sim
 
 __all__ = ["app", "main"]
@@ -49,6 +50,7 @@ for _name, _command in [
     ("check-config", check_config),
     ("envoy-config", envoy_config),
     ("sim", sim),
+    ("pd-sidecar", pd_sidecar),
     ("agent", agent),
     ("demo", demo),
     ("up", up),

@@ -184,6 +184,20 @@ class Metrics:
             "probes and routing uses every live endpoint instead (Envoy's panic mode), else 0.",
             registry=registry,
         )
+        self.disagg_decisions = Counter(
+            "llm_extproc_disagg_decision_total",
+            "P/D disaggregation decisions (prefill-decode or decode-only) and why "
+            "(long_prompt, short_prompt, no_prefill_endpoint, disabled, no_decode_endpoint).",
+            ["decision", "reason"],
+            registry=registry,
+        )
+        self.disagg_transfer_seconds = Histogram(
+            "llm_extproc_disagg_kv_transfer_seconds",
+            "Predicted KV transfer time of disaggregated requests (prompt KV bytes / link bandwidth), per model, in seconds.",
+            ["model"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
         self.health_panic_entered = Counter(
             "llm_extproc_health_panic_entered_total",
             "Times routing for a model entered health panic mode.",

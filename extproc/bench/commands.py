@@ -105,8 +105,10 @@ def _prepare(workload: Workload):  # type: ignore[no-untyped-def]
 
 def _describe(stack: PolicyStack) -> str:
     counts: dict[str, int] = {}
-    for p in stack.settings.profiles:
-        counts[p] = counts.get(p, 0) + 1
+    roles = stack.settings.roles or ("both",) * len(stack.settings.profiles)
+    for p, role in zip(stack.settings.profiles, roles):
+        key = p if role == "both" else f"{p} {role}"  # P/D roles (`--fleet pd`)
+        counts[key] = counts.get(key, 0) + 1
     fleet = ", ".join(f"{n}× {p}" for p, n in counts.items())
     return f"{stack.policy.description}; fleet: {fleet}; speed {stack.settings.speed:g}"
 

@@ -17,6 +17,7 @@ Fronts, by `Policy.kind`:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import errno
@@ -35,6 +36,7 @@ from extproc.bench.policies import Policy
 from extproc.sim.profiles import PROFILES, SIM_TOKENIZER
 from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
 from extproc.stack.fleet import DEFAULT_FLEET, Fleet
+from extproc.stack.pd import SidecarProcess
 from extproc.stack.ports import free_ports
 from extproc.stack.procs import ManagedProcess, wait_until
 from extproc.stack.server import ExtProcServerProcess
@@ -85,6 +87,9 @@ class StackSettings:
         server_overrides: merged into llm-extproc's generated config (`merge_config`) for
             llm-extproc policies, e.g. `{"scheduling": {"profiles": {"load-aware": {...}}}}` to
             try other scorer weights on the same requests.
+        roles: P/D role per endpoint (`prefill`, `decode`, `both`; same length as `profiles`),
+            or None for a unified fleet. Each decode engine gets a `pd-sidecar` in front, which
+            the router and Envoy route to instead of the engine.
     """
 
     profiles: Sequence[str] = DEFAULT_FLEET
@@ -94,6 +99,7 @@ class StackSettings:
     port: int = 0
     envoy_concurrency: int = 2
     server_overrides: Mapping[str, Any] | None = None
+    roles: Sequence[str] | None = None
 
 
 def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
@@ -133,7 +139,11 @@ def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
 
 
 def server_config(
-    addresses: Mapping[str, str], *, profile: str, kv_events: Mapping[str, tuple[str, str | None]] | None = None
+    addresses: Mapping[str, str],
+    *,
+    profile: str,
+    kv_events: Mapping[str, tuple[str, str | None]] | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """llm-extproc's config for a simulated fleet: one model entry per served model.
 
@@ -142,6 +152,7 @@ def server_config(
         profile: the scheduling profile.
         kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
             index comes from their events (`Fleet.kv_events`).
+        roles: P/D role by address, for those not `both`.
 
     Each model gets the architecture and context limit of its simulator profile, the tokenizer
     the simulator counts with (Qwen3's, whatever the profile's model) and its short name (the
@@ -161,6 +172,8 @@ def server_config(
             },  # fmt: skip
         )
         endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
+        if roles and roles.get(address, "both") != "both":
+            endpoints[-1]["role"] = roles[address]
         if kv_events and address in kv_events:
             events, replay = kv_events[address]
             endpoints[-1].update({"kv_events": events, **({"kv_events_replay": replay} if replay else {})})
@@ -224,7 +237,12 @@ def overlay_max_model_len(overrides: Mapping[str, Any] | None, profiles: Sequenc
 
 
 def policy_server_config(
-    policy: Policy, settings: StackSettings, addresses: Mapping[str, str], *, kv_events: Mapping[str, tuple[str, str | None]] | None = None
+    policy: Policy,
+    settings: StackSettings,
+    addresses: Mapping[str, str],
+    *,
+    kv_events: Mapping[str, tuple[str, str | None]] | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """llm-extproc's config for an `extproc` policy: `server_config` with the policy's profile,
     then the policy's own `server_overrides`, then `settings.server_overrides` laid over it.
@@ -232,13 +250,14 @@ def policy_server_config(
     Args:
         addresses: simulator profile name by endpoint address (`ip:port`).
         kv_events: the simulators' KV-event endpoints, as `server_config` takes them (precise policies).
+        roles: P/D role by address (`server_config`).
 
     Raises:
         ValueError: `policy` is not an llm-extproc policy (no profile).
     """
     if policy.profile is None:
         raise ValueError(f"{policy.name} is not an llm-extproc policy")
-    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events)
+    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events, roles=roles)
     for overrides in (policy.server_overrides, settings.server_overrides):
         cfg = merge_config(cfg, overrides or {})
     return cfg
@@ -282,7 +301,10 @@ class PolicyStack:
             # An overlay's max_model_len is the engines' too, for every policy's fleet alike, as on a
             # real fleet (where the check against each engine's /v1/models flags a difference).
             max_model_len=overlay_max_model_len(settings.server_overrides, settings.profiles),
+            roles=settings.roles,
         )
+        self.sidecars: dict[str, SidecarProcess] = {}
+        """The pd-sidecar in front of each decode engine, by the engine's address."""
         self.server: ExtProcServerProcess | None = None
         self.envoy: EnvoyProcess | None = None
         self.peer: ManagedProcess | None = None
@@ -315,8 +337,27 @@ class PolicyStack:
         if self.peer is not None:
             out.append((f"{self.policy.peer} metrics", f"http://127.0.0.1:{self._peer_metrics_port}/metrics"))
         for sim in self.fleet.sims:
-            out.append((f"{sim.name} {sim.profile}", f"{sim.url}/metrics  {sim.url}/sim/state"))
+            role = f" {sim.role}" if sim.role != "both" else ""
+            out.append((f"{sim.name} {sim.profile}{role}", f"{sim.url}/metrics  {sim.url}/sim/state"))
+        for address, side in self.sidecars.items():
+            out.append((f"{side.name} (pd-sidecar for {address})", f"http://{side.address}/v1"))
         return out
+
+    def routed_endpoints(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(profile by address, P/D role by address) of what the router and Envoy route to:
+        each decode engine's sidecar in its place, the others as they are."""
+        profiles, roles = {}, {}
+        for sim in self.fleet.sims:
+            address = self.sidecars[sim.address].address if sim.address in self.sidecars else sim.address
+            profiles[address], roles[address] = sim.profile, sim.role
+        return profiles, roles
+
+    async def _start_sidecars(self) -> None:
+        prefillers = [s.address for s in self.fleet.sims if s.role in ("prefill", "both")]
+        decoders = [s for s in self.fleet.sims if s.role == "decode"]
+        for sim in decoders:
+            self.sidecars[sim.address] = SidecarProcess(sim.url, prefillers, name=f"sidecar-{sim.name}", workdir=self.workdir)
+        await asyncio.gather(*(side.start() for side in self.sidecars.values()))
 
     @property
     def pids(self) -> list[int]:
@@ -325,6 +366,7 @@ class PolicyStack:
         for owner in (self.envoy, self.server):
             with contextlib.suppress(RuntimeError):  # not spawned yet: no process
                 procs.append(owner.process if owner is not None else None)
+        procs += [side._proc for side in self.sidecars.values()]
         return [*self.fleet.pids, *(p.pid for p in procs if p is not None and p.pid is not None)]
 
     async def start(self) -> None:
@@ -338,6 +380,8 @@ class PolicyStack:
         check_port_free(self.settings.port)
         try:
             await self.fleet.start()
+            if any(s.role == "decode" for s in self.fleet.sims):
+                await self._start_sidecars()
             if self.policy.kind == "peer":
                 await self._start_peer()
             else:
@@ -350,7 +394,8 @@ class PolicyStack:
 
     async def _start_server(self) -> None:
         path = self.workdir / "llm-extproc.yaml"
-        cfg = policy_server_config(self.policy, self.settings, self.fleet.profiles, kv_events=self.fleet.kv_events)
+        profiles, roles = self.routed_endpoints()
+        cfg = policy_server_config(self.policy, self.settings, profiles, kv_events=self.fleet.kv_events, roles=roles)
         path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
         self._message_timeout_s = _message_timeout_s(cfg)
         self.server = ExtProcServerProcess(path, workdir=self.workdir, log_level="warning")
@@ -361,7 +406,10 @@ class PolicyStack:
         if self.policy.kind == "envoy":
             assert self.policy.envoy_lb_policy is not None
             base = envoy_only_config(base, self.policy.envoy_lb_policy)
-        endpoints = [("127.0.0.1", s.port) for s in self.fleet.sims if s.port is not None]
+        # Envoy's fallback (and an Envoy-only policy) balances over what can answer a request
+        # alone: every engine but the prefill-only ones, decode engines through their sidecars.
+        _, roles = self.routed_endpoints()
+        endpoints = [("127.0.0.1", int(a.rsplit(":", 1)[1])) for a, role in roles.items() if role != "prefill"]
         cfg = rewrite_config(
             base,
             RunSettings(
@@ -416,4 +464,5 @@ class PolicyStack:
             await self.peer.astop(10.0)
         if self.server is not None:
             await self.server.aclose(timeout_s=10.0)
+        await asyncio.gather(*(side.aclose() for side in self.sidecars.values()), return_exceptions=True)
         await self.fleet.aclose()

@@ -441,20 +441,29 @@ class ModelConfig(Strict):
     def _architecture_loads(self) -> ModelConfig:
         # Read at load time, so that `check-config` and `serve` refuse a missing or malformed
         # config.json, an unknown built-in or an unknown KV dtype alike (both passed silently).
+        try:
+            self.kv_bytes_per_token()
+        except (LookupError, OSError, ValueError) as exc:
+            raise ValueError(f"architecture {self.architecture!r} (dtype {self.dtype!r}): {exc}") from None
+        return self
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token of this model at its `dtype`, from its architecture
+        (`extproc.pipeline.kv.Architecture.kv_bytes_per_token`; bytes).
+
+        Raises:
+            LookupError, OSError, ValueError: the architecture cannot be read (checked at load).
+        """
         from extproc.models import builtin_architecture_path
         from extproc.pipeline.kv import load_architecture
 
         source = self.architecture
-        try:
-            # A path from the working directory, as `tokenizer`; absolute, so a refusal says where it looked.
-            where = (
-                builtin_architecture_path(source.removeprefix("builtin:")) if source.startswith("builtin:")
-                else os.path.abspath(os.path.expanduser(source))
-            )  # fmt: skip
-            load_architecture(where).kv_bytes_per_token(self.dtype)
-        except (LookupError, OSError, ValueError) as exc:
-            raise ValueError(f"architecture {self.architecture!r} (dtype {self.dtype!r}): {exc}") from None
-        return self
+        # A path from the working directory, as `tokenizer`; absolute, so a refusal says where it looked.
+        where = (
+            builtin_architecture_path(source.removeprefix("builtin:")) if source.startswith("builtin:")
+            else os.path.abspath(os.path.expanduser(source))
+        )  # fmt: skip
+        return load_architecture(where).kv_bytes_per_token(self.dtype)
 
     @model_validator(mode="after")
     def _output_room(self) -> ModelConfig:
@@ -464,6 +473,12 @@ class ModelConfig(Strict):
                 f"max_model_len ({self.max_model_len}): a cut prompt needs at least one token"
             )
         return self
+
+
+ROLE_LABEL = "llm-d.ai/role"
+"""The endpoint label naming its P/D role (llm-d's Pod label; `EndpointConfig.role`)."""
+ENDPOINT_ROLES = ("prefill", "decode", "both")
+"""The P/D roles an endpoint may have (`EndpointConfig.role`)."""
 
 
 class EndpointConfig(Strict):
@@ -481,6 +496,11 @@ class EndpointConfig(Strict):
             endpoint's prefix index comes from its events (`extproc.prefix.precise`).
         kv_events_replay: the engine's replay socket (`replay_endpoint`), `tcp://host:port`, to
             recover missed batches; None: a gap drops the endpoint's index instead.
+        role: what it does in prefill/decode disaggregation (`extproc.scheduling.pd`):
+            `prefill` (takes only the prefill of disaggregated requests), `decode` (the
+            destination; prefills only what is not disaggregated) or `both` (a unified engine,
+            either pick). Left out: the `llm-d.ai/role` label's value when it has one (llm-d's
+            label, also read from Kubernetes Pods), else `both`.
     """
 
     address: str
@@ -489,6 +509,18 @@ class EndpointConfig(Strict):
     agent: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    role: Literal["prefill", "decode", "both"] = "both"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _role_from_label(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") is None and isinstance(data.get("labels"), dict):
+            label = data["labels"].get(ROLE_LABEL)
+            if label is not None:
+                if label not in ENDPOINT_ROLES:
+                    raise ValueError(f"label {ROLE_LABEL}={label!r} is not a role: one of {', '.join(ENDPOINT_ROLES)}")
+                data = {**data, "role": label}
+        return data
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod
@@ -723,6 +755,30 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
         scorers=[_p("compute-aware-scorer")],
     ),
     "random": ProfileConfig(filters=[_p("healthy-filter")], picker=_p("random-picker")),
+    # P/D disaggregation's two picks (`extproc.scheduling.pd`, decision 0330). The decode pick:
+    # decode is bound by concurrency and KV, so few requests in flight, free KV and a short
+    # queue; the prefix it already holds shrinks the transfer (and may keep the request local).
+    "pd-decode": ProfileConfig(
+        filters=[*(_p(name) for name in SAFE_FILTERS), _p("weight-override-filter")],
+        scorers=[
+            _p("inflight-scorer", 2.0),
+            _p("kv-utilization-scorer", 2.0),
+            _p("queue-depth-scorer", 1.0),
+            _p("prefix-scorer", 1.0),
+            _p("weight-override-scorer"),
+        ],
+    ),
+    # The prefill pick: the soonest predicted first token (prefill backlog and the cached prefix
+    # in seconds, as the default profile), then short queues.
+    "pd-prefill": ProfileConfig(
+        filters=[*(_p(name) for name in SAFE_FILTERS), _p("weight-override-filter")],
+        scorers=[
+            _p("ttft-estimate-scorer", 10.0),
+            _p("queue-depth-scorer", 1.0),
+            _p("inflight-scorer", 1.0),
+            _p("weight-override-scorer"),
+        ],
+    ),
 }
 
 
@@ -871,6 +927,36 @@ class TierConfig(Strict):
         return self
 
 
+NIXL_LINK_GBYTES_PER_S = 25.0
+"""Default KV transfer bandwidth between a prefill and a decode engine (GB/s, 1e9 bytes/s):
+one 400 Gb/s RDMA NIC (ConnectX-7, 50 GB/s line rate) at the ~50 % NIXL's published
+UCX/RDMA transfers reach for vLLM's block sizes (docs/decisions/0330)."""
+
+
+class DisaggregationConfig(Strict):
+    """Prefill/decode disaggregation (`extproc.scheduling.pd`, docs/decisions/0330). It acts on a
+    model whose endpoints are not all `role: both`; a fleet of `both` is routed as without it.
+
+    Attributes:
+        enabled: off: a prefill-role endpoint takes no request and decode endpoints prefill
+            locally.
+        threshold_tokens: disaggregate only when the request's uncached prompt tokens on the
+            chosen decode endpoint are above this (tokens; 0: every request). Default 256
+            (vllm-project/router's; decision 0330's sweep).
+        decode_profile / prefill_profile: the profiles of the two picks (built-ins
+            `pd-decode`, `pd-prefill`, or any other).
+        link_gbytes_per_s: KV transfer bandwidth between prefill and decode engines (GB/s):
+            the transfer time prompt KV bytes ÷ this enters the pair's predicted TTFT.
+            Default `NIXL_LINK_GBYTES_PER_S`.
+    """
+
+    enabled: bool = True
+    threshold_tokens: int = Field(default=256, ge=0)
+    decode_profile: str = "pd-decode"
+    prefill_profile: str = "pd-prefill"
+    link_gbytes_per_s: float = Field(default=NIXL_LINK_GBYTES_PER_S, gt=0, allow_inf_nan=False)
+
+
 class SchedulingConfig(Strict):
     """Scheduling settings.
 
@@ -889,6 +975,7 @@ class SchedulingConfig(Strict):
         prefill_model: the prior of each endpoint's learned TTFT fit.
         explain_header: add `x-llm-route-debug` (scores of the chosen endpoint and the
             runner-up) to the response; off by default since it reveals fleet internals.
+        disaggregation: prefill/decode disaggregation over endpoints with P/D roles.
     """
 
     mode: Literal["endpoint", "tier"] = "endpoint"
@@ -902,11 +989,16 @@ class SchedulingConfig(Strict):
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     prefill_model: PrefillModelConfig = Field(default_factory=PrefillModelConfig)
     explain_header: bool = False
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
         profiles = self.all_profiles()
         problems = [] if self.profile in profiles else [ConfigProblem("profile", undefined_profile(self.profile, profiles))]
+        for key in ("decode_profile", "prefill_profile"):
+            name = getattr(self.disaggregation, key)
+            if name not in profiles:
+                problems.append(ConfigProblem(f"disaggregation.{key}", undefined_profile(name, profiles)))
         for name, configured in self.profiles.items():
             if "picker" in configured.model_fields_set:
                 problems += _lead_scorer_problems(name, profiles[name])

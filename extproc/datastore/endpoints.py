@@ -121,12 +121,15 @@ class Endpoint:
         agent: `host:port` of its node agent (`EndpointConfig.agent`), or None.
         kv_events / kv_events_replay: its engine's KV-event publisher and replay socket
             (`EndpointConfig.kv_events`, `tcp://host:port`), or None.
+        role: `prefill`, `decode` or `both` (`EndpointConfig.role`): which side of a
+            disaggregated request it may take (`extproc.scheduling.pd`).
     """
 
     address: EndpointAddress
     models: frozenset[str]
     labels: dict[str, str] = field(default_factory=dict)
     gpu: str = ""
+    role: str = "both"
     healthy: bool = True
     inflight: int = 0
     prefill_inflight: int = 0
@@ -261,7 +264,7 @@ class Reservation:
             with the other replicas, which count the work at their own attention ratio).
     """
 
-    __slots__ = ("endpoint", "blocks", "prompt_tokens", "prefill_counts", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "_store", "_released")
+    __slots__ = ("endpoint", "blocks", "prompt_tokens", "prefill_counts", "context_tokens", "backlog_tokens", "created_at", "first_token_at", "settle_at", "settled", "in_prefill", "learns", "prefill_side", "_store", "_released")
 
     def __init__(
         self,
@@ -289,12 +292,23 @@ class Reservation:
         self.learns = True
         """False: its first token teaches the endpoint's prefill fit nothing (a request moved
         here after its headers came back from another attempt, whose start here is unknown)."""
+        self.prefill_side: Reservation | None = None
+        """A disaggregated request's reservation on its prefill endpoint (`attach_prefill_side`)."""
         self._store = store
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    def attach_prefill_side(self, prefill_side: Reservation) -> None:
+        """Make `prefill_side` (the same request's reservation on its prefill endpoint, P/D
+        disaggregation) end with this one's prefill: it is released when this reservation
+        reaches its first token (the KV has moved to this endpoint) or is released, whichever
+        comes first. This reservation's own time to first token then includes the remote
+        prefill and the transfer, so it teaches this endpoint's prefill fit nothing."""
+        self.prefill_side = prefill_side
+        self.learns = False
 
     def mark_first_token(self, now: float | None = None, *, learn: bool = True) -> None:
         """The first output token reached us: the request moves from prefill to decode.
@@ -307,6 +321,8 @@ class Reservation:
         """
         if self._released or not self.in_prefill:
             return
+        if self.prefill_side is not None:
+            self.prefill_side.release(now)
         self.in_prefill = False
         self.first_token_at = time.monotonic() if now is None else now
         ep = self.endpoint
@@ -339,6 +355,8 @@ class Reservation:
         """
         if self._released:
             return
+        if self.prefill_side is not None:
+            self.prefill_side.release(now)
         self.settle()
         self._released = True
         ep = self.endpoint
@@ -468,7 +486,7 @@ class Datastore:
             if ep.draining:
                 log.info("endpoint %s back before its drain ended: it takes new requests again", ep.address)
                 ep.draining, ep.draining_since = False, None
-            elif ep.models == models and ep.labels == cfg.labels and not relinked:
+            elif ep.models == models and ep.labels == cfg.labels and ep.role == cfg.role and not relinked:
                 return ep
             gpu = cfg.labels.get(self._gpu_label, "")
             if ep.gpu.casefold() != gpu.casefold():
@@ -477,7 +495,7 @@ class Datastore:
                 # threw away what was learned.
                 ep.prefill_fit = PrefillFit(self._prior_for(cfg.labels))
             self._unindex(ep)
-            ep.models, ep.labels, ep.gpu = models, dict(cfg.labels), gpu
+            ep.models, ep.labels, ep.gpu, ep.role = models, dict(cfg.labels), gpu, cfg.role
             self._index(ep)
             if relinked:
                 ep.agent, ep.kv_events, ep.kv_events_replay = links
@@ -485,7 +503,7 @@ class Datastore:
                     hook(ep)
             return ep
         ep = Endpoint(
-            EndpointAddress(cfg.address), models, dict(cfg.labels), gpu=cfg.labels.get(self._gpu_label, ""),
+            EndpointAddress(cfg.address), models, dict(cfg.labels), gpu=cfg.labels.get(self._gpu_label, ""), role=cfg.role,
             prefill_fit=PrefillFit(self._prior_for(cfg.labels)),
         )
         ep.agent, ep.kv_events, ep.kv_events_replay = links

@@ -54,6 +54,7 @@ import aiohttp
 import orjson
 import pydantic
 
+from extproc.config.schema import ROLE_LABEL
 from extproc.datastore.agent_client import backoff_delay
 from extproc.discovery.base import SOCKET_FIELDS, Discovered, DiscoverySource, EndpointTemplate, Publish, SourceContext
 from extproc.logthrottle import WarnEvery
@@ -242,6 +243,17 @@ def pod_endpoint(obj: Mapping[str, Any]) -> list[tuple[str, bool]]:
     return [(ip, ready) for ip in ips]
 
 
+def object_role_labels(obj: Mapping[str, Any]) -> dict[str, str]:
+    """`{"llm-d.ai/role": value}` when the object (a Pod, an EndpointSlice) carries llm-d's role
+    label, else `{}`: the endpoints it lists get that P/D role (`EndpointConfig.role`).
+
+    Raises:
+        Malformed: metadata or its labels are not an object.
+    """
+    value = _field(_field(obj, "metadata", Mapping, {}), "labels", Mapping, {}).get(ROLE_LABEL)
+    return {ROLE_LABEL: value} if isinstance(value, str) else {}
+
+
 def pod_socket_ports(obj: Mapping[str, Any]) -> tuple[dict[str, int], list[str]]:
     """A Pod's socket port overrides (`PORT_ANNOTATIONS`): field → port, and the annotations
     present whose value is not a decimal port 1..65535 (ignored; the caller warns).
@@ -300,7 +312,7 @@ class Source(DiscoverySource):
         self.name = f"kubernetes:{self.namespace}/{target}"
         self._server = (params.api_server or _in_cluster_server()).rstrip("/")
         self._rng = rng or random.Random()
-        self._objects: dict[str, tuple[list[tuple[str, bool]], dict[str, int]]] = {}  # name → ((ip, ready), ports)
+        self._objects: dict[str, tuple[list[tuple[str, bool]], dict[str, int], dict[str, str]]] = {}  # name → ((ip, ready), ports, labels)
         self._port = params.port
         self._selector = params.selector or ""
         self.resource_version: str | None = None
@@ -368,7 +380,7 @@ class Source(DiscoverySource):
             items, meta = _field(body, "items", list, []), _field(body, "metadata", Mapping, {})
         except Malformed as exc:
             raise ApiError(f"list {self._path()}: {exc}") from None
-        objects: dict[str, tuple[list[tuple[str, bool]], dict[str, int]]] = {}
+        objects: dict[str, tuple[list[tuple[str, bool]], dict[str, int], dict[str, str]]] = {}
         for obj in items:
             try:
                 objects[object_name(obj)] = self._extract(obj)
@@ -380,22 +392,25 @@ class Source(DiscoverySource):
         self.lists += 1
         self._publish(publish)
 
-    def _extract(self, obj: Mapping[str, Any]) -> tuple[list[tuple[str, bool]], dict[str, int]]:
-        """An object's (ip, ready) entries and, for a Pod, its socket port annotations (an
-        invalid one is ignored with a rate-limited warning).
+    def _extract(self, obj: Mapping[str, Any]) -> tuple[list[tuple[str, bool]], dict[str, int], dict[str, str]]:
+        """An object's (ip, ready) entries, for a Pod its socket port annotations (an
+        invalid one is ignored with a rate-limited warning), and the labels its endpoints take
+        from it: its `llm-d.ai/role` label when it has one (a Pod's, or an EndpointSlice's own).
 
         Raises:
             Malformed: as `pod_endpoint` / `slice_endpoints`.
         """
         if not self._params.inference_pool:
-            return slice_endpoints(obj), {}
+            entries = slice_endpoints(obj)
+            return entries, {}, object_role_labels(obj)
         entries = pod_endpoint(obj)
+        labels = object_role_labels(obj)
         ports, bad = pod_socket_ports(obj)
         if bad:
             self._warn_malformed.warning(
                 "%s: pod %s: ignoring %s (not a port 1..65535); the template's value is used", self.name, object_name(obj), ", ".join(bad)
             )
-        return entries, ports
+        return entries, ports, labels
 
     def _skip_malformed(self, where: str, exc: Malformed) -> None:
         self.malformed += 1
@@ -451,12 +466,13 @@ class Source(DiscoverySource):
 
     def _publish(self, publish: Publish) -> None:
         merged: dict[str, Discovered] = {}
-        for entries, ports in self._objects.values():
+        for entries, ports, labels in self._objects.values():
             for ip, ready in entries:
                 try:
-                    cfg = self._params.endpoint(ip, self._port, socket_ports=ports)
-                except ValueError:
-                    self._warn_malformed.warning("%s: skipping address %r (not an IP literal)", self.name, ip)
+                    cfg = self._params.endpoint(ip, self._port, labels=labels, socket_ports=ports)
+                except ValueError as exc:
+                    why = str(exc).splitlines()[-1].strip() if ROLE_LABEL in labels else "not an IP literal"
+                    self._warn_malformed.warning("%s: skipping address %r (%s)", self.name, ip, why)
                     continue
                 prev = merged.get(cfg.address)
                 # The same address in two slices (a slice being replaced): ready if either says so.

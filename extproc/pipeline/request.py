@@ -44,6 +44,7 @@ from extproc.pipeline.truncate import TRUNCATE_HEADER, Truncated, Truncation, pr
 from extproc.protocol.jsonlimits import MAX_JSON_DEPTH, check_json_shape, opening_brackets, values_bound
 from extproc.protocol.openai import ParsedRequest, parse_body
 from extproc.scheduling.framework import Profile, ProfileResult, SchedulingContext, WeightedScorer
+from extproc.scheduling.pd import NO_DECODE_ROLE, PDDecision, PDHandler
 from extproc.scheduling.plugins.filters.kv_fit import blocks_to_reserve, blocks_to_start
 from extproc.scheduling.registry import build
 from extproc.telemetry.decision_log import DecisionRecord
@@ -181,6 +182,13 @@ class Routed:
     truncation: Truncation | None = None
     attention_ratio: float = PREFILL_ATTENTION_RATIO
     priority_applied: str | None = None
+    pd: PDDecision | None = None
+    prefill_blocks: int = 0
+
+    @property
+    def prefill_endpoint(self) -> Endpoint | None:
+        """The endpoint prefilling the request for `endpoint` (P/D disaggregation), else None."""
+        return self.pd.prefill_endpoint if self.pd is not None else None
 
     @property
     def decode_tokens(self) -> int:
@@ -192,8 +200,16 @@ class Routed:
     def prefill_counts(self) -> PrefillCounts:
         """The token counts of the request's prefill on its endpoint: its prompt, the part not
         believed cached there, each prompt's length if batched."""
+        return self.counts_on(self.endpoint)
+
+    def counts_on(self, ep: Endpoint | None) -> PrefillCounts:
+        """The request's prefill token counts on `ep` (`prefill_counts`; the whole prompt
+        uncached without a prefix index or an endpoint). A disaggregated request's decode
+        endpoint prefills nothing (its uncached count is 0): the prefill endpoint does."""
         r = self.request
-        uncached = r.prompt_tokens if self.prefix is None or self.endpoint is None else self.prefix.uncached_tokens(self.endpoint.address)
+        if ep is not None and ep is self.endpoint and self.prefill_endpoint is not None:
+            return PrefillCounts(r.prompt_tokens, 0, r.prompt_lengths)
+        uncached = r.prompt_tokens if self.prefix is None or ep is None else self.prefix.uncached_tokens(ep.address)
         return PrefillCounts(r.prompt_tokens, uncached, r.prompt_lengths)
 
     @property
@@ -208,7 +224,7 @@ class Routed:
         then per candidate its matched prefix blocks and predicted TTFT."""
         if self.result is None:
             return f"tier={self.tier}"
-        out = self.result.explain()
+        out = self.result.explain() if self.pd is None else self.pd.explain()
         if self.result.pick is None:
             return out
         rows = []
@@ -361,6 +377,12 @@ class RequestPipeline:
         self.attention_ratio = config.scheduling.prefill_model.attention_ratio
         """`scheduling.prefill_model.attention_ratio` (1/tokens): every scheduling context's."""
         self._passthrough = self.profiles["least-inflight"]
+        pd = sched.disaggregation
+        self.pd = PDHandler(
+            self.profiles[pd.decode_profile], self.profiles[pd.prefill_profile], pd.threshold_tokens, pd.link_gbytes_per_s * 1e9, pd.enabled
+        )
+        """The P/D profile handler: schedules a model whose endpoints are not all `role: both`."""
+        self._kv_bytes_per_token = {m.name: m.kv_bytes_per_token() for m in config.models}
         self._in_panic: set[str] = set()
         """Pools in health panic: model names, "" for `pick_any`'s whole fleet."""
 
@@ -605,13 +627,22 @@ class RequestPipeline:
             session = self.prefix.session_of(session_header, parsed.user)
             ctx.session_endpoint = self.prefix.session_endpoint(session)
             ctx.prefix = self.prefix.lookup(req, healthy or pool, ctx.block_size)
-        result = self.profile.run(ctx, pool)
+        pd: PDDecision | None = None
+        if PDHandler.applies(pool):
+            pd = self.pd.run(ctx, pool, self._kv_bytes_per_token.get(model.name, 0))
+            result = pd.decode
+            self._note_pd(pd, model.name)
+        else:
+            result = self.profile.run(ctx, pool)
         self._note_panic(ctx, model.name)
         self._metrics.observe_each(self._metrics.plugin_seconds, result.timings_s)
         if result.pick is None:
             raise self._rejection(result, ctx, pool)
         endpoint = result.pick.primary.endpoint
         blocks = blocks_to_reserve(ctx, endpoint) if cfg.admission.kv.enabled else 0
+        prefill_blocks = 0
+        if pd is not None and pd.prefill_endpoint is not None and pd.prefill_ctx is not None and cfg.admission.kv.enabled:
+            prefill_blocks = blocks_to_reserve(pd.prefill_ctx, pd.prefill_endpoint)
         t3 = time.perf_counter()
         predicted = ctx.data.get("predicted_ttft_s")
         scheduled_s = t3 - t2 - t_cut if again_from is None else t3 - again_from
@@ -630,8 +661,21 @@ class RequestPipeline:
             predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
             attention_ratio=ctx.attention_ratio,
             priority_applied=applied,
+            pd=pd,
+            prefill_blocks=prefill_blocks,
         )
+        if pd is not None and pd.predicted_ttft_s is not None:
+            # The first token comes from the pair: the prefill side's TTFT plus the transfer.
+            routed.predicted_ttft_s = {**(routed.predicted_ttft_s or {}), endpoint.address: pd.predicted_ttft_s}
         return self._routed(routed, cut, t_cut)
+
+    def _note_pd(self, pd: PDDecision, model: str) -> None:
+        """Count a P/D decision (`llm_extproc_disagg_decision_total{decision,reason}`) and its
+        predicted KV transfer time."""
+        m = self._metrics
+        m.child(m.disagg_decisions, pd.decision, pd.reason).inc()
+        if pd.prefill_endpoint is not None:
+            m.child(m.disagg_transfer_seconds, model).observe(pd.transfer_s)
 
     @staticmethod
     def _routed(routed: Routed, cut: Truncated | None, seconds: float) -> Routed:
@@ -721,6 +765,8 @@ class RequestPipeline:
             if kv.reject_status == 429:
                 return RateLimitedError(msg, retry_after_s=kv.retry_after_s, code="kv_cache_full")
             return NoEndpointError(msg, code="kv_cache_full")
+        if by == NO_DECODE_ROLE:
+            return NoEndpointError(f"no endpoint for model `{r.served_model}` may decode: all {len(pool)} have role prefill", code="no_decode_endpoint")
         if by.startswith("healthy"):
             return NoEndpointError(f"no healthy endpoint for model `{r.served_model}` ({len(pool)} configured, 0 healthy)")
         if by.startswith("stale"):
@@ -734,28 +780,49 @@ class RequestPipeline:
         ep = routed.endpoint
         if ep is None:
             return None
+        prefill_ep = routed.prefill_endpoint
         if self.prefix is not None:
-            bs = ep.engine.block_size if ep.engine is not None and ep.engine.block_size else self._config.scheduling.block_size
             req = routed.request
-            self.prefix.on_pick(
-                ep,
-                bs,
-                routed.prefix,
-                routed.session,
-                candidates=self._store.for_model(req.served_model),
-                token_ids=req.token_ids,
-                model=req.served_model,
+            # Both ends of a disaggregated request hold its prompt's blocks afterwards: the
+            # prefill engine computed them, the decode engine pulled them into its cache.
+            for holder in (ep,) if prefill_ep is None else (ep, prefill_ep):
+                bs = holder.engine.block_size if holder.engine is not None and holder.engine.block_size else self._config.scheduling.block_size
+                self.prefix.on_pick(
+                    holder,
+                    bs,
+                    routed.prefix,
+                    routed.session if holder is ep else None,
+                    candidates=self._store.for_model(req.served_model),
+                    token_ids=req.token_ids,
+                    model=req.served_model,
+                )
+        settle = self._config.admission.kv.settle_after_s
+        prefill_side = None
+        if prefill_ep is not None:
+            # The prefill side's part: its prefill work and the prompt's blocks, held until the
+            # decode side starts streaming (the blocks have moved) or the request ends any way.
+            counts = routed.counts_on(prefill_ep)
+            prefill_side = self._store.reserve(
+                prefill_ep, routed.prefill_blocks, prompt_tokens=counts.work(routed.attention_ratio), prefill_counts=counts, settle_after_s=settle
             )
-        return self._store.reserve(
-            ep,
-            routed.blocks,
-            prompt_tokens=routed.prefill_tokens,
-            prefill_counts=routed.prefill_counts,
-            settle_after_s=self._config.admission.kv.settle_after_s,
-            # In-flight decode context: half the expected output, capped like the decode terms
-            # (the KV reservation above keeps max_tokens).
-            context_tokens=routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2,
-        )
+        try:
+            r = self._store.reserve(
+                ep,
+                routed.blocks,
+                prompt_tokens=routed.prefill_tokens,
+                prefill_counts=routed.prefill_counts,
+                settle_after_s=settle,
+                # In-flight decode context: half the expected output, capped like the decode terms
+                # (the KV reservation above keeps max_tokens).
+                context_tokens=routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2,
+            )
+        except BaseException:
+            if prefill_side is not None:
+                prefill_side.release()
+            raise
+        if prefill_side is not None:
+            r.attach_prefill_side(prefill_side)
+        return r
 
     def _priority(self, value: str | None, trusted: str | None) -> tuple[str, bool]:
         """The request's class after the claim bounds (`claim_priority`), a bounded claim

@@ -200,6 +200,7 @@ class AdminServer:
                         "address": ep.address,
                         "models": sorted(ep.models),
                         "labels": ep.labels,
+                        "role": ep.role,
                         "healthy": ep.healthy,
                         "draining": ep.draining,
                         "ejected_for_s": round(max(0.0, ep.ejected_until - time.monotonic()), 3),

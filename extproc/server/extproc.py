@@ -143,7 +143,7 @@ PRIORITY_APPLIED_HEADER = "x-llm-priority-applied"
 QUEUE_HEADER = "x-llm-queue-ms"
 """Response header: milliseconds flow control held the request (only on requests that queued)."""
 
-_RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
+_RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding", responses.PREFILL_FAILED_HEADER))
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -693,6 +693,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
                 if record is not None and record.request_id is None:
                     record.request_id = headers.get("x-request-id")  # the one we set
+                if (prefiller := routed.prefill_endpoint) is not None:
+                    headers[responses.PREFILLER_HEADER] = prefiller.address
                 req = routed.request
                 # A truncated prompt's body; an alias: the engines serve the model under its configured name.
                 rewritten = routed.body
@@ -766,10 +768,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return done.routed, done.reservation
 
     def _still_listed(self, routed: Routed) -> bool:
-        """The routed endpoint is still in the datastore, as the same object, and takes new
-        requests (True also when nothing was picked)."""
-        ep = routed.endpoint
-        return ep is None or (self._pipeline.endpoint(ep.address) is ep and not ep.draining)
+        """The routed endpoints (the prefill one too, when disaggregated) are still in the
+        datastore, as the same objects, and take new requests (True also when nothing was picked)."""
+        return all(
+            ep is None or (self._pipeline.endpoint(ep.address) is ep and not ep.draining) for ep in (routed.endpoint, routed.prefill_endpoint)
+        )
 
     def _record_outcome(self, endpoint: Endpoint, status: int, routed_at: float) -> None:
         """Feed one answer's status to outlier detection; count and log an ejection."""
@@ -837,7 +840,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             and status
             and not is_client_error(status)
         ):
-            self._record_outcome(routed.endpoint, status, reservation.created_at)
+            # A disaggregated request whose prefill failed (the sidecar says so): the prefill
+            # endpoint answered badly, the decode one did nothing wrong.
+            failed_prefill = responses.PREFILL_FAILED_HEADER in found and routed.prefill_endpoint is not None
+            self._record_outcome(routed.prefill_endpoint if failed_prefill else routed.endpoint, status, reservation.created_at)  # type: ignore[arg-type]
         streamed = routed is not None and routed.request.stream
         if reservation is not None and 200 <= status < 300 and (observer is None or not streamed):
             # Without body telemetry, a stream's headers are our best signal that prefill is

@@ -19,6 +19,8 @@ from extproc.errors import ExtProcError
 __all__ = [
     "DESTINATION_HEADER",
     "OWNED_HEADERS",
+    "PREFILLER_HEADER",
+    "PREFILL_FAILED_HEADER",
     "continue_request_headers",
     "generation_headers_reply",
     "response_headers",
@@ -39,12 +41,22 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 """The header naming the chosen endpoint ("ip:port") that Envoy's original-destination cluster
 routes on; in the Endpoint Picker Protocol also the destination's key in the dynamic metadata."""
 
+PREFILLER_HEADER = "x-prefiller-host-port"
+"""The prefill endpoint of a disaggregated request (`host:port`), for the sidecar in front of
+the decode engine (llm-d's routing sidecar or `llm-extproc pd-sidecar`): a client's copy would
+make that sidecar send the prompt wherever the client says (llm-d-router #242)."""
+
+PREFILL_FAILED_HEADER = "x-llm-prefill-failed"
+"""Set by `llm-extproc pd-sidecar` on its 502 when the prefill endpoint failed: the router
+counts that answer against the prefill endpoint (outlier detection), not the decode one."""
+
 OWNED_HEADERS: tuple[str, ...] = (
     DESTINATION_HEADER,
     "x-llm-tier",
     "x-llm-prompt-tokens",
     "x-llm-route-debug",
     "x-llm-tenant",
+    PREFILLER_HEADER,
 )
 """Routing headers this project owns (and `x-llm-tenant`, which `ratelimit.tenant_header` may
 name: only a trusted layer between Envoy's header_mutation and ext_proc filters sets it). A client never sets them: Envoy's header_mutation filter
@@ -209,6 +221,12 @@ def response_body_cleared() -> pb.ProcessingResponse:
     )
 
 
+def _unset(headers: Mapping[str, str]) -> list[str]:
+    """The owned headers a route must remove when it does not set them: the prefill endpoint
+    (a client's copy never reaches the decode side's sidecar, whatever Envoy's filters did)."""
+    return [] if PREFILLER_HEADER in headers else [PREFILLER_HEADER]
+
+
 def route_in_headers(
     headers: Mapping[str, str], *, skip_body: bool, mode: processing_mode_pb2.ProcessingMode | None = None
 ) -> pb.ProcessingResponse:
@@ -218,7 +236,7 @@ def route_in_headers(
     resp = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=header_options(headers)),
+                header_mutation=pb.HeaderMutation(set_headers=header_options(headers), remove_headers=_unset(headers)),
                 clear_route_cache=True,
             )
         )
@@ -236,7 +254,7 @@ def route_in_body(headers: Mapping[str, str], body: bytes | None = None) -> pb.P
     keeps from the original headers in this mode)."""
     if body is not None:
         headers = {**headers, "content-length": str(len(body))}
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=header_options(headers)), clear_route_cache=True)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=header_options(headers), remove_headers=_unset(headers)), clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))

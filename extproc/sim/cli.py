@@ -54,6 +54,9 @@ def sim(
     kv_events_replay_endpoint: str | None = typer.Option(
         None, help="serve vLLM's KV-event replay (ZMQ ROUTER) on this endpoint (tcp://...)"
     ),
+    role: str = typer.Option("both", help="P/D role: prefill (holds KV for a decode engine), decode (pulls it) or both"),
+    kv_link_gbytes_per_s: float = typer.Option(25.0, help="KV transfer bandwidth a pull is charged at (GB/s)"),
+    kv_hold_timeout_s: float = typer.Option(480.0, help="how long a finished prefill holds its KV for a pull (simulated s)"),
 ) -> None:
     """Run an OpenAI-compatible vLLM simulator with a calibrated engine model."""
     import asyncio
@@ -95,6 +98,7 @@ def sim(
             max_waiting=max_waiting, queue_full_status=queue_full_status, legacy_metrics=legacy_metrics,
             load_shape=load_shape, faults=faults, seed=seed, tokenizer=counter,
             kv_events_endpoint=kv_events_endpoint, kv_events_replay=kv_events_replay_endpoint,
+            role=role, kv_link_gbytes_per_s=kv_link_gbytes_per_s, kv_hold_timeout_s=kv_hold_timeout_s,
         )
     except SimOptionError as exc:
         option = _OPTION_OF.get(exc.option, exc.option.replace("_", "-"))
@@ -115,7 +119,8 @@ def sim(
         events = f" kv_events={pub.endpoint}" if pub is not None else ""
         if pub is not None and pub.replay_endpoint:
             events += f" kv_replay={pub.replay_endpoint}"
-        typer.echo(f"sim listening on {server.url} profile={server.profile.name} model={server.model}{events}")
+        role_note = f" role={server.role}" if server.role != "both" else ""
+        typer.echo(f"sim listening on {server.url} profile={server.profile.name} model={server.model}{events}{role_note}")
         try:
             await stop.wait()
         finally:

@@ -104,13 +104,17 @@ class SimRequest:
         notify: called with the request when tokens are ready to emit (the first token, then
             every `notify_every` tokens) and when it finishes; the server uses it to wake a stream.
         notify_every: tokens between notifications (the stream interval).
+        hold_kv: P/D prefill side (`kv_transfer_params.do_remote_decode`): when it finishes, its
+            blocks are held for a decode engine to pull (`Engine.kv_holds`), not freed.
+        external_tokens: P/D decode side: prompt tokens whose KV was pulled from a prefill
+            engine (tokens): computed without a prefill step when the request is admitted.
     """
 
     __slots__ = (
         "uid", "request_id", "prompt_len", "block_hashes", "target_output", "arrival", "status",
         "num_computed", "num_output", "blocks", "num_registered", "first_scheduled", "first_token_time",
         "last_token_time", "finish_time", "finish_reason", "cached_tokens", "notify", "notify_every",
-        "notified", "_final_reason", "_prompt_ids",
+        "notified", "hold_kv", "external_tokens", "_final_reason", "_prompt_ids",
     )
 
     def __init__(
@@ -123,6 +127,8 @@ class SimRequest:
         request_id: str = "",
         notify: Callable[[SimRequest], None] | None = None,
         notify_every: int = 1,
+        hold_kv: bool = False,
+        external_tokens: int = 0,
     ) -> None:
         if output_tokens < 1:
             raise ValueError(f"output_tokens must be ≥ 1, got {output_tokens}")
@@ -148,6 +154,8 @@ class SimRequest:
         self.notify = notify
         self.notify_every = max(1, notify_every)
         self.notified = 0
+        self.hold_kv = hold_kv
+        self.external_tokens = min(max(0, external_tokens), self.prompt_len - 1)
         self._final_reason = finish_reason
         self._prompt_ids: Sequence[int] = prompt_token_ids  # dropped once hashed
 
@@ -226,6 +234,36 @@ class Engine:
         self.waiting: deque[SimRequest] = deque()
         self._inbox: list[tuple[float, int, SimRequest]] = []
         self.epoch = 0
+        self.kv_holds: dict[str, tuple[list[int], int, float]] = {}
+        """P/D prefill side: request id → (held block ids, prompt tokens, expiry in simulated
+        seconds) of finished `hold_kv` requests, until a decode engine pulls them
+        (`release_kv_hold`) or `kv_hold_timeout_s` passes."""
+        self.kv_hold_timeout_s = 480.0
+        """How long finished prefills hold their blocks (simulated seconds): vLLM's
+        `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` default (480 s)."""
+        self.kv_expired = 0
+        """Holds freed by the timeout, never pulled (count; vLLM's `nixl_num_kv_expired_reqs`)."""
+
+    def expire_kv_holds(self, now: float | None = None) -> int:
+        """Free the holds whose time ran out at `now` (simulated seconds; default the engine's
+        clock); returns how many."""
+        now = self.now if now is None else now
+        gone = [rid for rid, (_, _, until) in self.kv_holds.items() if until <= now]
+        for rid in gone:
+            blocks, _, _ = self.kv_holds.pop(rid)
+            self.pool.free(blocks)
+        self.kv_expired += len(gone)
+        return len(gone)
+
+    def release_kv_hold(self, request_id: str, now: float | None = None) -> int | None:
+        """A decode engine pulled `request_id`'s blocks: free them here. Returns the prompt
+        tokens they held, or None when no hold remains (never made, pulled, or expired)."""
+        self.expire_kv_holds(now)
+        held = self.kv_holds.pop(request_id, None)
+        if held is None:
+            return None
+        self.pool.free(held[0])
+        return held[1]
 
     # -- requests -------------------------------------------------------------------------
     def capacity_tokens(self) -> int:
@@ -289,6 +327,7 @@ class Engine:
         self.running.clear()
         self.waiting.clear()
         self._inbox.clear()
+        self.kv_holds.clear()
         self.pool.reset()
         self.stats = EngineStats()
         self.epoch += 1
@@ -312,6 +351,8 @@ class Engine:
             max_steps: most decode steps to fold into one plan (≥ 1).
         """
         self._admit_arrivals()
+        if self.kv_holds:
+            self.expire_kv_holds()
         if not self.running and not self.waiting:
             return None
         if max_steps > 1:
@@ -428,21 +469,23 @@ class Engine:
                 first_lookup = req.num_computed == 0
                 hits, in_free = self._lookup(req)
                 hit_tokens = len(hits) * cfg.block_size
-                num_new = min(req.num_tokens - hit_tokens, budget)
-                need = self._blocks_for(hit_tokens + num_new) - len(hits)
+                # KV pulled from a prefill engine counts as computed (it still needs blocks here).
+                done = max(hit_tokens, req.external_tokens) if first_lookup else hit_tokens
+                num_new = min(req.num_tokens - done, budget)
+                need = self._blocks_for(done + num_new) - len(hits)
                 if need > pool.num_free - in_free:
                     break
                 self.waiting.popleft()
                 pool.touch(hits)
                 req.blocks = hits + pool.allocate(need)
-                req.num_computed = hit_tokens
+                req.num_computed = done
                 req.num_registered = len(hits)
                 if first_lookup and self.config.enable_prefix_caching:
                     self.stats.prefix_queries += req.num_tokens
                     self.stats.prefix_hits += hit_tokens
                 if req.first_scheduled is None:
                     req.first_scheduled = self.now
-                    req.cached_tokens = hit_tokens
+                    req.cached_tokens = done  # vLLM counts pulled KV as cached (the sidecar rewrites it)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 items.append((req, num_new))
@@ -597,6 +640,9 @@ class Engine:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
 
     def _finish(self, req: SimRequest, when: float, reason: str) -> None:
+        if req.blocks and req.hold_kv and reason != "abort":
+            self.kv_holds[req.request_id] = (req.blocks, req.prompt_len, when + self.kv_hold_timeout_s)
+            req.blocks = []
         if req.blocks:
             self.pool.free(req.blocks)
             req.blocks = []

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from extproc.sim.engine import Engine
+from extproc.sim.pd import NixlStats
 from extproc.sim.stats import Histogram
 
 __all__ = ["SimMetricsCollector", "register_metrics"]
@@ -31,10 +32,11 @@ class SimMetricsCollector(Collector):
         legacy: emit the pre-V1 names for KV usage and TPOT.
     """
 
-    def __init__(self, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False) -> None:
+    def __init__(self, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False, nixl: NixlStats | None = None) -> None:
         self._engine = engine
         self._model = model_name
         self._legacy = legacy
+        self._nixl = nixl
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -91,12 +93,19 @@ class SimMetricsCollector(Collector):
         yield self._histogram(
             "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", s.queue
         )
+        if self._nixl is not None:  # vLLM's NIXL connector (NixlPromMetrics)
+            x = self._nixl
+            yield self._histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.", x.xfer_time)
+            yield self._histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.", x.bytes_transferred)
+            yield self._counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.", x.failed_transfers)
+            yield self._counter("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire.", eng.kv_expired)
 
 
 def register_metrics(
-    registry: CollectorRegistry, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False
+    registry: CollectorRegistry, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False, nixl: NixlStats | None = None
 ) -> SimMetricsCollector:
-    """Create the collector and register it on `registry` (never the global default)."""
-    collector = SimMetricsCollector(engine, model_name, legacy=legacy)
+    """Create the collector and register it on `registry` (never the global default); with
+    `nixl`, vLLM's NIXL connector metrics too."""
+    collector = SimMetricsCollector(engine, model_name, legacy=legacy, nixl=nixl)
     registry.register(collector)
     return collector

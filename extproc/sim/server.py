@@ -47,12 +47,14 @@ from bisect import bisect_right
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
+import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from extproc.errors import BadRequestError
 from extproc.pipeline.tokens import TokenCounter
+from extproc.sim.pd import NixlStats, TransferRequest, parse_kv_transfer, prefill_params
 from extproc.sim.api import (
     DONE,
     SimAPIError,
@@ -202,6 +204,13 @@ class SimServer:
         tokenizer: a token counter (default: the shared Qwen3 one).
         kv_events_endpoint: bind a KV-event PUB socket here (`tcp://127.0.0.1:5557`), or None.
         kv_events_replay: bind vLLM's replay ROUTER socket here, or None.
+        role: P/D role (`prefill`, `decode`, `both`): a prefill-role engine refuses to pull KV
+            (`do_remote_prefill`), a decode-role one to hold it for others (`do_remote_decode`);
+            `both` does either (`extproc.sim.pd`).
+        kv_link_gbytes_per_s: the KV transfer bandwidth a pull is charged at (GB/s; default 25,
+            NIXL over one 400 Gb/s RDMA NIC: decision 0330).
+        kv_hold_timeout_s: how long finished prefills hold their blocks for a pull (simulated
+            seconds; vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480).
 
     Raises:
         SimOptionError: (a ValueError) an unknown profile, an empty model or host, or a size or
@@ -233,7 +242,21 @@ class SimServer:
         tokenizer: TokenCounter | None = None,
         kv_events_endpoint: str | None = None,
         kv_events_replay: str | None = None,
+        role: str = "both",
+        kv_link_gbytes_per_s: float = 25.0,
+        kv_hold_timeout_s: float = 480.0,
     ) -> None:
+        if role not in ("prefill", "decode", "both"):
+            raise SimOptionError("role", f"must be prefill, decode or both, got {role!r}")
+        if not kv_link_gbytes_per_s > 0 or kv_link_gbytes_per_s == float("inf"):
+            raise SimOptionError("kv_link_gbytes_per_s", f"must be a finite number > 0, got {kv_link_gbytes_per_s}")
+        if not kv_hold_timeout_s > 0:
+            raise SimOptionError("kv_hold_timeout_s", f"must be > 0, got {kv_hold_timeout_s}")
+        self.role = role
+        self.kv_link_bytes_per_s = kv_link_gbytes_per_s * 1e9
+        self.kv_hold_timeout_s = kv_hold_timeout_s
+        self.nixl = NixlStats()
+        self._http: aiohttp.ClientSession | None = None
         try:
             self.profile = profile if isinstance(profile, Profile) else get_profile(profile)
         except KeyError as exc:
@@ -304,11 +327,12 @@ class SimServer:
         if self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(shared_token_counter)
         self.engine = Engine(self.config, self.profile.coefficients)
+        self.engine.kv_hold_timeout_s = self.kv_hold_timeout_s
         if self.kv_events is not None:
             self.kv_events.start()
         if self.registry is None:
             self.registry = CollectorRegistry()
-        register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics)
+        register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics, nixl=self.nixl)
         self._rng = random.Random(self._seed)
         loop = asyncio.get_running_loop()
         self._wall0 = loop.time()
@@ -343,6 +367,8 @@ class SimServer:
             ev.set()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._http is not None:
+            await self._http.close()
         if self.kv_events is not None:
             await self.kv_events.aclose()
 
@@ -509,6 +535,7 @@ class SimServer:
         r.add_get("/sim/gpu", self._gpu)
         r.add_get("/sim/state", self._state)
         r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        r.add_post("/sim/kv/pull", self._kv_pull)
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> web.Response:
@@ -547,8 +574,11 @@ class SimServer:
 
     async def _generate(self, request: web.Request, *, kind: Literal["chat", "completion"]) -> web.StreamResponse:
         try:
-            params = parse_generation(await request.read(), kind)
-            reqs = await self._enqueue(params, kind)
+            raw = await request.read()
+            params = parse_generation(raw, kind)
+            transfer = self._transfer_of(raw)
+            external = await self._pull_kv(transfer) if transfer is not None and transfer.role == "decode" else 0
+            reqs = await self._enqueue(params, kind, hold_kv=transfer is not None and transfer.role == "prefill", external_tokens=external)
         except SimAPIError as err:
             return self._error(err)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -562,8 +592,77 @@ class SimServer:
             if not await self._wait_all(reqs, event):
                 return self._die(request)
             choices = [(output_text(r.uid, 0, r.num_output), r.finish_reason or "stop") for r in reqs]
-            body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs))
+            # Both P/D sides report cached tokens (vLLM with --enable-prompt-tokens-details); a
+            # decode side counts the pulled KV as cached, as vLLM does (the sidecar rewrites it).
+            cached = reqs[0].cached_tokens if transfer is not None else None
+            body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs), cached)
+            if transfer is not None and transfer.role == "prefill":
+                body = self._with_transfer_params(body, reqs[0])
             return web.Response(body=body, content_type="application/json")
+
+    def _transfer_of(self, raw: bytes) -> TransferRequest | None:
+        """The request's P/D part (`extproc.sim.pd.parse_kv_transfer`), checked against the role.
+
+        Raises:
+            SimAPIError: 400 for malformed `kv_transfer_params` or a side this role does not take.
+        """
+        try:
+            transfer = parse_kv_transfer(orjson.loads(raw))
+        except ValueError as exc:
+            raise SimAPIError(400, str(exc), param="kv_transfer_params") from None
+        if transfer is not None and self.role not in (transfer.role, "both"):
+            raise SimAPIError(400, f"this engine's P/D role is {self.role}: it does not take the {transfer.role} side", param="kv_transfer_params")
+        return transfer
+
+    def _with_transfer_params(self, body: bytes, req: SimRequest) -> bytes:
+        """A prefill response body with the `kv_transfer_params` pointing at its held blocks."""
+        held = self._engine.kv_holds.get(req.request_id)
+        out = orjson.loads(body)
+        # None: nothing held (an aborted request), as vLLM returns no params then.
+        out["kv_transfer_params"] = None if held is None else prefill_params(req.request_id, list(held[0]), f"sim-{self.port}", self.host, self.port)
+        return orjson.dumps(out)
+
+    async def _pull_kv(self, transfer: TransferRequest) -> int:
+        """Pull a prompt's KV from the prefill engine and wait its transfer time; returns its
+        prompt tokens (now computed here).
+
+        Raises:
+            SimAPIError: 500 when the prefill engine no longer holds the blocks or cannot be
+                reached (`kv_load_failure_policy=fail`: never recomputed here).
+        """
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        url = f"http://{transfer.remote_host}:{transfer.remote_port}/sim/kv/pull"
+        try:
+            async with self._http.post(url, json={"request_id": transfer.remote_request_id}) as resp:
+                answer = await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            answer = None
+        if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), int):
+            self.nixl.failed_transfers += 1
+            raise SimAPIError(
+                500,
+                f"KV transfer failed: {transfer.remote_host}:{transfer.remote_port} no longer holds request "
+                f"{transfer.remote_request_id}'s blocks (kv_load_failure_policy=fail)",
+            )
+        tokens = answer["tokens"]
+        nbytes = tokens * self.profile.kv_bytes_per_token()
+        seconds = nbytes / self.kv_link_bytes_per_s
+        self.nixl.bytes_transferred.observe(nbytes)
+        self.nixl.xfer_time.observe(seconds)
+        await asyncio.sleep(seconds / self.speed)
+        return tokens
+
+    async def _kv_pull(self, request: web.Request) -> web.Response:
+        """`POST /sim/kv/pull {"request_id"}` (prefill side): hand a held prompt's blocks over
+        and free them here; 404 when none is held under that id (pulled, expired, restarted)."""
+        body = await self._read_json(request)
+        rid = body.get("request_id") if isinstance(body, dict) else None
+        tokens = self._engine.release_kv_hold(rid, self.sim_now()) if isinstance(rid, str) else None
+        if tokens is None:
+            return self._json({"error": f"no KV held for request {rid!r}"}, status=404)
+        self._wake("arrival")  # freed blocks may admit a waiting request
+        return self._json({"tokens": tokens})
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """`POST /v1/responses`: one generation over the request's chat messages."""
@@ -592,7 +691,7 @@ class SimServer:
             except ConnectionResetError:
                 return web.Response(status=499)
 
-    async def _enqueue(self, params: Any, kind: str) -> list[SimRequest]:
+    async def _enqueue(self, params: Any, kind: str, *, hold_kv: bool = False, external_tokens: int = 0) -> list[SimRequest]:
         """Check a parsed request as vLLM does and enqueue its `n` engine requests (one per
         choice, sharing the prompt; vLLM V1 fans parallel sampling out the same way).
 
@@ -628,6 +727,7 @@ class SimServer:
                 reqs.append(SimRequest(
                     ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
                     notify_every=self.stream_interval if params.stream else _NEVER,
+                    hold_kv=hold_kv, external_tokens=external_tokens,
                 ))  # fmt: skip
         added: list[SimRequest] = []
         try:
@@ -983,6 +1083,9 @@ class SimServer:
             {
                 "profile": self.profile.name,
                 "model": self.model,
+                "role": self.role,
+                "kv_holds": len(eng.kv_holds),
+                "kv_held_blocks": sum(len(b) for b, _, _ in eng.kv_holds.values()),
                 "speed": self.speed,
                 "sim_now": self.sim_now(),
                 "engine_now": eng.now,

@@ -26,10 +26,19 @@ import httpx
 from extproc.sim.profiles import PROFILES
 from extproc.stack.procs import ChildHandle, ManagedProcess, ProcessError, wait_until
 
-__all__ = ["DEFAULT_FLEET", "Fleet", "SimProcess"]
+__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "SimProcess", "SIM_ROLES"]
 
 DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-8b", "a100-qwen3-8b")
 """The demo and bench fleet: two H100 and two A100 engines serving Qwen3-8B (mixed speeds)."""
+
+PD_FLEET: tuple[tuple[str, str], ...] = (
+    ("h100-qwen3-8b", "prefill"), ("h100-qwen3-8b", "prefill"), ("h100-qwen3-8b", "decode"), ("h100-qwen3-8b", "decode"),
+)
+"""`up --fleet pd`: two prefill and two decode H100 engines serving Qwen3-8B, (profile, role)
+each; the decode ones behind `llm-extproc pd-sidecar` (`extproc.stack.pd`)."""
+
+SIM_ROLES = ("prefill", "decode", "both")
+"""A simulator's P/D roles (`sim --role`)."""
 
 _READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) (.*)$", re.MULTILINE)
 _KV_EVENTS = re.compile(r"\bkv_events=(tcp://\S+)")
@@ -53,9 +62,10 @@ class SimProcess(ChildHandle):
             `kv_events_endpoint` / `kv_events_replay` name them once started.
         max_model_len: the simulator's context limit (tokens; `sim --max-model-len`), or None
             for the profile's.
+        role: its P/D role (`sim --role`: prefill, decode or both).
 
     Raises:
-        ValueError: unknown profile, or speed / stream_interval out of range.
+        ValueError: unknown profile or role, or speed / stream_interval out of range.
 
     Nothing runs until `start()`.
     """
@@ -73,7 +83,10 @@ class SimProcess(ChildHandle):
         port: int = 0,
         kv_events: bool = False,
         max_model_len: int | None = None,
+        role: str = "both",
     ) -> None:
+        if role not in SIM_ROLES:
+            raise ValueError(f"unknown P/D role {role!r}; one of {', '.join(SIM_ROLES)}")
         if profile not in PROFILES:
             raise ValueError(f"unknown simulator profile {profile!r}; known: {', '.join(PROFILES)}")
         if not speed > 0:
@@ -90,6 +103,7 @@ class SimProcess(ChildHandle):
         self._listen_port = port
         self.kv_events = kv_events
         self.max_model_len = max_model_len
+        self.role = role
         self.kv_events_endpoint: str | None = None
         self.kv_events_replay: str | None = None
         self.port: int | None = None
@@ -119,6 +133,7 @@ class SimProcess(ChildHandle):
             "--load-shape", self.load_shape,
             *(("--kv-events-port", "0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*") if self.kv_events else ()),
             *(("--max-model-len", str(self.max_model_len)) if self.max_model_len is not None else ()),
+            *(("--role", self.role) if self.role != "both" else ()),
         ]  # fmt: skip
 
     async def start(self, timeout_s: float = 90.0) -> None:
@@ -155,11 +170,6 @@ class SimProcess(ChildHandle):
             await self.aclose()
             raise
 
-    async def aclose(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM by PID, wait up to `timeout_s` seconds, then SIGKILL. Safe to call twice."""
-        if self._proc is not None:
-            await self._proc.astop(timeout_s)
-
 
 class Fleet:
     """Simulators for `profiles` (one per entry, in order), started and stopped together.
@@ -169,9 +179,10 @@ class Fleet:
         workdir: logs go to `<workdir>/sim-<i>.log`.
         speed, stream_interval, load_shape, kv_events, max_model_len: as `SimProcess`.
         seed: endpoint i gets seed `seed + i`.
+        roles: P/D role per endpoint (same length as `profiles`); None: all `both`.
 
     Raises:
-        ValueError: no profiles, or a bad profile or setting.
+        ValueError: no profiles, roles not one per profile, or a bad profile, role or setting.
     """
 
     def __init__(
@@ -185,13 +196,17 @@ class Fleet:
         load_shape: str = "sglang",
         kv_events: bool = False,
         max_model_len: int | None = None,
+        roles: Sequence[str] | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("a fleet needs at least one simulator profile")
+        if roles is not None and len(roles) != len(profiles):
+            raise ValueError(f"{len(roles)} roles for {len(profiles)} simulators: give one per simulator")
         self.sims = [
             SimProcess(
                 p, name=f"sim-{i}", workdir=workdir, speed=speed, stream_interval=stream_interval,
                 seed=seed + i, load_shape=load_shape, kv_events=kv_events, max_model_len=max_model_len,
+                role=roles[i] if roles is not None else "both",
             )
             for i, p in enumerate(profiles)
         ]  # fmt: skip

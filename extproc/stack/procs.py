@@ -215,3 +215,8 @@ class ChildHandle:
         if self._proc is None:
             raise self.not_started_error(f"{self.name} is not started")
         return self._proc
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM by PID, wait up to `timeout_s` seconds, then SIGKILL. Safe to call twice."""
+        if self._proc is not None:
+            await self._proc.astop(timeout_s)

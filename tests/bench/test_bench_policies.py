@@ -14,7 +14,8 @@ from extproc.stack.fleet import DEFAULT_FLEET
 
 def test_profiles_match_the_server_schema() -> None:
     """The catalogue spells the built-in profiles out (to keep --help fast): it must not drift."""
-    assert set(EXTPROC_PROFILES) == set(BUILTIN_PROFILES)
+    # pd-decode and pd-prefill are the two picks of P/D disaggregation, not a policy of their own.
+    assert set(EXTPROC_PROFILES) == set(BUILTIN_PROFILES) - {"pd-decode", "pd-prefill"}
     assert DEFAULT_PROFILE == SchedulingConfig().profile
     assert DEFAULT_FLEET_SPEC == ",".join(DEFAULT_FLEET)
 

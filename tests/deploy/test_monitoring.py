@@ -65,7 +65,7 @@ def _exprs() -> list[str]:
 
 _PROMQL_WORDS = {
     "sum", "max", "min", "avg", "by", "rate", "histogram_quantile", "and", "or", "le", "up", "without",
-    "rate_interval", "server_address", "instance", "endpoint", "phase", "outcome", "reason", "gpu", "job", "scorer",
+    "rate_interval", "server_address", "instance", "endpoint", "phase", "outcome", "reason", "gpu", "job", "scorer", "decision",
 }  # fmt: skip
 
 

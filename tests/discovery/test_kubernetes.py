@@ -423,3 +423,22 @@ def test_socket_template_that_does_not_render_to_the_address_is_refused(field: s
     resolves, nor on a second host or a ZMQ source-interface spec."""
     with pytest.raises(pydantic.ValidationError):
         EndpointTemplate(port=8000, models=["m"], **{field: template})
+
+
+async def test_the_llm_d_role_label_gives_the_endpoints_their_p_d_role(tmp_path: Path):
+    # llm-d labels its prefill and decode Pods `llm-d.ai/role`; an EndpointSlice carrying the
+    # label gives its addresses that role, a slice without it leaves them `both`, and a value
+    # that is not a role skips the slice's addresses instead of routing them as something else.
+    def labelled(name: str, ip: str, role: str) -> dict:
+        return endpoint_slice(name, ip, metadata={"name": name, "resourceVersion": "1", "labels": {"llm-d.ai/role": role}})
+
+    done = asyncio.Event()
+    listed = slice_list(labelled("p", "10.0.0.1", "prefill"), labelled("d", "10.0.0.2", "decode"), endpoint_slice("u", "10.0.0.3"), labelled("x", "10.0.0.4", "decoder"))
+    server = FakeApiServer(TOKEN, SLICES, lists=[listed], watches=[hold(done)])
+    await server.start()
+    src = Source(params(server, tmp_path, selector="app=vllm"))
+    reports = await run_source(src, server, lambda: len(server.watch_requests()) >= 1, done)
+    roles = {a: d.config.role for a, d in reports[0].items()}
+    assert roles == {"10.0.0.1:8000": "prefill", "10.0.0.2:8000": "decode", "10.0.0.3:8000": "both"}
+    store = Datastore([d.config for d in reports[0].values()])
+    assert store.get("10.0.0.1:8000").role == "prefill" and store.get("10.0.0.3:8000").role == "both"

@@ -65,3 +65,25 @@ def test_bad_settings_are_refused_before_spawning(tmp_path: Path, kwargs: dict, 
     with pytest.raises(ValueError, match=message):
         SimProcess(settings.pop("profile"), name="sim-0", workdir=tmp_path, **settings)
     assert not list(tmp_path.iterdir())  # no log: nothing ran
+
+
+def test_pd_fleet_roles_reach_the_simulators_and_the_router_config(tmp_path):
+    from extproc.bench.stacks import server_config
+    from extproc.stack.fleet import PD_FLEET, Fleet
+    from extproc.stack.pd import SidecarProcess
+
+    fleet = Fleet([p for p, _ in PD_FLEET], workdir=tmp_path, roles=[r for _, r in PD_FLEET])
+    assert [s.argv()[-2:] for s in fleet.sims] == [["--role", "prefill"]] * 2 + [["--role", "decode"]] * 2
+    with pytest.raises(ValueError, match="one per simulator"):
+        Fleet(["h100-qwen3-8b"] * 2, workdir=tmp_path, roles=["prefill"])
+    with pytest.raises(ValueError, match="unknown P/D role"):
+        Fleet(["h100-qwen3-8b"], workdir=tmp_path, roles=["prefiller"])
+    cfg = server_config(
+        {"127.0.0.1:1": "h100-qwen3-8b", "127.0.0.1:2": "h100-qwen3-8b", "127.0.0.1:3": "h100-qwen3-8b"},
+        profile="load-aware", roles={"127.0.0.1:1": "prefill", "127.0.0.1:2": "decode", "127.0.0.1:3": "both"},
+    )
+    assert [e.get("role") for e in cfg["endpoints"]] == ["prefill", "decode", None]
+    side = SidecarProcess("http://127.0.0.1:2", ["127.0.0.1:1"], name="sidecar", workdir=tmp_path)
+    assert side.argv()[3:] == ["pd-sidecar", "--decode", "http://127.0.0.1:2", "--listen", "127.0.0.1:0", "--allow", "127.0.0.1:1"]
+    with pytest.raises(ValueError):
+        SidecarProcess("http://127.0.0.1:2", [], name="sidecar", workdir=tmp_path)

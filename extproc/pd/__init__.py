@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation outside the router: the decode-side sidecar (`sidecar`)."""
