@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_PROFILE", "EXTPROC_PROFILES", "POLICIES", "Policy", "PolicyE
 # The server's built-in scheduling profiles and its default (`extproc.config.schema`), spelled
 # out so that `llm-extproc --help` need not import the config schema (~0.4 s); a test checks
 # they match the schema.
-EXTPROC_PROFILES: tuple[str, ...] = ("load-aware", "least-inflight", "compute-aware", "random", "prefix")
+EXTPROC_PROFILES: tuple[str, ...] = ("load-aware", "least-inflight", "compute-aware", "random", "prefix", "lora")
 DEFAULT_PROFILE = "load-aware"
 
 

@@ -121,6 +121,10 @@ class Endpoint:
         agent: `host:port` of its node agent (`EndpointConfig.agent`), or None.
         kv_events / kv_events_replay: its engine's KV-event publisher and replay socket
             (`EndpointConfig.kv_events`, `tcp://host:port`), or None.
+        lora_sent: the LoRA adapters this router sent here (`extproc.datastore.lora.SentAdapters`),
+            or None before the first.
+        listed_adapters: adapter name → base model of the LoRA entries of its `/v1/models`
+            (entries with a `parent`), as the engine check last read them.
     """
 
     address: EndpointAddress
@@ -158,6 +162,8 @@ class Endpoint:
     agent: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    lora_sent: Any = None
+    listed_adapters: dict[str, str] = field(default_factory=dict)
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
 
     @property

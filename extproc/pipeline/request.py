@@ -25,6 +25,7 @@ from typing import Any
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
+from extproc.datastore.lora import AdapterNames, SentAdapters, residency_tier
 from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PrefillCounts
 from extproc.errors import (
     ContextLengthError,
@@ -326,6 +327,12 @@ class RequestPipeline:
         for m in config.models:
             for name in (m.name, *m.aliases):
                 self._aliases[name] = m.name
+        self.adapters = AdapterNames(
+            {a: m.name for m in config.models for a in m.adapters},
+            reserved=set(self._aliases),
+            learning={m.name for m in config.models if m.learn_adapters},
+        )
+        """LoRA adapter names → base model: configured, and learned from the engines."""
         self._metrics = metrics
         self.output_estimates = OutputEstimates((m.name, m.output_estimate) for m in config.models)
         """Per model, the learned output length that caps max_tokens in decode estimates."""
@@ -367,8 +374,9 @@ class RequestPipeline:
 
     @property
     def served_models(self) -> list[str]:
-        """Every name a client may use (canonical names and aliases), sorted."""
-        return sorted(self._aliases)
+        """Every name a client may use (canonical names, aliases, LoRA adapters configured or
+        learned so far), sorted."""
+        return sorted({*self._aliases, *self.adapters.configured, *self.adapters.learned})
 
     def note_output(self, model: str, tokens: int, n: int = 1) -> None:
         """A completed response of `model` (canonical name) produced `tokens` output tokens over
@@ -394,18 +402,47 @@ class RequestPipeline:
         }
 
     def resolve_model(self, name: str) -> ModelRuntime:
-        """The runtime for a requested model name or alias.
+        """The runtime for a requested model name, alias or LoRA adapter (its base model's).
+
+        Raises:
+            NotFoundError: unknown model; the message lists the served models.
+        """
+        return self.resolve(name)[0]
+
+    def resolve(self, name: str) -> tuple[ModelRuntime, str | None]:
+        """The runtime for a requested model name, alias or LoRA adapter, and the adapter's name
+        (None for a model name or alias). An adapter neither configured nor learned yet is
+        looked for in what the engines last reported (`learn_from_engines`).
 
         Raises:
             NotFoundError: unknown model; the message lists the served models.
         """
         canonical = self._aliases.get(name)
-        if canonical is None:
-            raise NotFoundError(
-                f"The model `{name}` does not exist. Served models: {', '.join(self.served_models)}",
-                param="model",
-            )
-        return self._models[canonical]
+        if canonical is not None:
+            return self._models[canonical], None
+        base = self.adapters.base_of(name)
+        if base is None and self.learn_from_engines():
+            base = self.adapters.base_of(name)
+        if base is not None:
+            return self._models[base], name
+        raise NotFoundError(f"The model `{name}` does not exist. Served models: {', '.join(self.served_models)}", param="model")
+
+    def learn_from_engines(self) -> int:
+        """Learn the adapters the engines report for the models that learn them
+        (`ModelConfig.learn_adapters`): `/v1/models` entries with a `parent`
+        (`Endpoint.listed_adapters`) and the names in their LoRA metrics (for an endpoint
+        serving one model). Returns how many names were new. O(endpoints); runs only for a
+        name that is no known model or adapter."""
+        new = 0
+        for ep in self._store.all():
+            for adapter, parent in ep.listed_adapters.items():
+                new += self.adapters.learn(adapter, self._aliases.get(parent, parent))
+            lora = ep.engine.lora if ep.engine is not None else None
+            if lora is not None and len(ep.models) == 1:
+                (base,) = ep.models
+                for adapter in lora.adapters:
+                    new += self.adapters.learn(adapter, base)
+        return new
 
     async def route(self, kind: RequestKind, body: bytes, **kwargs: Any) -> Routed:
         """Decide for one request body (reserves nothing): `count` then `schedule`.
@@ -473,7 +510,7 @@ class RequestPipeline:
         parsed = parse_body(
             kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts
         )
-        runtime = self.resolve_model(parsed.model)
+        runtime, adapter = self.resolve(parsed.model)
         if subset is not None and not any(map(subset, self._store.for_model(runtime.config.name))):
             raise _none_in_subset(runtime.config.name)  # fail fast: before counting its tokens
         priority = self._priority(priority_header, trusted_priority)
@@ -538,6 +575,8 @@ class RequestPipeline:
             user=parsed.user,
             body_bytes=len(body),  # type: ignore[arg-type]
             token_ids=token_ids,
+            adapter=adapter,
+            cache_salt=parsed.cache_salt,
         )
         return Counted(req, parsed, model, prompt_tokens, priority, session_header, subset, cut, t0, t1, t2, t_cut)
 
@@ -584,6 +623,7 @@ class RequestPipeline:
             panic_threshold=cfg.scheduling.health_check.panic_threshold,
             attention_ratio=self.attention_ratio,
             decode_output_tokens=decode,
+            lora_max_loras=cfg.scheduling.lora_max_loras,
         )
         session = None
         if self.prefix is not None:
@@ -712,6 +752,15 @@ class RequestPipeline:
         ep = routed.endpoint
         if ep is None:
             return None
+        adapter = routed.request.adapter
+        if adapter is not None:
+            now = time.monotonic()
+            lora = ep.engine.lora if ep.engine is not None else None
+            tier = residency_tier(adapter, lora, ep.lora_sent, now, self._config.scheduling.lora_max_loras)
+            self._metrics.child(self._metrics.lora_routed, routed.request.served_model, self.adapters.label(adapter), tier).inc()
+            if ep.lora_sent is None:
+                ep.lora_sent = SentAdapters()
+            ep.lora_sent.note(adapter, now)
         if self.prefix is not None:
             bs = ep.engine.block_size if ep.engine is not None and ep.engine.block_size else self._config.scheduling.block_size
             req = routed.request

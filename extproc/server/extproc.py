@@ -579,9 +579,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
                 headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
                 req = routed.request
-                # A truncated prompt's body; an alias: the engines serve the model under its configured name.
+                # A truncated prompt's body; an alias: the engines serve the model under its configured
+                # name. A LoRA adapter's name is what selects the adapter in the engine: never rewritten.
                 rewritten = routed.body
-                if req.model != req.served_model:
+                if req.model != req.served_model and req.adapter is None:
                     rewritten = with_model(rewritten or body, req.served_model)
                 return Decision(routed, reservation, admission, headers, rewritten)
             except Exception:
