@@ -771,7 +771,7 @@ class RequestPipeline:
                 routed.session,
                 candidates=self._store.for_model(req.served_model),
                 token_ids=req.token_ids,
-                model=req.served_model,
+                model=req.adapter or req.served_model,  # a warm-up must fill the adapter's blocks
             )
         return self._store.reserve(
             ep,
