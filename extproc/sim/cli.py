@@ -54,6 +54,12 @@ def sim(
     kv_events_replay_endpoint: str | None = typer.Option(
         None, help="serve vLLM's KV-event replay (ZMQ ROUTER) on this endpoint (tcp://...)"
     ),
+    lora_modules: str = typer.Option("", help="LoRA adapter names served on the model, comma-separated (vLLM --lora-modules)"),
+    max_loras: int = typer.Option(0, min=0, help="GPU LoRA slots; a batch holds at most this many adapters (default 1 with adapters)"),
+    max_cpu_loras: int = typer.Option(0, min=0, help="LoRA adapters kept in host memory (default --max-loras)"),
+    lora_rank: int = typer.Option(16, help="the adapters' rank (sizes their load time)"),
+    lora_load_scale: float = typer.Option(1.0, help="factor on every adapter load time (slower storage)"),
+    lora_metrics: str = typer.Option("residency", help="LoRA metrics exported: residency (new and old) or activity (lora_requests_info only)"),
 ) -> None:
     """Run an OpenAI-compatible vLLM simulator with a calibrated engine model."""
     import asyncio
@@ -95,6 +101,8 @@ def sim(
             max_waiting=max_waiting, queue_full_status=queue_full_status, legacy_metrics=legacy_metrics,
             load_shape=load_shape, faults=faults, seed=seed, tokenizer=counter,
             kv_events_endpoint=kv_events_endpoint, kv_events_replay=kv_events_replay_endpoint,
+            lora_modules=[n.strip() for n in lora_modules.split(",") if n.strip()], max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras, lora_rank=lora_rank, lora_load_scale=lora_load_scale, lora_metrics=lora_metrics,
         )
     except SimOptionError as exc:
         option = _OPTION_OF.get(exc.option, exc.option.replace("_", "-"))
