@@ -34,7 +34,7 @@ import yaml
 from extproc.bench.policies import Policy
 from extproc.sim.profiles import PROFILES, SIM_TOKENIZER
 from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
-from extproc.stack.fleet import DEFAULT_FLEET, Fleet
+from extproc.stack.fleet import DEFAULT_FLEET, Fleet, LoraFleet
 from extproc.stack.ports import free_ports
 from extproc.stack.procs import ManagedProcess, wait_until
 from extproc.stack.server import ExtProcServerProcess
@@ -85,6 +85,8 @@ class StackSettings:
         server_overrides: merged into llm-extproc's generated config (`merge_config`) for
             llm-extproc policies, e.g. `{"scheduling": {"profiles": {"load-aware": {...}}}}` to
             try other scorer weights on the same requests.
+        lora: LoRA adapters the simulators serve (`--fleet lora`), or None; the generated config
+            lists them as the model's `adapters`.
     """
 
     profiles: Sequence[str] = DEFAULT_FLEET
@@ -94,6 +96,7 @@ class StackSettings:
     port: int = 0
     envoy_concurrency: int = 2
     server_overrides: Mapping[str, Any] | None = None
+    lora: LoraFleet | None = None
 
 
 def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
@@ -133,7 +136,11 @@ def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
 
 
 def server_config(
-    addresses: Mapping[str, str], *, profile: str, kv_events: Mapping[str, tuple[str, str | None]] | None = None
+    addresses: Mapping[str, str],
+    *,
+    profile: str,
+    kv_events: Mapping[str, tuple[str, str | None]] | None = None,
+    lora: LoraFleet | None = None,
 ) -> dict[str, Any]:
     """llm-extproc's config for a simulated fleet: one model entry per served model.
 
@@ -142,6 +149,8 @@ def server_config(
         profile: the scheduling profile.
         kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
             index comes from their events (`Fleet.kv_events`).
+        lora: the adapters the simulators serve: each model's `adapters`, and their GPU slots
+            as `scheduling.lora_max_loras`.
 
     Each model gets the architecture and context limit of its simulator profile and the
     tokenizer the simulator counts with (Qwen3's, whatever the profile's model); endpoints are
@@ -159,11 +168,16 @@ def server_config(
         if kv_events and address in kv_events:
             events, replay = kv_events[address]
             endpoints[-1].update({"kv_events": events, **({"kv_events_replay": replay} if replay else {})})
+    scheduling: dict[str, Any] = {"profile": profile}
+    if lora is not None:
+        for m in models.values():
+            m["adapters"] = list(lora.adapters)
+        scheduling["lora_max_loras"] = lora.max_loras
     return {
         "limits": {"shutdown_grace_s": 2.0},
         "models": list(models.values()),
         "endpoints": endpoints,
-        "scheduling": {"profile": profile},
+        "scheduling": scheduling,
     }
 
 
@@ -233,7 +247,7 @@ def policy_server_config(
     """
     if policy.profile is None:
         raise ValueError(f"{policy.name} is not an llm-extproc policy")
-    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events)
+    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events, lora=settings.lora)
     for overrides in (policy.server_overrides, settings.server_overrides):
         cfg = merge_config(cfg, overrides or {})
     return cfg
@@ -265,6 +279,7 @@ class PolicyStack:
             # An overlay's max_model_len is the engines' too, for every policy's fleet alike, as on a
             # real fleet (where the check against each engine's /v1/models flags a difference).
             max_model_len=overlay_max_model_len(settings.server_overrides, settings.profiles),
+            lora=settings.lora,
         )
         self.server: ExtProcServerProcess | None = None
         self.envoy: EnvoyProcess | None = None

@@ -72,6 +72,8 @@ class TraceRequest:
         session: conversation id when the source has one (BurstGPT_3, ShareGPT, MT-Bench,
             synthetic sessions), else None.
         messages: the real chat messages (OpenAI shape) when the source has text, else None.
+        model: the `model` to send (a LoRA adapter's name, `extproc.bench.lora_workload`), or
+            None for the load generator's model.
     """
 
     arrival_s: float
@@ -80,6 +82,7 @@ class TraceRequest:
     prefix_blocks: tuple[int, ...] | None = None
     session: str | None = None
     messages: list[dict[str, Any]] | None = None
+    model: str | None = None
 
 
 @dataclass(slots=True)
