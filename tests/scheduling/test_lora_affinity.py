@@ -84,3 +84,8 @@ def test_spread_rule_lets_a_hot_adapter_load_where_there_is_room_and_keeps_cold_
     ctx = _ctx("hot", slots=4)
     ctx.now = now
     assert scorer.score(ctx, eps) == [1.0, 1.0, 1.0, 0.6]
+    # every slot taken (more adapters than slots): an idle adapter's slot is room for a hot one,
+    # never a slot every running adapter needs
+    eps[1].engine = dataclasses.replace(eps[1].engine, lora=LoraMetrics("residency", gpu=frozenset("abcd"), running=frozenset("a"), max_gpu=4))
+    eps[2].engine = dataclasses.replace(eps[2].engine, lora=LoraMetrics("residency", gpu=frozenset("abcd"), running=frozenset("abcd"), max_gpu=4))
+    assert scorer.score(ctx, eps) == [1.0, 1.0, 0.0, 1.0]

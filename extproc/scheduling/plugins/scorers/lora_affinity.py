@@ -13,10 +13,12 @@ pins a hot adapter to the one endpoint that loaded it first while the others idl
 own recent traffic per adapter (`SentAdapters`, decayed with a 30 s half-life) gives the adapter's
 share of the pool's requests; an adapter whose traffic is more than `spread` endpoints' fair share
 (total / endpoints) wants ⌈its traffic / a fair share⌉ endpoints, and while it is loaded on fewer,
-an endpoint where loading it evicts nobody busy (CPU-resident or a free slot) scores as if it were
-loaded: the load scorers then choose, and the adapter is loaded where there is room. Cold adapters
-(below the threshold) keep the tiers, so they are packed where they already are, or into a free
-slot before an eviction. The spread needs `min_requests` of decayed traffic first, so a handful
+an endpoint where loading it stalls no running adapter (CPU-resident, a free slot, or a slot an
+idle adapter holds) scores as if it were loaded: the load scorers then choose, and the adapter is
+loaded where there is room, evicting a colder one if need be (its load is paid once and shared by
+many requests; on a fleet with more adapters than slots every slot is taken, so "free" alone would
+never spread it). Cold adapters (below the threshold) keep the tiers, so they are packed where they
+already are, or into a free slot before an eviction. The spread needs `min_requests` of decayed traffic first, so a handful
 of requests does not load an adapter everywhere.
 
 Parameters:
@@ -77,6 +79,6 @@ class LoraAffinityScorer(Plugin):
         p = self.params
         wanted = endpoints_wanted(adapter, endpoints, ctx.now, p.spread, p.min_requests)  # type: ignore[attr-defined]
         if wanted > 1 and tiers.count("gpu") < wanted:
-            scores = [1.0 if t in ("cpu", "free") else s for t, s in zip(tiers, scores)]
+            scores = [1.0 if t in ("cpu", "free", "evictable") else s for t, s in zip(tiers, scores)]
         ctx.data["lora_tiers"] = dict(zip((ep.address for ep in endpoints), tiers))
         return scores
