@@ -614,7 +614,7 @@ class SimServer:
             if not await self._wait_all(reqs, event):
                 return self._die(request)
             choices = [(output_text(r.uid, 0, r.num_output), r.finish_reason or "stop") for r in reqs]
-            body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs))
+            body = completion_body(kind, rid, created, reqs[0].lora or self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs))
             return web.Response(body=body, content_type="application/json")
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
@@ -630,7 +630,7 @@ class SimServer:
         def final(text: str) -> dict[str, Any]:
             status = "incomplete" if req.finish_reason == "length" and params.max_tokens is not None else "completed"
             return responses_body(
-                req_in, rid, created, self.model, status=status, text=text, message_id=mid,
+                req_in, rid, created, req.lora or self.model, status=status, text=text, message_id=mid,
                 prompt_tokens=req.prompt_len, completion_tokens=req.num_output,
             )  # fmt: skip
 
@@ -797,15 +797,15 @@ class SimServer:
                 await resp.prepare(request)
                 if kind == "chat":
                     for i in range(len(reqs)):
-                        if not await send(stream_chunk(kind, rid, created, self.model, "", role=True, index=i)):
+                        if not await send(stream_chunk(kind, rid, created, reqs[0].lora or self.model, "", role=True, index=i)):
                             return self._die(request)
             for i, start, end in ranges:
                 r = reqs[i]
                 fin = (r.finish_reason or "stop") if r.finished and end == r.num_output else None
-                chunk = stream_chunk(kind, rid, created, self.model, output_text(r.uid, start, end), fin, index=i)
+                chunk = stream_chunk(kind, rid, created, reqs[0].lora or self.model, output_text(r.uid, start, end), fin, index=i)
                 if not await send(chunk):
                     return self._die(request)
-        usage = usage_chunk(kind, rid, created, self.model, _prompt_tokens(reqs, n), sum(r.num_output for r in reqs))
+        usage = usage_chunk(kind, rid, created, reqs[0].lora or self.model, _prompt_tokens(reqs, n), sum(r.num_output for r in reqs))
         if include_usage and not await send(usage):
             return self._die(request)
         await resp.write(DONE)
@@ -838,7 +838,7 @@ class SimServer:
             if not started:
                 started = True
                 await resp.prepare(request)
-                pending = responses_body(req_in, rid, created, self.model, status="in_progress")
+                pending = responses_body(req_in, rid, created, req.lora or self.model, status="in_progress")
                 item = {"id": mid, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
                 for data in (
                     responses_event("response.created", next(seq), response=pending),

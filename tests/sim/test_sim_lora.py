@@ -96,7 +96,7 @@ async def test_server_lists_adapters_serves_them_and_exports_the_chosen_metrics(
         for model in ("sql", "chat"):
             body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
             async with http.post(f"{sim.url}/v1/chat/completions", data=orjson.dumps(body)) as resp:
-                assert resp.status == 200
+                assert resp.status == 200 and (await resp.json())["model"] == model  # vLLM echoes the adapter
         async with http.post(f"{sim.url}/v1/completions", data=orjson.dumps({"model": "nope", "prompt": "x"})) as resp:
             assert resp.status == 404
         async with http.get(f"{sim.url}/metrics") as resp:
