@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from extproc.stack.deploy import compose_envoy_config, istio_envoyfilter, preamble
+from extproc.stack.deploy import compose_envoy_config, gateway_values, istio_envoyfilter, istio_gateway, preamble
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,16 +24,20 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def rendered() -> dict[Path, str]:
-    """Repository path → file text."""
+    """Repository path → file text (the Istio files from deploy/istio/values.yaml)."""
+    values = gateway_values()
 
-    def dump(what: str, data: dict) -> str:
+    def dump(what: str, data: dict | list) -> str:
+        if isinstance(data, list):
+            return preamble(what) + yaml.dump_all(data, Dumper=_NoAliases, sort_keys=False, width=120)
         return preamble(what) + yaml.dump(data, Dumper=_NoAliases, sort_keys=False, width=120)
 
     return {
         ROOT / "deploy/compose/envoy.yaml": dump("the compose network's addresses", compose_envoy_config()),
-        ROOT / "deploy/istio/envoyfilter-gateway.yaml": dump("Istio ingress gateway", istio_envoyfilter("gateway")),
-        ROOT / "deploy/istio/envoyfilter-sidecar.yaml": dump("Istio client sidecars", istio_envoyfilter("sidecar")),
-        ROOT / "deploy/istio/envoyfilter-gateway-tier.yaml": dump("Istio ingress gateway, tier mode", istio_envoyfilter("gateway", "tier")),
+        ROOT / "deploy/istio/envoyfilter-gateway.yaml": dump("Istio ingress gateway", istio_envoyfilter("gateway", values=values)),
+        ROOT / "deploy/istio/envoyfilter-sidecar.yaml": dump("Istio client sidecars", istio_envoyfilter("sidecar", values=values)),
+        ROOT / "deploy/istio/envoyfilter-gateway-tier.yaml": dump("Istio ingress gateway, tier mode", istio_envoyfilter("gateway", "tier", values=values)),
+        ROOT / "deploy/istio/gateway.yaml": dump("deploy/istio/values.yaml: Gateway, VirtualService, DestinationRule", istio_gateway(values)),
     }
 
 

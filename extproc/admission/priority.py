@@ -26,9 +26,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from extproc.config.schema import PriorityConfig
-from extproc.datastore.endpoints import Endpoint
+from extproc.datastore.endpoints import Endpoint, effective_kv_usage
 from extproc.errors import RateLimitedError, ValidationError
-from extproc.scheduling.plugins.scorers.kv_utilization import effective_kv_usage
 
 __all__ = ["PRIORITIES", "PriorityClaim", "parse_priority", "claim_priority", "fleet_saturation", "check_shedding"]
 

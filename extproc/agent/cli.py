@@ -37,7 +37,8 @@ def agent(
     import sys
 
     from extproc.agent.app import AgentSettings, NodeAgent
-    from extproc.agent.devices import GpuSourceError, gpu_source_from_spec
+    from extproc.agent.devices import GpuSourceError
+    from extproc.agent.sources import gpu_source_from_spec
     from extproc.agent.weight import WeightParams
     from extproc.clitools import fail, setup_logging, skip_final_collection, stop_on_signals
 

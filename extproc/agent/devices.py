@@ -6,6 +6,9 @@ Sources (each `async start()` / `async sample()` / `async aclose()`):
 * `sim:URL` — one simulated GPU, `GET URL/sim/gpu` of `llm-extproc sim`
   (`extproc.agent.sim_gpu.SimGpuSource`);
 * `none` — no GPU data (a CPU engine, or a node whose GPUs another agent reports).
+
+This module holds only the shared types; `extproc.agent.sources.gpu_source_from_spec` builds a
+source from the flag (the sources import these types, so the factory sits above them).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["DeviceSample", "GpuSource", "GpuSourceError", "NoGpuSource", "gpu_source_from_spec"]
+__all__ = ["DeviceSample", "GpuSource", "GpuSourceError", "NoGpuSource"]
 
 
 class GpuSourceError(RuntimeError):
@@ -89,31 +92,3 @@ class NoGpuSource:
 
     async def aclose(self) -> None:
         return None
-
-
-def gpu_source_from_spec(spec: str, *, timeout_s: float = 1.0) -> GpuSource:
-    """Build (not start) the source named by `--gpu-source`: `nvml`, `sim:URL` or `none`.
-
-    Args:
-        spec: the flag's value.
-        timeout_s: per-request timeout of `sim:URL` (seconds).
-
-    Raises:
-        GpuSourceError: an unknown spec, or `sim:` without an http(s) URL.
-    """
-    if spec == "none":
-        return NoGpuSource()
-    if spec == "nvml":
-        from extproc.agent.nvml import NvmlSource
-
-        return NvmlSource()
-    if spec.startswith("sim:"):
-        from extproc.agent.sim_gpu import SimGpuSource
-
-        url = spec[len("sim:") :]
-        if not url.startswith(("http://", "https://")):
-            raise GpuSourceError(f"--gpu-source sim:URL needs an http(s) URL, got {spec!r}")
-        # the simulator's base URL; its `/sim/gpu` path spelled out is accepted too
-        url = url.rstrip("/").removesuffix("/sim/gpu")
-        return SimGpuSource(url, timeout_s=timeout_s)
-    raise GpuSourceError(f"unknown --gpu-source {spec!r}; use nvml, sim:URL (a simulator's base URL) or none")

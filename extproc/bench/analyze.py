@@ -199,10 +199,15 @@ def truncation_stats(input_tokens: np.ndarray, max_len: int) -> dict[str, float 
 
 
 def analyze_trace(trace: Trace, *, truncate: int | None = None) -> dict[str, Any]:
-    """The full analysis of a loaded trace, as a JSON-ready dict."""
+    """The full analysis of a loaded trace, as a JSON-ready dict.
+
+    A decision log's `output_tokens` are output budgets (`max_tokens`, or the expected output),
+    not generated lengths: `output_label` says which, and refused requests (`refused`, counted)
+    are left out of them, since nothing was generated for them; they stay in the input lengths
+    and arrivals (they were offered)."""
     requests = trace.requests
     inputs = np.array([r.input_tokens for r in requests], dtype=np.int64)
-    outputs = np.array([r.output_tokens for r in requests], dtype=np.int64)
+    outputs = np.array([r.output_tokens for r in requests if not r.refused], dtype=np.int64)
     arrivals = np.array([r.arrival_s for r in requests], dtype=float)
     return {
         "path": str(trace.path),
@@ -213,6 +218,8 @@ def analyze_trace(trace: Trace, *, truncate: int | None = None) -> dict[str, Any
         "sessions": len({r.session for r in requests if r.session}),
         "input_tokens": length_stats(inputs),
         "output_tokens": length_stats(outputs),
+        "output_label": "output budget" if trace.format == "decisions" else "output",
+        "refused": sum(1 for r in requests if r.refused),
         "tiers": tier_split(inputs),
         "suggested_tiers": suggest_tiers(inputs),
         "arrivals": arrival_stats(arrivals),
@@ -238,15 +245,18 @@ def render_analysis(analysis: dict[str, Any], console: Console) -> None:
     lengths.add_column("")
     for key in ("count", "mean", "p50", "p90", "p99", "p99.9", "max", "≤ 512"):
         lengths.add_column(key, justify="right")
-    for name in ("input_tokens", "output_tokens"):
+    labels = {"input_tokens": "input", "output_tokens": analysis.get("output_label", "output")}
+    for name, label in labels.items():
         s = analysis[name]
         if s.get("count"):
             lengths.add_row(
-                name.replace("_tokens", ""),
+                label,
                 *(_n(s[k]) for k in ("count", "mean", "p50", "p90", "p99", "p99.9", "max")),
                 f"{s['share_le_512']:.1%}",
             )
     console.print(lengths)
+    if analysis.get("refused"):
+        console.print(f"{analysis['refused']:,} refused requests are in the input lengths, not in the output budget (nothing was generated)")
     hist = Table(title="Input length histogram (power-of-two bins, tokens)", box=box.SIMPLE)
     for col, justify in (("bin", "left"), ("count", "right"), ("share", "right"), ("", "left")):
         hist.add_column(col, justify=justify)  # type: ignore[arg-type]

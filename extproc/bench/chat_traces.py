@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from extproc.bench.traces import TraceFormatError, TraceRequest, iter_jsonl
+from extproc.bench.records import TraceFormatError, TraceRequest, iter_jsonl
 
 if TYPE_CHECKING:
     from extproc.pipeline.tokens import TokenCounter

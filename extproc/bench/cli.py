@@ -209,7 +209,7 @@ def demo(
     seed: int = typer.Option(0, "--seed", help="seed of the workload and the simulators"),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="client-facing port (0 = any free port)"),
     json_path: Path | None = typer.Option(None, "--json", help="write the JSON summary (the bench report shape) here"),
-    plot: Path | None = typer.Option(Path("llm-extproc-demo.png"), "--plot", help="PNG: TTFT CDF per endpoint, load over time"),
+    plot: Path | None = typer.Option(None, "--plot", help="write a PNG here: TTFT CDF per endpoint, load over time (`make demo`: out/demo.png)"),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput SLO: TTFT limit (ms)"),
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="goodput SLO: mean inter-token latency limit (ms)"),
     extproc_config: Path | None = typer.Option(
@@ -218,7 +218,8 @@ def demo(
     ),
 ) -> None:
     """The whole stack locally: Envoy, llm-extproc, four simulated vLLM endpoints (2× H100, 2× A100,
-    Qwen3-8B) and a replayed workload; prints a result table, writes a PNG (and JSON)."""
+    Qwen3-8B) and a replayed workload; prints a result table, and writes a PNG with --plot, JSON
+    with --json (nothing into the working directory otherwise)."""
     import asyncio
     import dataclasses
 

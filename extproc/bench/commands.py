@@ -225,9 +225,10 @@ def _label_endpoints(run: LabeledRun, profiles: dict[str, str]) -> LabeledRun:
 
 
 async def run_up(policy: Policy, settings: StackSettings, console: Console) -> int:
-    """Start the stack, print its URLs, and keep it running until SIGINT/SIGTERM (exit 0)."""
+    """Start the stack, print its URLs, and keep it running until SIGINT/SIGTERM (exit 0). The
+    children's logs are in a temp directory it prints: removed when the stack stops cleanly
+    (every `up` left one in /tmp before), kept and named when something failed."""
     logs = _Logs("llm-extproc-up-")
-    logs.keep = True  # `up` prints this directory for the user to read: it outlives the stack
     stack = PolicyStack(policy, settings, workdir=logs.path)
 
     async def work(interrupts: Interrupts) -> None:
@@ -235,7 +236,7 @@ async def run_up(policy: Policy, settings: StackSettings, console: Console) -> i
             await _start(stack, console)
             console.print("ready:", highlight=False)
             _print_services(stack, console)
-            console.print(f"  logs: {logs.path}", highlight=False, soft_wrap=True)
+            console.print(f"  logs: {logs.path} (removed when it stops; kept if something fails)", highlight=False, soft_wrap=True)
             console.print(
                 f"try: curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' "
                 f"-d '{{\"model\": \"{_model(settings)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 20}}'",

@@ -11,6 +11,8 @@ import urllib.parse
 
 import typer
 
+from extproc.config.secrets import mask_urls
+
 __all__ = ["gateway_base", "load"]
 
 
@@ -28,22 +30,25 @@ def gateway_base(url: str) -> str:
     Raises:
         ValueError: not an http(s) URL with a host, an invalid [IPv6] host, a port outside
             1-65535, a query string or a fragment, or another OpenAI path (`/v1/models`,
-            `/v1/v1`, `/chat/completions`): the message names `--url`.
+            `/v1/v1`, `/chat/completions`): the message names `--url`, and shows the URL with
+            its user information masked (`http://***@gw:8080`: a credential typed into
+            `--url` never reaches the terminal or a CI log).
     """
+    shown = mask_urls(url)
     try:
         parts = urllib.parse.urlsplit(url.strip())  # a bad [IPv6] host raises here
     except ValueError as exc:
-        raise ValueError(f"--url has an invalid host ({exc}): {url!r}") from None
+        raise ValueError(f"--url has an invalid host ({exc}): {shown!r}") from None
     try:
         port = parts.port  # urllib checks the port only when it is read (0..65535)
     except ValueError:
-        raise ValueError(f"--url has an invalid port: {url!r}") from None
+        raise ValueError(f"--url has an invalid port: {shown!r}") from None
     if port == 0:  # urllib takes it; no server listens on it and every request failed to connect
-        raise ValueError(f"--url has an invalid port (1-65535, or none for the scheme's): {url!r}")
+        raise ValueError(f"--url has an invalid port (1-65535, or none for the scheme's): {shown!r}")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--url must be an http:// or https:// URL with a host (http://127.0.0.1:8080), got {url!r}")
+        raise ValueError(f"--url must be an http:// or https:// URL with a host (http://127.0.0.1:8080), got {shown!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"--url takes the gateway's base URL, without a query string or fragment, got {url!r}")
+        raise ValueError(f"--url takes the gateway's base URL, without a query string or fragment, got {shown!r}")
     segments = [s for s in parts.path.split("/") if s]
     for api in _API_PATHS:
         if tuple(s.lower() for s in segments[-len(api) :]) == api:
@@ -52,7 +57,7 @@ def gateway_base(url: str) -> str:
     if any(s.lower() in {"v1", "chat", "completions"} for s in segments):
         raise ValueError(
             f"--url path {parts.path!r} is not a gateway base path: give the base URL, with or without /v1, /v1/chat/completions"
-            f" or /v1/completions, got {url!r}"
+            f" or /v1/completions, got {shown!r}"
         )
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/".join(["", *segments]) if segments else "", "", ""))
 

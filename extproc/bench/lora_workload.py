@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from extproc.bench.prompts import PromptSynthesizer
-from extproc.bench.traces import TraceRequest
+from extproc.bench.records import TraceRequest
 from extproc.stack.fleet import adapter_names
 
 __all__ = ["LoraWorkloadSpec", "adapter_names", "adapter_popularity", "lora_workload"]

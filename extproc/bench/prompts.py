@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from extproc.bench.traces import TraceRequest
+    from extproc.bench.records import TraceRequest
     from extproc.pipeline.tokens import TokenCounter
 
 __all__ = ["BLOCK_TOKENS", "PromptSynthesizer", "WordVocabulary"]

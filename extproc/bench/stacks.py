@@ -152,8 +152,9 @@ def server_config(
         lora: the adapters the simulators serve: each model's `adapters`, and their GPU slots
             as `scheduling.lora_max_loras`.
 
-    Each model gets the architecture and context limit of its simulator profile and the
-    tokenizer the simulator counts with (Qwen3's, whatever the profile's model); endpoints are
+    Each model gets the architecture and context limit of its simulator profile, the tokenizer
+    the simulator counts with (Qwen3's, whatever the profile's model) and its short name (the
+    architecture's: `qwen3-8b`) as an alias; endpoints are
     labelled with their GPU and profile. Shutdown grace is short: a local run has nothing to drain.
     """
     models: dict[str, dict[str, Any]] = {}
@@ -162,7 +163,11 @@ def server_config(
         p = PROFILES[name]
         models.setdefault(
             p.model,
-            {"name": p.model, "tokenizer": SIM_TOKENIZER, "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len},
+            # The short name (`qwen3-8b`) as an alias, as deploy/config.example.yaml has it.
+            {
+                "name": p.model, "aliases": [p.arch_name], "tokenizer": SIM_TOKENIZER,
+                "architecture": f"builtin:{p.arch_name}", "max_model_len": p.max_model_len,
+            },  # fmt: skip
         )
         endpoints.append({"address": address, "models": [p.model], "labels": {"gpu": p.gpu.name, "profile": p.name}})
         if kv_events and address in kv_events:

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from extproc.bench.records import TraceFormatError, TraceRequest, iter_jsonl, text_lines
+
 if TYPE_CHECKING:
     from extproc.pipeline.tokens import TokenCounter
 
@@ -59,32 +61,6 @@ MOONCAKE_BLOCK_TOKENS = 512
 _SNIFF_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of a workload, whatever its source.
-
-    Attributes:
-        arrival_s: arrival time relative to the start of the trace (seconds, trace time).
-        input_tokens: prompt length the engine prefills, chat template included (tokens).
-        output_tokens: tokens to generate (tokens, >= 1).
-        prefix_blocks: ids of the prompt's 512-token blocks; requests sharing leading ids share
-            that prefix (Mooncake `hash_ids`; the synthetic workload uses the same scheme), or None.
-        session: conversation id when the source has one (BurstGPT_3, ShareGPT, MT-Bench,
-            synthetic sessions), else None.
-        messages: the real chat messages (OpenAI shape) when the source has text, else None.
-        model: the `model` to send (a LoRA adapter's name, `extproc.bench.lora_workload`), or
-            None for the load generator's model.
-    """
-
-    arrival_s: float
-    input_tokens: int
-    output_tokens: int
-    prefix_blocks: tuple[int, ...] | None = None
-    session: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    model: str | None = None
-
-
 @dataclass(slots=True)
 class Trace:
     """A loaded trace.
@@ -102,19 +78,6 @@ class Trace:
     requests: list[TraceRequest]
     skipped: dict[str, int] = field(default_factory=dict)
     synthesized_arrivals: bool = False
-
-
-class TraceFormatError(ValueError):
-    """A trace file is unreadable, of an unknown format, or has a malformed row.
-
-    The message starts with `path:line:` (or `path:` when no line applies).
-    """
-
-    def __init__(self, path: str | Path, message: str, *, line: int | None = None) -> None:
-        where = f"{path}:{line}" if line is not None else f"{path}"
-        super().__init__(f"{where}: {message}")
-        self.path = Path(path)
-        self.line = line
 
 
 # --------------------------------------------------------------------------- detection
@@ -211,32 +174,6 @@ def _usable(skipped: Counter, input_tokens: int, output_tokens: int) -> bool:
     return False
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    try:
-        with path.open("r", encoding="utf-8-sig") as fh:
-            for number, line in enumerate(fh, start=1):
-                yield number, line
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(path, f"not UTF-8 text ({exc.reason})") from None
-    except OSError as exc:
-        raise TraceFormatError(path, f"cannot read: {exc.strerror or exc}") from None
-
-
-def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """`(line number, value)` for every non-blank line of a JSONL file.
-
-    Raises:
-        TraceFormatError: unreadable, not UTF-8, or a line that is not JSON (names the line).
-    """
-    for number, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            yield number, orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise TraceFormatError(path, f"invalid JSON: {exc.msg}", line=number) from None
-
-
 def read_mooncake(path: str | Path, skipped: Counter | None = None) -> Iterator[TraceRequest]:
     """Read a Mooncake FAST'25 JSONL trace (`timestamp` in ms, `hash_ids` of 512-token blocks).
 
@@ -269,7 +206,7 @@ def read_mooncake(path: str | Path, skipped: Counter | None = None) -> Iterator[
 
 def _csv_rows(path: Path, required: set[str]) -> Iterator[tuple[int, dict[str, str]]]:
     """CSV rows as dicts keyed by the stripped header; checks the header has `required`."""
-    lines = _lines(path)
+    lines = text_lines(path)
     header_line: tuple[int, str] | None = None
     for number, line in lines:
         if line.strip():
@@ -360,7 +297,7 @@ def _reader(fmt: str, counter: TokenCounter | None, rate: float, seed: int, mtbe
     if fmt == "burstgpt":
         return read_burstgpt, False
     if fmt == "decisions":
-        from extproc.telemetry.decision_log import read_decision_log
+        from extproc.bench.decisions import read_decision_log
 
         return read_decision_log, False
     from extproc.bench import chat_traces

@@ -168,23 +168,23 @@ def unknown_plugin_type(name: object, known: Iterable[str]) -> str:
     return f"unknown plugin type {name!r}{did_you_mean(name, names)} (known: {', '.join(names)})"
 
 
-def late_problems(data: Mapping[str, Any]) -> list[tuple[str, object, str]]:
+def late_problems(data: Mapping[str, Any], builtin_profiles: Iterable[str], plugin_types: Iterable[str]) -> list[tuple[str, object, str]]:
     """The cross-checks pydantic skips while a section has other errors, run on the raw
     mapping: `(location, offending value, message)` for an unknown `scheduling.profile`, an
     unknown plugin type in a configured profile, and a model name that is not configured in
     a discovery source's, an endpoint's or a rate-limit tenant's `models`.
-    Malformed shapes are skipped here (pydantic reports them)."""
-    from extproc.config.schema import BUILTIN_PROFILES
-    from extproc.scheduling.registry import registered
+    Malformed shapes are skipped here (pydantic reports them). The caller names the built-in
+    profiles and the registered plugin types: this module imports neither the schema nor the
+    plugin registry (both import it for their messages)."""
 
     out: list[tuple[str, object, str]] = []
     profiles = _get(data, "scheduling", "profiles")
-    defined = set(BUILTIN_PROFILES) | (set(k for k in profiles if isinstance(k, str)) if isinstance(profiles, Mapping) else set())
+    defined = set(builtin_profiles) | (set(k for k in profiles if isinstance(k, str)) if isinstance(profiles, Mapping) else set())
     profile = _get(data, "scheduling", "profile")
     if isinstance(profile, str) and profile not in defined:
         out.append(("scheduling.profile", profile, undefined_profile(profile, defined)))
     if isinstance(profiles, Mapping):
-        types_known = registered()
+        types_known = set(plugin_types)
         for name, prof in profiles.items():
             for kind in ("filters", "scorers", "picker"):
                 specs = _get(prof, kind)

@@ -15,9 +15,10 @@ import pydantic
 import yaml
 
 from extproc.config.diagnose import describe_error, late_problems
-from extproc.config.schema import Config
+from extproc.config.schema import BUILTIN_PROFILES, Config
 from extproc.config.secrets import mask_urls
 from extproc.models import DEFAULT_MODEL
+from extproc.scheduling.registry import registered
 
 __all__ = ["ConfigError", "load_config", "config_from_mapping", "default_config", "worker_index", "ENV_OVERRIDES", "WORKER_ENV"]
 
@@ -53,7 +54,7 @@ def _format(exc: pydantic.ValidationError, raw: Mapping[str, Any], source: str) 
     # The cross-checks pydantic skipped because their section had other errors; one it ran
     # reads the same (path, message) and is not said twice, nor is one the late checks find
     # twice (a model listed twice in one endpoint's `models`).
-    found += [(where, message) for where, _, message in late_problems(raw)]
+    found += [(where, message) for where, _, message in late_problems(raw, BUILTIN_PROFILES, registered())]
     problems = list(dict.fromkeys(found))
     lines = [f"invalid configuration in {source}:"]
     lines += [_one_line(f"{path}: {text}" if path else text) for path, text in problems]

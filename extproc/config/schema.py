@@ -645,25 +645,19 @@ class ProfileConfig(Strict):
 
     @model_validator(mode="after")
     def _plugins_exist(self) -> ProfileConfig:
-        from extproc.config.diagnose import unknown_plugin_type
-        from extproc.scheduling.registry import PluginConfigError, build, registered
+        # Through the registry's narrow check: a type name, its parameters, its role. The schema
+        # builds no plugin (the scheduler does, once the whole configuration is valid).
+        from extproc.scheduling.registry import plugin_problem
 
-        types_known = registered()
         problems: list[ConfigProblem] = []  # every plugin's, not only the first's
         for kind, specs in (("filters", self.filters), ("scorers", self.scorers), ("picker", [self.picker])):
+            role = {"filters": "filter", "scorers": "scorer", "picker": "picker"}[kind]
             for i, spec in enumerate(specs):
                 where = "picker" if kind == "picker" else f"{kind}[{i}]"
-                if spec.type not in types_known:  # the same line as diagnose.late_problems'
-                    problems.append(ConfigProblem(f"{where}.type", unknown_plugin_type(spec.type, types_known)))
-                    continue
-                try:
-                    plugin = build(spec.type, spec.params, name=spec.name)
-                except PluginConfigError as exc:
-                    problems.append(ConfigProblem(where, str(exc)))
-                    continue
-                method, noun = {"filters": ("filter", "filter"), "scorers": ("score", "scorer"), "picker": ("pick", "picker")}[kind]
-                if not callable(getattr(plugin, method, None)):
-                    problems.append(ConfigProblem(where, f"{spec.type!r} is not a {noun}"))
+                found = plugin_problem(spec.type, spec.params, role)
+                if found is not None:
+                    key, message = found
+                    problems.append(ConfigProblem(f"{where}{key}", message))
         raise_problems("ProfileConfig", problems)
         return self
 

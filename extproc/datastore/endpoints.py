@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # annotations only: importing the config here closes an impor
     # (config.schema → scheduling registry → plugins → datastore.endpoints)
     from extproc.config.schema import EndpointConfig
 
-__all__ = ["canonical_address", "canonical_host", "Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT"]
+__all__ = ["canonical_address", "canonical_host", "Endpoint", "Datastore", "Reservation", "ReservationListener", "PREFILL_WEIGHT", "DECODE_WEIGHT", "effective_kv_usage"]
 
 
 def canonical_host(host: str) -> str:
@@ -232,6 +232,20 @@ class Endpoint:
         if self.engine is None:
             return None
         return now - self.engine.scraped_at
+
+
+def effective_kv_usage(ep: Endpoint) -> float | None:
+    """Fraction of the endpoint's KV pool in use, counting our reservations the engine has not
+    yet reported (0..1, above 1 when over-reserved): `kv_cache_usage_perc` + reserved blocks /
+    `num_gpu_blocks` (`cache_config_info`), the usage alone when the block count is unknown, or
+    None when never scraped. Read by the KV-utilization and compute-aware scorers, priority
+    shedding and prefix warm-up alike."""
+    engine = ep.engine
+    if engine is None:
+        return None
+    if engine.num_gpu_blocks:
+        return engine.kv_usage + ep.reserved_blocks / engine.num_gpu_blocks
+    return engine.kv_usage
 
 
 class Reservation:

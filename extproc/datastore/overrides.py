@@ -4,8 +4,9 @@ An override is a factor in [0, 1] on one endpoint (`Endpoint.override`) with an 
 0 drains it (the `weight-override-filter` drops it unless every candidate is drained), a value
 in (0, 1) lowers it (the `weight-override-scorer` multiplies its total score by the factor),
 1 or an expired override is no override. Overrides come from the admin server's authenticated
-webhook (Alertmanager) or `POST /api/v1/weights/override`; nothing else sets them, and every
-override ends by itself after at most `MAX_DURATION_S`.
+webhook (Alertmanager) or `POST /api/v1/weights/override` — on the replica that received it, and
+with `replicas.sync: redis` on every other replica too (`extproc.replicas.sync`); nothing else
+sets them, and every override ends by itself after at most `MAX_DURATION_S`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["WeightOverride", "MAX_DURATION_S", "DEFAULT_DURATION_S", "DEFAULT_LOWER_FACTOR", "factor", "set_override"]
+__all__ = ["WeightOverride", "MAX_DURATION_S", "MAX_REASON_CHARS", "DEFAULT_DURATION_S", "DEFAULT_LOWER_FACTOR", "SOURCES", "factor", "set_override"]
 
 MAX_DURATION_S = 3600.0
 """Longest override (seconds): a forgotten drain must not outlive an on-call shift's hour."""
@@ -25,6 +26,12 @@ only when configured to (deploy/prometheus/alertmanager.yml repeats every 1 min)
 
 DEFAULT_LOWER_FACTOR = 0.25
 """Score multiplier of a `lower` override without an explicit factor."""
+
+MAX_REASON_CHARS = 200
+"""Longest reason kept with an override (characters; the rest is cut)."""
+
+SOURCES = frozenset({"alertmanager", "api"})
+"""Where an override can come from (the admin server's two write routes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,5 +88,5 @@ def set_override(ep, factor_: float, duration_s: float, *, reason: str, source: 
         ep.override = None
         return None
     now = time.monotonic() if now is None else now
-    ep.override = WeightOverride(factor_, now + duration_s, reason[:200], source)
+    ep.override = WeightOverride(factor_, now + duration_s, reason[:MAX_REASON_CHARS], source)
     return ep.override

@@ -7,6 +7,11 @@ endpoints name a model the running configuration does not serve, is refused with
 the log and the endpoints stay as they were. Endpoints that left are drained, never cut: their
 in-flight requests finish (`extproc.discovery.manager`).
 
+A reload that adds endpoints logs a WARNING naming them and the command that regenerates a bare
+Envoy's fallback cluster: `llm-extproc envoy-config` wrote the list as it was at the time, and
+while llm-extproc is unreachable fail-open Envoy balances over that list only
+(`fallback_cluster_note`).
+
 The file is polled (its size, mtime and inode, every `poll_interval_s`): a ConfigMap mounted
 in a pod changes by an atomic symlink swap, which a stat sees and a watch on the file misses.
 """
@@ -26,7 +31,7 @@ from extproc.config_base import Strict
 from extproc.config.schema import Config, EndpointConfig
 from extproc.discovery.base import Discovered, DiscoverySource, Publish, SourceContext
 
-__all__ = ["Params", "Source"]
+__all__ = ["Params", "Source", "fallback_cluster_note"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,29 @@ class Source(DiscoverySource):
             return None
         if new.model_copy(update={"endpoints": self._config.endpoints}) != self._config:
             log.warning("configuration reload (%s): only `endpoints` is applied; the other changes need a restart", reason)
+        note = fallback_cluster_note(self._config.endpoints, new.endpoints, self._path)
         self._config = self._config.model_copy(update={"endpoints": new.endpoints})
         log.info("configuration reload (%s): %d endpoints", reason, len(new.endpoints))
+        if note:
+            log.warning("configuration reload (%s): %s", reason, note)
         return new.endpoints
+
+
+def fallback_cluster_note(old: list[EndpointConfig], new: list[EndpointConfig], path: os.PathLike[str] | str) -> str | None:
+    """What to tell the operator when a reload adds endpoints (None when it adds none): llm-extproc
+    routes to them at once, but a bare Envoy's fail-open fallback cluster is the list
+    `envoy-config` wrote, so regenerate it (the command names the configuration file) and
+    restart or hot-restart Envoy. With Istio the fallback is the `vllm` Service: its selector,
+    not this list, decides."""
+    before = {e.address for e in old}
+    added = [e.address for e in new if e.address not in before]
+    if not added:
+        return None
+    shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+    return (
+        f"{len(added)} endpoint(s) added ({shown}): llm-extproc routes to them now, but Envoy's fail-open fallback "
+        f"cluster (used while llm-extproc is unreachable) still lists the old endpoints; regenerate it with "
+        f"`llm-extproc envoy-config --config {path} -o <your envoy.yaml>` and restart Envoy (with Istio the "
+        "vllm Service's selector covers them)"
+    )
+

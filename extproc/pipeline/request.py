@@ -120,6 +120,8 @@ class Counted:
             of counting, and at its end (seconds).
         truncate_s: seconds truncation took (0 when it did not run).
         schedules: how many times `schedule` ran on it (count).
+        priority_downgraded: the client claimed a class above what it may claim and got
+            `priority` instead (`admission.priority.on_unclaimable: downgrade`).
     """
 
     request: LLMRequest
@@ -135,6 +137,7 @@ class Counted:
     counted_s: float
     truncate_s: float
     schedules: int = 0
+    priority_downgraded: bool = False
 
 
 @dataclass(slots=True)
@@ -160,6 +163,8 @@ class Routed:
         truncation: what truncation did, or None when the prompt was not cut.
         attention_ratio: `scheduling.prefill_model.attention_ratio` (1/tokens), for
             `prefill_tokens`; defaults to `PREFILL_ATTENTION_RATIO`, as the config does.
+        priority_applied: the class the request runs under when its claim was downgraded
+            (the client is told, `x-llm-priority-applied`), else None.
     """
 
     request: LLMRequest
@@ -176,6 +181,7 @@ class Routed:
     body: bytes | None = None
     truncation: Truncation | None = None
     attention_ratio: float = PREFILL_ATTENTION_RATIO
+    priority_applied: str | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -378,6 +384,11 @@ class RequestPipeline:
         learned so far), sorted."""
         return sorted({*self._aliases, *self.adapters.configured, *self.adapters.learned})
 
+    @property
+    def aliases(self) -> dict[str, list[str]]:
+        """Canonical model name → its aliases (the configured `models[].aliases`, in order)."""
+        return {name: list(rt.config.aliases) for name, rt in self._models.items() if rt.config.aliases}
+
     def note_output(self, model: str, tokens: int, n: int = 1) -> None:
         """A completed response of `model` (canonical name) produced `tokens` output tokens over
         `n` sequences: feed the model's output-length estimate (`output_estimates`) and its
@@ -513,7 +524,7 @@ class RequestPipeline:
         runtime, adapter = self.resolve(parsed.model)
         if subset is not None and not any(map(subset, self._store.for_model(runtime.config.name))):
             raise _none_in_subset(runtime.config.name)  # fail fast: before counting its tokens
-        priority = self._priority(priority_header, trusted_priority)
+        priority, downgraded = self._priority(priority_header, trusted_priority)
         may_truncate = wanted(runtime.config.truncation, truncate_header)
         if record is not None:
             record.model = runtime.config.name
@@ -578,7 +589,7 @@ class RequestPipeline:
             adapter=adapter,
             cache_salt=parsed.cache_salt,
         )
-        return Counted(req, parsed, model, prompt_tokens, priority, session_header, subset, cut, t0, t1, t2, t_cut)
+        return Counted(req, parsed, model, prompt_tokens, priority, session_header, subset, cut, t0, t1, t2, t_cut, priority_downgraded=downgraded)
 
     def schedule(self, counted: Counted) -> Routed:
         """Pick an endpoint (or a tier) for a counted request, among the endpoints listed now.
@@ -600,11 +611,13 @@ class RequestPipeline:
         # A second run's schedule phase is its own, not the wait since counting ended.
         again_from = time.perf_counter() if counted.schedules else None
         counted.schedules += 1
+        applied = priority if counted.priority_downgraded else None
         if cfg.scheduling.mode == "tier":
             tiers = cfg.scheduling.tiers
             tier = tier_for(int(req.prompt_tokens), tiers.low_latency_below, tiers.high_throughput_above)
             timings = {"parse": t1 - t0, "tokenize": t2 - t1, "schedule": 0.0, "total": time.perf_counter() - t0}
-            return self._routed(Routed(req, None, tier, 0, None, timings, attention_ratio=self.attention_ratio), cut, t_cut)
+            tiered = Routed(req, None, tier, 0, None, timings, attention_ratio=self.attention_ratio, priority_applied=applied)
+            return self._routed(tiered, cut, t_cut)
         expected = parsed.max_tokens or min(model.default_output_tokens, max(1, model.max_model_len - max(prompt_tokens)))
         decode = self.output_estimates.decode_tokens(model.name, parsed.max_tokens, expected)
         # Taken again after counting: endpoints may have left meanwhile.
@@ -654,6 +667,7 @@ class RequestPipeline:
             session=session,
             predicted_ttft_s=predicted if isinstance(predicted, dict) else None,
             attention_ratio=ctx.attention_ratio,
+            priority_applied=applied,
         )
         return self._routed(routed, cut, t_cut)
 
@@ -784,8 +798,9 @@ class RequestPipeline:
             context_tokens=routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2,
         )
 
-    def _priority(self, value: str | None, trusted: str | None) -> str:
-        """The request's class after the claim bounds (`claim_priority`), a bounded claim counted.
+    def _priority(self, value: str | None, trusted: str | None) -> tuple[str, bool]:
+        """The request's class after the claim bounds (`claim_priority`), a bounded claim
+        counted, and whether its claim was downgraded to it.
 
         Raises:
             ValidationError: not a class, or a claim above the bound with `on_unclaimable: reject`.
@@ -799,7 +814,16 @@ class RequestPipeline:
             raise
         if claim.downgraded and claim.claimed is not None:
             self._metrics.child(self._metrics.priority_claims_bounded, claim.claimed, "downgraded").inc()
-        return claim.priority
+        return claim.priority, claim.downgraded
+
+    def priority_downgrade(self, value: str | None, trusted: str | None) -> bool:
+        """Whether the priority header `value` (with the trusted header's `trusted`) will be
+        downgraded: known from the request headers, before the body (nothing counted; a value
+        that is not a class is False, refused later)."""
+        try:
+            return claim_priority(value, self._config.admission.priority, trusted_value=trusted).downgraded
+        except ValidationError:
+            return False
 
     def endpoint(self, address: str) -> Endpoint | None:
         """The configured endpoint at `address` ("host:port"; an IPv6 host in any spelling:

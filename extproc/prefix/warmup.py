@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
 
-from extproc.scheduling.plugins.scorers.kv_utilization import effective_kv_usage
+from extproc.datastore.endpoints import effective_kv_usage
 
 if TYPE_CHECKING:
     from extproc.config.schema import WarmupConfig

@@ -7,6 +7,9 @@ What travels (docs/decisions/0210-replicas-share-picks-over-redis.md):
   `reserved_blocks`, ...), its first token (prefill → decode) and its release;
 * a pick's prompt block hashes and session key, which the other replicas add to their approximate
   prefix index and session table (`PrefixTracker.apply_remote_pick`);
+* an operator's weight override (`POST /api/v1/weights/override`, the Alertmanager webhook): the
+  admin Service reaches one replica, which applies it and passes it on, so every replica drains
+  or lowers the endpoint for the same time (measured from when each one hears it);
 * a heartbeat every `heartbeat_s` with the ids of the replica's open reservations: a release lost
   in transit is undone by the next heartbeat, and a replica not heard from for
   `owner_timeout_s` (killed, partitioned) has everything it held released.
@@ -39,6 +42,7 @@ each event one of:
     ["f", rid]                                                                  first token
     ["r", rid]                                                                  release
     ["x", address, [block hash, ...], session key or nil]                        prefix / session
+    ["o", address, factor, duration_s, reason, source]                           weight override
     ["h", [rid, ...] or nil]                                                     heartbeat
     ["b"]                                                                       leaving
 
@@ -78,6 +82,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
 from extproc.datastore.endpoints import Datastore, Reservation
+from extproc.datastore.overrides import MAX_DURATION_S, MAX_REASON_CHARS, SOURCES, set_override
 from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PrefillCounts
 from extproc.logthrottle import WarnEvery
 from extproc.prefix.tracker import PrefixTracker
@@ -314,6 +319,12 @@ class ReplicaSync:
         rid = self._local.pop(r, None)
         if rid is not None:
             self._enqueue(["r", rid])
+
+    def override(self, address: str, factor: float, duration_s: float, reason: str, source: str) -> None:
+        """A weight override was applied here (the admin API's): pass it on, so the other
+        replicas apply it too (`factor` in [0, 1], 1 clears; `duration_s` seconds from when each
+        hears it)."""
+        self._enqueue(["o", address, float(factor), float(duration_s), reason[:MAX_REASON_CHARS], source])
 
     def shared(self, address: str, hashes: list[int], session: bytes | None) -> None:
         """A pick's prompt block hashes (at the endpoint's block size, which the receiver knows)
@@ -557,7 +568,8 @@ class ReplicaSync:
         """One event of the wire format (module doc) checked and normalised: `("p", rid, address,
         blocks, prompt_tokens, context_tokens, settle_after_s)`, `("w", rid, PrefillCounts)`,
         `("f"|"r", rid)`, `("x", address,
-        hashes, session)` (hashes cut to `max_hashes`), `("h", rids or None)` or `("b",)`.
+        hashes, session)` (hashes cut to `max_hashes`), `("o", address, factor, duration_s, reason,
+        source)`, `("h", rids or None)` or `("b",)`.
 
         Raises:
             ValueError: not one of those shapes, or a value of the wrong type or out of range.
@@ -590,6 +602,15 @@ class ReplicaSync:
             if session is not None and not (isinstance(session, bytes) and len(session) <= MAX_SESSION_BYTES):
                 raise ValueError(f"a session key is bytes of at most {MAX_SESSION_BYTES}")
             return ("x", _address(address), hashes, session)
+        if kind == "o" and n == 6:
+            _, address, factor, duration_s, reason, source = ev
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor <= 1:
+                raise ValueError(f"an override's factor is a number in [0, 1], got {_shown(factor)}")
+            if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not 0 < duration_s <= MAX_DURATION_S:
+                raise ValueError(f"an override's duration_s is a number in (0, {MAX_DURATION_S:g}], got {_shown(duration_s)}")
+            if not isinstance(reason, str) or source not in SOURCES:
+                raise ValueError(f"an override's reason is a str and its source one of {sorted(SOURCES)}")
+            return ("o", _address(address), float(factor), float(duration_s), reason[:MAX_REASON_CHARS], source)
         if kind == "h" and n == 2:
             rids = ev[1]
             if rids is None:
@@ -631,6 +652,16 @@ class ReplicaSync:
             if self._tracker is None or self._store.get(address) is None:
                 return 0
             self._tracker.apply_remote_pick(address, hashes, session)
+            return 1
+        if kind == "o":
+            _, address, factor, duration_s, reason, source = ev
+            ep = self._store.get(address)
+            if ep is None:
+                return 0
+            set_override(ep, factor, duration_s, reason=reason, source=source)
+            log.warning(
+                "weight override from replica %s on %s (factor %s, %ss, source %s, reason %r)", origin, address, factor, duration_s, source, reason
+            )
             return 1
         if kind == "h":
             alive = ev[1]

@@ -13,7 +13,6 @@ configuration or port problem that a restart would only repeat).
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -25,9 +24,8 @@ from dataclasses import dataclass
 from extproc.config.loader import WORKER_ENV
 from extproc.config.schema import Config, parse_host_port
 
-__all__ = ["WorkerAddress", "worker_addresses", "run_workers", "per_worker_limits_warning", "MIN_UPTIME_S"]
+__all__ = ["WorkerAddress", "worker_addresses", "run_workers", "MIN_UPTIME_S"]
 
-log = logging.getLogger(__name__)
 
 MIN_UPTIME_S = 10.0
 """A worker that exits sooner than this after its start stops the whole group (seconds)."""
@@ -70,25 +68,6 @@ def worker_addresses(config: Config, workers: int) -> list[WorkerAddress]:
     if workers > 1 and config.admin.enabled and grpc_ports & {aport + i for i in range(workers)}:
         raise ValueError(f"the workers' gRPC ports ({gport}+) and admin ports ({aport}+) overlap; space them at least {workers} apart")
     return out
-
-
-def per_worker_limits_warning(config: Config, workers: int) -> str | None:
-    """The warning `serve --workers N` logs when every worker would enforce the tenants' limits
-    on its own: rate limiting on, `ratelimit.backend: memory`, N > 1 and some limit configured
-    (`default`, a tenant or a tenant's model). Envoy spreads a tenant's requests over the
-    workers, so each limit is effectively N times the configured one. None when it does not apply."""
-    rl = config.ratelimit
-    if workers <= 1 or not rl.enabled or rl.backend != "memory":
-        return None
-    fields = ("tokens_per_minute", "requests_per_minute", "max_concurrent_requests", "burst_tokens")
-    scopes = [rl.default, *rl.tenants.values(), *(m for t in rl.tenants.values() for m in t.models.values())]
-    if not any(getattr(s, f) is not None for s in scopes for f in fields):
-        return None
-    return (
-        f"rate limits are per worker: ratelimit.backend is memory, so each of the {workers} workers counts "
-        f"a tenant's requests on its own and the effective limit is the configured one x {workers}; "
-        "set ratelimit.backend: redis for one limit across workers (docs/replicas.md)"
-    )
 
 
 def _die_with_parent() -> None:
@@ -147,9 +126,6 @@ def run_workers(config: Config, workers: int, child_argv: Sequence[str], *, sync
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     print(f"llm-extproc: {workers} workers, gRPC on {', '.join(w.addr.grpc for w in group)}; {sync_note}", flush=True)
-    warning = per_worker_limits_warning(config, workers)
-    if warning:
-        log.warning(warning)
     status = 0
     try:
         for w in group:

@@ -1,6 +1,7 @@
 """The admin HTTP server (default port 9090): `/metrics`, `/healthz`, `/api/v1/endpoints`,
 `/api/v1/weights`, `/api/v1/tenants` (each rate-limited tenant's window), and the authenticated
-override routes of `extproc.server.overrides_api`.
+override routes of `extproc.server.overrides_api`. `/` and `/api/v1` list them (`PAGES`: one
+line each, JSON).
 
 `/api/v1/weights` is what an external balancer (or Grafana) pulls: per endpoint, the active
 profile's weighted score for a reference request (a 512-token prompt with the model's default
@@ -23,6 +24,7 @@ from extproc.aio import start_site
 from extproc.datastore.endpoints import Datastore
 from extproc.metrics import Metrics
 from extproc.scheduling.framework import SchedulingContext
+from extproc.server.overrides_api import OVERRIDE_PAGES
 from extproc.server.overrides_api import OverridesAPI, describe, load_admin_token
 from extproc.scheduling.plugins.scorers.compute_aware import components
 from extproc.types import LLMRequest, RequestKind, TokenCount
@@ -32,7 +34,21 @@ if TYPE_CHECKING:
     from extproc.ratelimit.limiter import RateLimiter
     from extproc.replicas.sync import ReplicaSync
 
-__all__ = ["AdminServer", "REFERENCE_PROMPT_TOKENS"]
+__all__ = ["AdminServer", "INDEX_PATHS", "PAGES", "REFERENCE_PROMPT_TOKENS"]
+
+INDEX_PATHS = ("/", "/api/v1", "/api/v1/")
+"""Where the list of pages is served."""
+
+PAGES: dict[tuple[str, str], str] = {
+    ("GET", "/metrics"): "Prometheus metrics (text exposition format)",
+    ("GET", "/healthz"): "200 while serving (healthy endpoints, pid), 503 while shutting down",
+    ("GET", "/api/v1/endpoints"): "each endpoint's health, load, KV cache, prefill fit; prefix index, token encoders, replica sync",
+    ("GET", "/api/v1/weights"): "each endpoint's routing weight for a reference request, its scorers and operator override",
+    ("GET", "/api/v1/tenants"): "each rate-limited tenant's window and limits (labels only, never keys)",
+    **OVERRIDE_PAGES,
+}
+"""Method and path → one line on the page, listed at `INDEX_PATHS` (a test checks every route
+of the server is here)."""
 
 REFERENCE_PROMPT_TOKENS = 512
 """Prompt length of the reference request `/api/v1/weights` scores endpoints for (tokens)."""
@@ -92,7 +108,8 @@ class AdminServer:
     ) -> None:
         self._replicas = replicas
         # The write routes' credential: given, else from the environment (None refuses them).
-        self._overrides = OverridesAPI(store, metrics, admin_token if admin_token is not None else load_admin_token())
+        token = admin_token if admin_token is not None else load_admin_token()
+        self._overrides = OverridesAPI(store, metrics, token, share=replicas.override if replicas is not None else None)
         self._reuse_port = reuse_port
         self._pipeline = pipeline
         self._ratelimit = ratelimit
@@ -107,6 +124,8 @@ class AdminServer:
 
     def _app(self) -> web.Application:
         app = web.Application()
+        for index in INDEX_PATHS:
+            app.router.add_get(index, self._index)
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/api/v1/endpoints", self._endpoints)
@@ -142,6 +161,10 @@ class AdminServer:
                 self._metrics.endpoint_score.labels(row["address"], scorer).set(part["score"])
         body = generate_latest(self._metrics.registry)
         return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def _index(self, request: web.Request) -> web.Response:
+        """Every page of this server with one line on what it is (`PAGES`)."""
+        return web.json_response({"pages": [{"method": m, "path": path, "what": what} for (m, path), what in PAGES.items()]})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         if not self._is_serving():

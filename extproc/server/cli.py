@@ -30,16 +30,24 @@ def serve(
 ) -> None:
     """Run the ext_proc gRPC server (ext_proc + grpc.health.v1) and the admin HTTP server."""
     import asyncio
+    import logging
     import sys
 
     from extproc.clitools import fail, setup_logging, skip_final_collection, stop_on_signals
     from extproc.config.loader import worker_index
     from extproc.pipeline.tokens import TokenizerLoadError
+    from extproc.replicas.unshared import unshared_state_warnings
     from extproc.replicas.workers import run_workers
     from extproc.server.app import ExtProcApp
 
     setup_logging(log_level)
     cfg = _loaded(config, endpoint)
+    if worker_index() is None:  # under --workers the supervisor says it once
+        try:
+            for warning in unshared_state_warnings(cfg, workers):
+                logging.getLogger("extproc.replicas").warning(warning)
+        except ValueError as exc:
+            raise fail(str(exc)) from None
     if workers > 1:
         argv = [sys.executable, "-m", "extproc", "serve", "--log-level", log_level]
         argv += ["--config", config] if config else [a for e in endpoint for a in ("--endpoint", e)]

@@ -59,6 +59,7 @@ from extproc.ratelimit.tenant import Tenant
 from extproc.server import responses
 from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
 from extproc.server.engine_errors import hold_error_bytes, is_client_error, openai_error_body
+from extproc.server.models_list import is_models_list, with_aliases
 from extproc.telemetry.metrics import TelemetryMetrics
 from extproc.telemetry.observer import ObserverOptions, StreamObserver
 from extproc.types import RequestKind
@@ -99,6 +100,8 @@ class _Stream:
         subset: the gateway's subset hint (Endpoint Picker Protocol), or None.
         body: the request body held for the decision (Endpoint Picker Protocol).
         buffering: a generation request's body is being held (Endpoint Picker Protocol).
+        models_list: a `GET /v1/models` whose answer gets the aliases (`extproc.server.models_list`).
+        skip_response_headers: a generation request's response headers skip the server.
     """
 
     hdrs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -120,7 +123,13 @@ class _Stream:
     subset: Callable[[Endpoint], bool] | None = None
     body: bytearray = dataclasses.field(default_factory=bytearray)
     buffering: bool = False
+    models_list: bool = False
+    skip_response_headers: bool = False
 
+
+PRIORITY_APPLIED_HEADER = "x-llm-priority-applied"
+"""Response header naming the class a request ran under when its priority claim was downgraded
+(`admission.priority.claimable` bounds what a client may claim)."""
 
 _RESPONSE_HEADERS = frozenset((":status", "content-type", "content-length", "content-encoding"))
 
@@ -225,9 +234,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             return  # the proxy's body mode is not ours: nothing more to say
                     elif verdict is not None:  # passthrough, reserved
                         headers = self._routing_headers(verdict.address, None, None, s.hdrs.get("x-request-id"))
-                        yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream)
+                        # GET /v1/models: its answer gets the aliases (not in full duplex: no mode override there).
+                        s.models_list = not self.full_duplex and bool(self._pipeline.aliases) and is_models_list(s.hdrs.get(":method", ""), s.hdrs.get(":path", ""))
+                        mode = responses.MODELS_LIST_MODE if s.models_list else None
+                        yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream, mode=mode)
                     else:
-                        yield responses.generation_headers_reply(observe=s.observe, skip_response_headers=self._skip_response_headers)
+                        # A downgraded priority claim is told on the response: its headers then cross.
+                        s.skip_response_headers = self._skip_response_headers and not self._priority_downgrade(s.hdrs)
+                        yield responses.generation_headers_reply(observe=s.observe, skip_response_headers=s.skip_response_headers)
                 elif phase == "request_body":
                     if s.done or s.kind is None or s.routed is not None or s.reservation is not None:
                         yield responses.continue_for(phase)
@@ -236,9 +250,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     response = await self._decide(msg.request_body.body, s)
                     if s.routed is not None and s.observe:
                         s.observer = self._observer_for(s.routed, s.admission, s.start_ns, s.sampled)
-                    elif s.reservation is not None and not s.observe and self._skip_response_headers:
+                    elif s.reservation is not None and not s.observe and s.skip_response_headers:
                         s.first_token = self._predict_first_token(s.reservation)
                     yield response
+                elif phase == "response_headers" and s.models_list:
+                    yield self._models_list_headers(s, msg.response_headers)
+                elif phase == "response_body" and s.models_list:
+                    yield responses.response_body(with_aliases(msg.response_body.body, self._pipeline.aliases))
                 elif phase == "response_headers":
                     yield self._response_headers_reply(s, msg.response_headers)
                 elif phase == "response_body" and s.error_status:
@@ -322,7 +340,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         when written)."""
         if self._log is None:
             return None
-        return DecisionRecord(time=time.time(), kind=s.kind.value, tenant=s.tenant.id if s.tenant is not None else None)  # type: ignore[union-attr]
+        tenant = s.tenant.id if s.tenant is not None else None
+        return DecisionRecord(time=time.time(), kind=s.kind.value, tenant=tenant, request_id=s.hdrs.get("x-request-id") or None)  # type: ignore[union-attr]
 
     def _log_refusal_at_headers(self, s: _Stream, err: ExtProcError) -> None:
         """The decision-log line of a generation request refused at its headers (a tenant over
@@ -334,6 +353,25 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         record.outcome, record.reason, record.status = "rejected", err.code, err.status
         record.decision_s = (time.monotonic_ns() - s.start_ns) / 1e9
         self._log.write(record)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _models_list_headers(s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """`GET /v1/models`'s response headers: a 2xx JSON answer with a body keeps
+        `s.models_list` (its body gets the aliases, so `content-length` goes); anything else
+        goes through as it is."""
+        found = {h.key: (h.raw_value or h.value.encode()).decode("latin-1") for h in msg.headers.headers if h.key in _RESPONSE_HEADERS}
+        s.models_list = (
+            found.get(":status", "").startswith("2")
+            and not msg.end_of_stream
+            and found.get("content-encoding") in (None, "identity")
+            and found.get("content-type", "").startswith("application/json")
+        )
+        return responses.response_headers({}, ("content-length",)) if s.models_list else responses.continue_for("response_headers")
+
+    def _priority_downgrade(self, hdrs: dict[str, str]) -> bool:
+        """Whether the request's priority claim will be downgraded (`RequestPipeline.priority_downgrade`)."""
+        trusted = hdrs.get(self._trusted_priority_header) if self._trusted_priority_header else None
+        return self._pipeline.priority_downgrade(hdrs.get(self._priority_header), trusted)
 
     def _response_headers_reply(self, s: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """`_on_response_headers` for the stream: sets `s.error_status` when the engine's
@@ -578,6 +616,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if routed.result is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s: %s", hdrs.get("x-request-id", "-"), routed.explain())
                 headers = self._routing_headers(address, routed.tier, routed.request.prompt_tokens, hdrs.get("x-request-id"))
+                if record is not None and record.request_id is None:
+                    record.request_id = headers.get("x-request-id")  # the one we set
                 req = routed.request
                 # A truncated prompt's body; an alias: the engines serve the model under its configured
                 # name. A LoRA adapter's name is what selects the adapter in the engine: never rewritten.
@@ -681,6 +721,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             reservation.mark_first_token(learn=streamed)
         if routed is not None and routed.truncation is not None:
             extra["x-llm-truncated-tokens"] = str(routed.truncation.tokens_dropped)
+        if routed is not None and routed.priority_applied is not None:
+            extra[PRIORITY_APPLIED_HEADER] = routed.priority_applied  # the claim was downgraded to it
         if self._explain and routed is not None:
             extra["x-llm-route-debug"] = routed.explain()
         if routed is not None and status >= 400 and msg.end_of_stream:

@@ -14,7 +14,8 @@ An Alertmanager alert moves a weight when its labels carry `endpoint` (an `ip:po
 configured endpoint) and `weight_action` (`lower` or `drain`) — the rules in
 deploy/prometheus/alerts.yml put them there; an alert without them only notifies. Annotations
 may set `weight_factor` and `weight_duration_s`. Firing alerts set (or renew) the override; resolved ones are ignored: the
-override runs out by itself (`extproc.datastore.overrides`).
+override runs out by itself (`extproc.datastore.overrides`). With `replicas.sync: redis` an
+override applied here is passed to every other replica (the Service sends each request to one).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -32,13 +33,19 @@ from extproc.datastore.endpoints import Datastore
 from extproc.datastore.overrides import DEFAULT_DURATION_S, DEFAULT_LOWER_FACTOR, set_override
 from extproc.metrics import Metrics
 
-__all__ = ["OverridesAPI", "load_admin_token", "TOKEN_ENV", "TOKEN_FILE_ENV"]
+__all__ = ["OVERRIDE_PAGES", "OverridesAPI", "load_admin_token", "TOKEN_ENV", "TOKEN_FILE_ENV"]
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "LLM_EXTPROC_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "LLM_EXTPROC_ADMIN_TOKEN_FILE"
 _ACTIONS = ("lower", "drain", "clear")
+
+OVERRIDE_PAGES: dict[tuple[str, str], str] = {
+    ("POST", "/api/v1/weights/override"): "lower, drain or clear one endpoint for a while (bearer token)",
+    ("POST", "/api/v1/alerts"): "Alertmanager's webhook: firing alerts with endpoint and weight_action labels move weights (bearer token)",
+}
+"""The write routes, for the admin server's index page."""
 
 
 def load_admin_token(environ: Mapping[str, str] | None = None) -> str | None:
@@ -87,9 +94,13 @@ class OverridesAPI:
         store: the endpoints whose `override` field is set.
         metrics: `weight_overrides` counts what was applied.
         token: the bearer token; None refuses every request (403).
+        share: called with `(address, factor, duration_s, reason, source)` for every override
+            applied here, to pass it to the other replicas (`ReplicaSync.override`); None: this
+            replica only.
     """
 
-    def __init__(self, store: Datastore, metrics: Metrics, token: str | None) -> None:
+    def __init__(self, store: Datastore, metrics: Metrics, token: str | None, share: Callable[[str, float, float, str, str], None] | None = None) -> None:
+        self._share = share
         self._store = store
         self._metrics = metrics
         self._token = token.encode() if token else None
@@ -129,6 +140,8 @@ class OverridesAPI:
         except ValueError as exc:
             raise _BadRequest(str(exc)) from None
         self._metrics.weight_overrides.labels(source, action).inc()
+        if self._share is not None:
+            self._share(endpoint, factor, duration, reason, source)
         log.warning("weight override %s on %s (factor %s, %ss, source %s, reason %r)", action, endpoint, factor, duration, source, reason)
         return describe(ov, time.monotonic()) | {"endpoint": endpoint, "action": action}
 

@@ -119,6 +119,13 @@ PASSTHROUGH_MODE = _PM(
 )
 """Processing for any other request: nothing after the request headers."""
 
+MODELS_LIST_MODE = _PM()
+MODELS_LIST_MODE.CopyFrom(PASSTHROUGH_MODE)
+MODELS_LIST_MODE.response_header_mode = _PM.SEND
+MODELS_LIST_MODE.response_body_mode = _PM.BUFFERED
+"""`GET /v1/models` with aliases configured: its response headers (the status; `content-length`
+goes) and its body, whole, to add the aliases (`extproc.server.models_list`)."""
+
 
 def continue_request_headers(
     remove: Iterable[str] = OWNED_HEADERS, mode: processing_mode_pb2.ProcessingMode | None = None
@@ -202,9 +209,12 @@ def response_body_cleared() -> pb.ProcessingResponse:
     )
 
 
-def route_in_headers(headers: Mapping[str, str], *, skip_body: bool) -> pb.ProcessingResponse:
+def route_in_headers(
+    headers: Mapping[str, str], *, skip_body: bool, mode: processing_mode_pb2.ProcessingMode | None = None
+) -> pb.ProcessingResponse:
     """Headers-phase routing (requests we do not parse): set headers, recompute the route, and
-    with `skip_body` tell Envoy not to send us the body (needs `allow_mode_override`)."""
+    with `skip_body` tell Envoy not to send us the body (needs `allow_mode_override`); `mode`
+    overrides the processing of the rest of the stream instead."""
     resp = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(
@@ -213,7 +223,9 @@ def route_in_headers(headers: Mapping[str, str], *, skip_body: bool) -> pb.Proce
             )
         )
     )
-    if skip_body:
+    if mode is not None:
+        resp.mode_override.CopyFrom(mode)
+    elif skip_body:
         resp.mode_override.CopyFrom(PASSTHROUGH_MODE)
     return resp
 

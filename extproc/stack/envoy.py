@@ -41,6 +41,7 @@ __all__ = [
     "EnvoyProcess",
     "ExtProcTLS",
     "FALLBACK_CLUSTER",
+    "body_limit_message",
     "RunSettings",
     "SERVED_PATHS",
     "served_path_regex",
@@ -161,6 +162,12 @@ def _get(node: Any, *keys: str | int, what: str) -> Any:
         except (KeyError, IndexError, TypeError):
             raise EnvoyError(f"Envoy config has no {what} (missing {k!r})") from None
     return node
+
+
+def body_limit_message(limit: int) -> str:
+    """The message of Envoy's own 413 (a body over the listener's buffer limit, `limit` bytes),
+    as the shipped envoy/*.yaml spell it: the client learns the limit it passed."""
+    return f"request body exceeds the gateway's size limit of {limit} bytes"
 
 
 def _listener(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -365,6 +372,10 @@ def rewrite_config(cfg: Mapping[str, Any], settings: RunSettings) -> dict[str, A
         _get(_listener(out), "address", what="listener address")["socket_address"] = _socket_address(*settings.listener)
     if settings.max_body_bytes is not None:
         _listener(out)["per_connection_buffer_limit_bytes"] = settings.max_body_bytes
+        for mapper in _hcm(out).get("local_reply_config", {}).get("mappers", []):
+            error = mapper.get("body_format_override", {}).get("json_format", {}).get("error", {})
+            if error.get("code") == "request_too_large":  # Envoy's own 413 states the limit
+                error["message"] = body_limit_message(settings.max_body_bytes)
     ext_proc = _http_filter(out, _EXT_PROC)
     if ext_proc is None and (settings.extproc is not None or settings.grpc_max_message_bytes is not None or settings.extproc_tls is not None):
         raise EnvoyError(f"the config has no {_EXT_PROC} filter")

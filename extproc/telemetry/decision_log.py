@@ -6,12 +6,14 @@ refusal: at once), so it can carry what the response showed. Fields:
 | field | meaning |
 |---|---|
 | `time` | when the request's body arrived, or its headers for a refusal at the headers (Unix seconds, wall clock) |
+| `request_id` | the request's `x-request-id`: the client's (at most `MAX_REQUEST_ID_CHARS`), or the one llm-extproc set on a routed request without one; null on a refusal without one |
 | `kind` | `chat` or `completion` |
 | `model` | the configured model name it resolved to, or null (unknown model, unparsable body) |
 | `tenant` | a SHA-256 prefix (16 hex digits) of the request's tenant, or null (no tenants yet) |
 | `prompt_tokens` | prompt tokens the engine prefills, after truncation, or null when not counted |
 | `output_budget` | `max_tokens`, else the expected output (`default_output_tokens`) (tokens) |
 | `endpoint` / `tier` | where it went (endpoint or tier mode), or null |
+| `prefix_blocks` / `prefix_tokens` | the prompt's leading blocks (and their tokens) the prefix index believed the chosen endpoint held, or null (no index, not routed) |
 | `predicted_ttft_ms` | the TTFT the scheduler predicted for the chosen endpoint at the pick, cached prefix counted (ms) |
 | `observed_ttft_ms` | the TTFT seen on the response, when telemetry sampled it (ms), else null |
 | `status` | the HTTP status the client got (ours on a refusal, the engine's otherwise), or null |
@@ -20,13 +22,14 @@ refusal: at once), so it can carry what the response showed. Fields:
 | `decision_ms` | time to decide (ms) |
 
 Never prompt text, message content, headers or credentials: only counts, names from the
-configuration, addresses, and the tenant's hash.
+configuration, addresses, the tenant's hash, and the request id (the one header kept: it is how a
+client's complaint is matched to its line).
 
 Writing is off the event loop: `write` puts the record on a bounded queue (a full queue drops
 the line and counts it) and the standard library's `QueueListener` thread serialises it and
 hands it to a `RotatingFileHandler`, which rotates by size (`max_bytes`, `backup_count` old
 files `path.1` … `path.N`). A failed write (disk full) drops that line and counts it too, with
-one warning a minute. The reader (`read_decision_log`) turns a log into trace requests.
+one warning a minute. The reader (`extproc.bench.decisions.read_decision_log`) turns a log into trace requests.
 """
 
 from __future__ import annotations
@@ -38,8 +41,6 @@ import os
 import queue
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,17 +52,20 @@ from extproc.scheduling.plugins.scorers.ttft_estimate import predicted_ttft_s
 if TYPE_CHECKING:
     from prometheus_client import Counter as PromCounter
 
-    from extproc.bench.traces import TraceRequest
     from extproc.config.schema import DecisionLogConfig, ModelConfig
     from extproc.pipeline.request import Routed
     from extproc.pipeline.truncate import Truncation
 
-__all__ = ["DecisionLog", "DecisionRecord", "log_path_problem", "read_decision_log", "tenant_hash"]
+__all__ = ["DETECT_KEYS", "DecisionLog", "DecisionRecord", "log_path_problem", "tenant_hash"]
 
 log = logging.getLogger(__name__)
 
 WRITE_ERROR_LOG_INTERVAL_S = 60.0
 """Least time between two warnings about failed writes (seconds): a full disk fails every line."""
+
+MAX_REQUEST_ID_CHARS = 128
+"""Longest client `x-request-id` recorded (characters; a longer one is cut): the client chooses
+it, and a line stays bounded."""
 
 DETECT_KEYS = frozenset(("time", "kind", "prompt_tokens", "output_budget", "outcome"))
 """Keys every decision-log line has: how `llm-extproc analyze` tells the format."""
@@ -89,6 +93,7 @@ class DecisionRecord:
 
     time: float
     kind: str
+    request_id: str | None = None
     model: str | None = None
     tenant: str | None = None
     prompt_tokens: int | None = None
@@ -102,6 +107,8 @@ class DecisionRecord:
     reason: str | None = None
     truncation: Truncation | None = None
     decision_s: float | None = None
+    prefix_blocks: int | None = None
+    prefix_tokens: int | None = None
 
     def counted(self, prompt_tokens: list[int], max_tokens: int | None, model: ModelConfig) -> None:
         """Record the prompt's tokens (summed over prompts) and the output budget: `max_tokens`,
@@ -112,10 +119,14 @@ class DecisionRecord:
     def predict(self, routed: Routed) -> None:
         """Record the TTFT the scheduler predicted for the chosen endpoint (its prefix-aware
         estimate, `ttft-estimate-scorer`); without one in the profile, the endpoint's fit for the
-        request's prefill work and the backlog it joins."""
+        request's prefill work and the backlog it joins. Also the prefix match there: the
+        leading blocks the index believed it held, and their tokens."""
         ep = routed.endpoint
         if ep is None:
             return
+        if routed.prefix is not None:
+            self.prefix_blocks = routed.prefix.matched.get(ep.address, 0)
+            self.prefix_tokens = routed.prefix.cached_tokens(ep.address)
         if routed.predicted_ttft_s and ep.address in routed.predicted_ttft_s:
             self.predicted_ttft_s = routed.predicted_ttft_s[ep.address]
         else:
@@ -125,6 +136,7 @@ class DecisionRecord:
         """The JSON line's fields."""
         return {
             "time": round(self.time, 6),
+            "request_id": None if self.request_id is None else self.request_id[:MAX_REQUEST_ID_CHARS],
             "kind": self.kind,
             "model": self.model,
             "tenant": tenant_hash(self.tenant),
@@ -132,6 +144,8 @@ class DecisionRecord:
             "output_budget": self.output_budget,
             "endpoint": self.endpoint,
             "tier": self.tier,
+            "prefix_blocks": self.prefix_blocks,
+            "prefix_tokens": self.prefix_tokens,
             "predicted_ttft_ms": _ms(self.predicted_ttft_s),
             "observed_ttft_ms": _ms(self.observed_ttft_s),
             "status": self.status,
@@ -247,37 +261,3 @@ class DecisionLog:
         if self._handler is not None:
             self._handler.close()
             self._handler = None
-
-
-def read_decision_log(path: str | Path, skipped: Counter | None = None) -> Iterator[TraceRequest]:
-    """Requests of a decision log as trace requests, for `llm-extproc analyze`.
-
-    `input_tokens` is the prompt as the client sent it (before truncation), `output_tokens` the
-    output budget, `arrival_s` the decision time. Lines without a prompt count (refused before
-    counting) are skipped and counted as `not_counted`.
-
-    Raises:
-        TraceFormatError: a line is not a JSON object or a field is malformed (names the line).
-    """
-    from extproc.bench.traces import TraceFormatError, TraceRequest, iter_jsonl
-
-    path = Path(path)
-    skipped = Counter() if skipped is None else skipped
-    for number, row in iter_jsonl(path):
-        if not isinstance(row, dict) or not DETECT_KEYS <= set(row):
-            raise TraceFormatError(path, f"not a decision-log line (needs {sorted(DETECT_KEYS)})", line=number)
-        prompt = row["prompt_tokens"]
-        cut = row.get("truncation")
-        if isinstance(cut, dict) and isinstance(cut.get("tokens_before"), int):
-            prompt = cut["tokens_before"]
-        if prompt is None:
-            skipped["not_counted"] += 1
-            continue
-        budget = row["output_budget"]
-        when = row["time"]
-        for key, value in (("prompt_tokens", prompt), ("output_budget", budget)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TraceFormatError(path, f"{key!r} must be a positive integer, got {value!r}", line=number)
-        if not isinstance(when, int | float) or isinstance(when, bool) or when < 0:
-            raise TraceFormatError(path, f"'time' must be a non-negative number, got {when!r}", line=number)
-        yield TraceRequest(arrival_s=float(when), input_tokens=prompt, output_tokens=budget)

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.agent.app import AgentSettings, NodeAgent
-from extproc.agent.devices import gpu_source_from_spec
+from extproc.agent.sources import gpu_source_from_spec
 from tests.agent.agent_helpers import FakeEngine
 
 

@@ -65,6 +65,8 @@ def test_signal_stops_every_child(tmp_path: Path, wait_for: str, sig: signal.Sig
     if wait_for == "replaying":
         (run,) = Report.model_validate(orjson.loads((tmp_path / "demo.json").read_bytes())).runs
         assert 0 < run.requests < 2000
+        # No --plot, no PNG: the working directory got an llm-extproc-demo.png from every demo.
+        assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".png") == []
     else:
         assert not (tmp_path / "demo.json").exists()
 

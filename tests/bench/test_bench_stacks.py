@@ -65,6 +65,7 @@ def test_server_config_is_valid_and_labels_each_endpoint() -> None:
     cfg = config_from_mapping(server_config(fleet, profile="least-inflight"))
     (model,) = cfg.models  # both engines serve Qwen3-8B: one model entry
     assert model.name == "Qwen/Qwen3-8B" and model.architecture == "builtin:qwen3-8b"
+    assert model.aliases == ["qwen3-8b"]  # the short name `up` users type, as in the example config
     assert model.max_model_len == 40960  # Qwen3-8B's max_position_embeddings, what the simulator enforces
     assert [(e.address, e.labels["gpu"], e.labels["profile"]) for e in cfg.endpoints] == [
         ("127.0.0.1:9001", "h100", "h100-qwen3-8b"),

@@ -34,16 +34,22 @@ def test_up_serves_through_envoy_and_stops_cleanly(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 5
         assert response.headers["x-llm-endpoint"] in sims  # Envoy names the simulator that served
+        by_alias = httpx.post(
+            f"{api.group(1)}/v1/chat/completions",
+            json={"model": "qwen3-8b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
+            timeout=30,
+            trust_env=False,
+        )
+        assert by_alias.status_code == 200, by_alias.text  # the short name, as the example config has it
+        logs = Path(re.search(r"logs: (\S+)", out).group(1))
+        assert (logs / "llm-extproc.log").is_file() and (logs / "envoy.log").is_file()
         cmd.track()
         cmd.proc.send_signal(signal.SIGINT)
         rc = cmd.wait(timeout_s=60)
     # the simulator, llm-extproc and Envoy, all gone
     cmd.assert_clean_exit(rc, 0, children_at_least=3)
-    # the logs `up` pointed to are still there to read
-    kept = re.search(r"child logs kept in (\S+)", cmd.stdout)
-    assert kept, cmd.stdout
-    logs = Path(kept.group(1))
+    # a clean stop leaves nothing behind: every `up` used to leave its logs in /tmp
     try:
-        assert (logs / "llm-extproc.log").is_file() and (logs / "envoy.log").is_file()
+        assert not logs.exists() and "child logs kept" not in cmd.stdout, cmd.stdout
     finally:
         shutil.rmtree(logs, ignore_errors=True)

@@ -92,3 +92,22 @@ async def test_a_run_where_nothing_succeeded_says_so(tmp_path: Path):
         await sim.aclose()
     assert done.returncode == 1, done.stdout + done.stderr
     assert "served by: none (no request succeeded)" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://alice:s3cr3t-pw@gw:0/",
+        "http://alice:s3cr3t-pw@gw:8080/v1?x=1",
+        "ftp://alice:s3cr3t-pw@gw:8080/",
+        "http://alice:s3cr3t-pw@gw:8080/v1/models",
+        "http://gw:8080/?api_key=s3cr3t-pw",
+    ],
+)
+def test_a_refused_url_is_shown_without_its_credentials(url: str):
+    """`load --url http://user:password@gw/...` echoed the password in its own error."""
+    with pytest.raises(ValueError) as info:
+        gateway_base(url)
+    assert "s3cr3t-pw" not in str(info.value) and "***" in str(info.value)
+    done = _load("--url", url, "--requests", "1")
+    assert done.returncode == 2 and "s3cr3t-pw" not in done.stdout + done.stderr, done.stderr

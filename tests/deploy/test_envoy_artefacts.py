@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from extproc.server.responses import OWNED_HEADERS
-from extproc.stack.deploy import K8S, bootstrap_from_envoyfilter, istio_cluster_name
+from extproc.stack.deploy import K8S, bootstrap_from_envoyfilter, gateway_values, istio_cluster_name, istio_envoyfilter, istio_gateway
 from extproc.stack.envoy import load_envoy_config, stripped_headers, validate_config_file
 from tests.deploy.conftest import DEPLOY, ROOT, k8s_object, load_all
 
@@ -75,3 +75,59 @@ def test_ext_proc_cluster_is_spelled_as_istio_names_the_service():
         assert ext["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == expected, path.name
     vllm = k8s_object("Service", K8S["vllm_service"])
     assert vllm["spec"]["ports"][0]["port"] == K8S["vllm_port"]
+
+
+def _values(tmp_path: Path, gateway: dict) -> Path:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"gateway": {"selector": {"istio": "llm-gateway"}, "namespace": "edge", "hosts": ["*"], "port": 80, "tls": None, **gateway}}))
+    return path
+
+
+def test_a_gateway_with_tls_and_named_hosts_is_set_in_values_not_in_python(tmp_path: Path):
+    """The user's hosts, port and TLS come from deploy/istio/values.yaml: the Gateway serves them,
+    and the EnvoyFilter patches its routes into each `<host>:<TLS port>` virtual host Istio builds
+    (a filter matching `*:80` while the Gateway serves llm.example.com:443 patches nothing, and
+    the gateway then routes without llm-extproc, silently)."""
+    values = gateway_values(_values(tmp_path, {
+        "hosts": ["llm.example.com", "api.example.com"],
+        "tls": {"port": 443, "credential_name": "llm-cert", "mode": "SIMPLE", "https_redirect": True},
+    }))  # fmt: skip
+    gateway, service, _ = istio_gateway(values)
+    plain, https = gateway["spec"]["servers"]
+    assert gateway["spec"]["selector"] == {"istio": "llm-gateway"}
+    assert plain["tls"] == {"httpsRedirect": True} and plain["port"]["number"] == 80
+    assert https["port"] == {"number": 443, "name": "https", "protocol": "HTTPS"} and https["tls"] == {"mode": "SIMPLE", "credentialName": "llm-cert"}
+    assert https["hosts"] == service["spec"]["hosts"] == ["llm.example.com", "api.example.com"]
+    ef = istio_envoyfilter("gateway", values=values)
+    assert ef["metadata"]["namespace"] == "edge" and ef["spec"]["workloadSelector"]["labels"] == {"istio": "llm-gateway"}
+    vhosts = {p["match"]["routeConfiguration"]["vhost"]["name"] for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_ROUTE"}
+    assert vhosts == {"llm.example.com:443", "api.example.com:443"}
+    boot = bootstrap_from_envoyfilter(ef)
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(yaml.safe_dump(boot), encoding="utf-8")
+    validate_config_file(path)
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        assert [r["name"] for r in vhost["routes"]] == ["pinned", "fallback", "not_served"], vhost["name"]
+
+
+def test_the_shipped_values_make_the_shipped_istio_files():
+    values = gateway_values()
+    assert (values["hosts"], values["port"], values["tls"]) == (["*"], 80, None)
+    assert load_all(DEPLOY / "istio/gateway.yaml") == istio_gateway(values)
+
+
+@pytest.mark.parametrize(
+    ("gateway", "message"),
+    [
+        ({"hosts": []}, "gateway.hosts"),
+        ({"port": 0}, "gateway.port"),
+        ({"tls": {"port": 443}}, "credential_name"),
+        ({"tls": {"credential_name": "c", "mode": "PASSTHROUGH"}}, "gateway.tls.mode"),
+        ({"tls": {"credential_name": "c", "port": 80}}, "must differ"),
+        ({"host": ["x"]}, "unknown keys"),
+    ],
+)
+def test_a_bad_gateway_value_is_refused_by_its_key(tmp_path: Path, gateway: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        gateway_values(_values(tmp_path, gateway))

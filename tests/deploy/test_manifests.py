@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 import kubernetes_validate
@@ -17,10 +18,11 @@ import yaml
 from extproc.cli import app
 from extproc.config.loader import config_from_mapping
 from extproc.config.schema import ListenConfig
+from extproc.replicas.unshared import REPLICAS_ENV
 from extproc.server.overrides_api import TOKEN_ENV, TOKEN_FILE_ENV
 from extproc.sim.profiles import PROFILES
-from extproc.stack.deploy import COMPOSE, K8S
-from tests.deploy.conftest import DEPLOY, ROOT, k8s_object, k8s_objects, load_all
+from extproc.stack.deploy import COMPOSE, K8S, gateway_values
+from tests.deploy.conftest import DEPLOY, ROOT, k8s_object, k8s_objects, load_all, render_kustomization
 
 K8S_VERSION = "1.30.0"
 COMMANDS = typer.main.get_command(app)
@@ -110,8 +112,9 @@ def test_network_policy_admits_only_the_gateway_to_ext_proc():
     (np,) = k8s_objects("NetworkPolicy")
     (grpc_rule,) = [r for r in np["spec"]["ingress"] if any(p["port"] == GRPC_PORT for p in r["ports"])]
     (peer,) = grpc_rule["from"]
-    assert peer["podSelector"]["matchLabels"] == K8S["gateway_selector"]
-    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": K8S["gateway_namespace"]}
+    gateway = gateway_values()  # deploy/istio/values.yaml: the gateway the EnvoyFilter selects
+    assert peer["podSelector"]["matchLabels"] == gateway["selector"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": gateway["namespace"]}
 
 
 def test_agent_daemonset_matches_the_cli():
@@ -224,3 +227,65 @@ def test_kubernetes_discovery_overlay_grants_what_the_source_reads():
     (src,) = cfg.discovery.sources
     assert src.namespace == role["metadata"]["namespace"] == k8s_object("Service", "vllm")["metadata"]["namespace"]
     assert src.selector == f"kubernetes.io/service-name={k8s_object('Service', 'vllm')['metadata']['name']}"
+
+
+def _overlays() -> list[Path]:
+    return [DEPLOY / "k8s/base", *sorted(p for p in (DEPLOY / "k8s/overlays").iterdir() if p.is_dir())]
+
+
+@pytest.mark.parametrize("directory", _overlays(), ids=lambda p: p.name)
+def test_each_kustomization_builds_objects_that_validate_and_a_config_that_loads(directory: Path):
+    objs = render_kustomization(directory)
+    keys = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objs]
+    assert len(keys) == len(set(keys)), "an object is defined twice"
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "llm-extproc-config"]
+    config_from_mapping(yaml.safe_load(cm["data"]["config.yaml"]))
+
+
+def test_the_production_overlay_is_discovery_plus_shared_state_across_its_replicas():
+    """Production builds on kubernetes-discovery (a user needs both), and its three replicas act
+    as one router: one Redis-backed rate limit (in-memory limits would be 3x the configured
+    one) and replica sync over the Redis it ships, which only llm-extproc's pods may reach."""
+    objs = render_kustomization(DEPLOY / "k8s/overlays/production")
+
+    def one(kind: str, name: str) -> dict:
+        (found,) = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+        return found
+
+    dep = one("Deployment", "llm-extproc")
+    pod = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 3
+    assert pod["serviceAccountName"] == one("ServiceAccount", "llm-extproc")["metadata"]["name"] and pod["automountServiceAccountToken"]
+    assert one("Role", "llm-extproc-discovery")["rules"]
+    assert not pod["containers"][0]["image"].startswith("ghcr.io/example/")
+    cfg = config_from_mapping(yaml.safe_load(one("ConfigMap", "llm-extproc-config")["data"]["config.yaml"]))
+    discovery = render_kustomization(DEPLOY / "k8s/overlays/kubernetes-discovery")
+    (disc_cm,) = [o for o in discovery if o["kind"] == "ConfigMap"]
+    assert cfg.discovery.sources == config_from_mapping(yaml.safe_load(disc_cm["data"]["config.yaml"])).discovery.sources
+    assert cfg.replicas.sync == "redis"
+    assert cfg.ratelimit.enabled and cfg.ratelimit.backend == "redis"
+    url = urlsplit(cfg.ratelimit.redis.url)
+    redis_svc = one("Service", "llm-extproc-redis")
+    assert url.hostname == f"{redis_svc['metadata']['name']}.{redis_svc['metadata']['namespace']}.svc.cluster.local"
+    assert url.port == redis_svc["spec"]["ports"][0]["port"]
+    redis_dep = one("Deployment", "llm-extproc-redis")
+    assert redis_svc["spec"]["selector"] == redis_dep["spec"]["template"]["metadata"]["labels"]
+    (container,) = redis_dep["spec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["redis"] == url.port
+    netpol = one("NetworkPolicy", "llm-extproc-redis")
+    (rule,) = netpol["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": dep["spec"]["template"]["metadata"]["labels"]}}]
+    assert [p["port"] for p in rule["ports"]] == [url.port]
+
+
+@pytest.mark.parametrize("directory", _overlays(), ids=lambda p: p.name)
+def test_each_deployment_tells_its_pods_how_many_replicas_it_runs(directory: Path):
+    """`serve` warns when it is one of several replicas without shared state; a pod knows how
+    many there are only from LLM_EXTPROC_REPLICAS, which must equal spec.replicas."""
+    (dep,) = [o for o in render_kustomization(directory) if o["kind"] == "Deployment" and o["metadata"]["name"] == "llm-extproc"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env[REPLICAS_ENV] == str(dep["spec"]["replicas"])
+    assert TOKEN_FILE_ENV in env, "a patch replaced the env list instead of merging it"

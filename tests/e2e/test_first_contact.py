@@ -53,7 +53,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
     sim = SimProcess("h100-qwen3-8b", name="sim-0", workdir=workdir, speed=20, stream_interval=2, port=port)
     config = workdir / "llm-extproc.yaml"
     config.write_text(yaml.safe_dump({
-        "models": [{"name": MODEL}],
+        "models": [{"name": MODEL, "aliases": ["my-alias"]}],
         "endpoints": [{"address": f"127.0.0.1:{port}", "models": [MODEL]}],
         "scheduling": {"health_check": {"timeout_s": 2.0, "unhealthy_threshold": 3}},
         "telemetry": {"sample_rate": 1.0},
@@ -186,6 +186,19 @@ async def test_every_response_carries_a_request_id(stack, method, path, body, st
         mine = await c.request(method, path, json=body, headers={"x-request-id": "trace-me-42"})
         assert mine.headers["x-request-id"] == "trace-me-42"
     assert "x-llm-fallback" not in r.headers
+
+
+async def test_the_model_list_through_envoy_names_the_aliases(stack):
+    """The engine lists the name it serves; through the gateway the configured alias is listed
+    too, OpenAI-shaped, rooted at that model (fail-open, without llm-extproc, only the engine's)."""
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as c:
+        r = await c.get(f"{stack.envoy.url}/v1/models")
+        alone = await c.get(f"{stack.fallback.url}/v1/models")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    listed = {e["id"]: e for e in r.json()["data"]}
+    assert set(listed) == {MODEL, "my-alias"}
+    assert listed["my-alias"]["object"] == "model" and listed["my-alias"]["root"] == MODEL
+    assert [e["id"] for e in alone.json()["data"]] == [MODEL]
 
 
 async def test_fallback_answers_say_so(stack):

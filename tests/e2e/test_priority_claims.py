@@ -63,3 +63,21 @@ async def test_a_client_cannot_claim_critical_at_saturation(gateway, engines):
     finally:
         for e in engines.serving:
             e.waiting = 0
+
+
+async def test_a_downgraded_claim_is_told_on_the_response(gateway):
+    """A client that claims `critical` without the right runs as standard: the response says so
+    (`x-llm-priority-applied: standard`); a claim within the bound, or the trusted header's,
+    gets no such header."""
+    envoy, _ = gateway
+    async with httpx.AsyncClient(base_url=envoy.url, trust_env=False, timeout=30) as c:
+        for _ in range(100):  # until a scrape has seen the queues of the test before drain
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=4), headers={"x-llm-priority": "critical"})
+            if r.status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-llm-priority-applied"] == "standard"
+        for headers in ({"x-llm-priority": "sheddable"}, {TRUSTED: "critical"}, {}):
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=4), headers=headers)
+            assert r.status_code == 200 and "x-llm-priority-applied" not in r.headers, headers

@@ -16,6 +16,7 @@ from extproc.stack.envoy import (
     CONFIG_NAMES,
     EnvoyError,
     ExtProcTLS,
+    body_limit_message,
     RunSettings,
     config_path,
     load_envoy_config,
@@ -209,3 +210,26 @@ def test_the_commented_tls_block_is_what_extproc_tls_writes(path: Path) -> None:
     shipped = yaml.safe_load("\n".join(block))["transport_socket"]
     tls = ExtProcTLS("/etc/llm-extproc/ca.pem", "/etc/envoy/client.pem", "/etc/envoy/client-key.pem")
     assert shipped == tls.transport_socket()
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_envoys_own_413_states_the_limit_it_enforces(path: Path) -> None:
+    """A client refused by Envoy's buffer limit is told the limit, as llm-extproc's own 413 does;
+    envoy-config with another `limits.max_body_bytes` says that one."""
+    cfg = load_envoy_config(path)
+
+    def message(c: dict) -> str:
+        (m,) = [m for m in _hcm(c)["local_reply_config"]["mappers"] if m["body_format_override"]["json_format"]["error"]["code"] == "request_too_large"]
+        return m["body_format_override"]["json_format"]["error"]["message"]
+
+    limit = cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"]
+    assert message(cfg) == body_limit_message(limit)
+    assert message(rewrite_config(cfg, RunSettings(max_body_bytes=65536, grpc_max_message_bytes=262144))) == body_limit_message(65536)
+    assert "65536 bytes" in body_limit_message(65536)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_client_connections_are_bounded(path: Path) -> None:
+    (monitor,) = load_envoy_config(path)["overload_manager"]["resource_monitors"]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert 1000 <= monitor["typed_config"]["max_active_downstream_connections"] <= 1_000_000

@@ -38,6 +38,9 @@ async def test_start_reports_ports_and_aclose_stops_the_pid(tmp_path: Path) -> N
             assert r.status_code == 503
             assert r.json()["error"]["code"] == "routing_unavailable"
         assert (tmp_path / "envoy.yaml").is_file() and (tmp_path / "envoy.log").is_file()
+        # The shipped configs limit client connections (overload manager): Envoy warned at every
+        # start that nothing did.
+        assert "no configured limit to the number of allowed active downstream connections" not in (tmp_path / "envoy.log").read_text()
     finally:
         await envoy.aclose()
     assert not envoy.process.running

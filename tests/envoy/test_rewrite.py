@@ -13,6 +13,7 @@ from extproc.stack.envoy import (
     CONFIG_NAMES,
     EnvoyError,
     RunSettings,
+    body_limit_message,
     config_path,
     load_envoy_config,
     rewrite_config,
@@ -20,6 +21,7 @@ from extproc.stack.envoy import (
 )
 
 LISTENER = "static_resources/listeners/0"
+HCM = f"{LISTENER}/filter_chains/0/filters/0/typed_config"
 EXT_PROC_GRPC = f"{LISTENER}/filter_chains/0/filters/0/typed_config/http_filters/1/typed_config/grpc_service/envoy_grpc"
 EXTPROC_EP = "static_resources/clusters/{i}/load_assignment/endpoints/0/lb_endpoints/0/endpoint/address/socket_address"
 
@@ -71,6 +73,8 @@ def test_full_rewrite_changes_exactly_the_run_fields(name: str) -> None:
         f"{LISTENER}/per_connection_buffer_limit_bytes": 1024 * 1024,
         f"{EXT_PROC_GRPC}/max_receive_message_length": 2 * 1024 * 1024,
         f"{EXTPROC_EP.format(i=ext)}/port_value": 19002,
+        # Envoy's own 413 states the limit it enforces.
+        f"{HCM}/local_reply_config/mappers/0/body_format_override/json_format/error/message": body_limit_message(1024 * 1024),
     }
     if name in ("fail-open", "tier"):
         fb = _cluster_index(out, "llm_fallback")

@@ -265,6 +265,26 @@ def test_non_finite_or_out_of_range_numbers_are_rejected_per_event(event):
     assert store.get(ADDRS[0]).reserved_blocks == 0
 
 
+def test_a_remote_weight_override_applies_here_and_a_malformed_one_is_rejected_alone():
+    sync, store, _ = make_sync()
+    bad = [
+        ["o", ADDRS[0], 1.5, 60.0, "r", "api"],  # factor above 1
+        ["o", ADDRS[0], float("nan"), 60.0, "r", "api"],
+        ["o", ADDRS[0], 0.0, 0.0, "r", "api"],  # no duration
+        ["o", ADDRS[0], 0.0, 1e9, "r", "api"],  # past MAX_DURATION_S
+        ["o", ADDRS[0], 0.0, 60.0, "r", "anyone"],  # not a source the admin API has
+        ["o", ADDRS[0], 0.0, 60.0, 7, "api"],
+    ]
+    assert sync.apply(batch("peer", *bad)) == 0
+    assert rejected(sync, "event") == len(bad) and store.get(ADDRS[0]).override is None
+    assert sync.apply(batch("peer", ["o", ADDRS[0], 0.25, 60.0, "x" * 10_000, "alertmanager"], ["o", "10.9.9.9:1", 0.0, 60.0, "", "api"])) == 1
+    ov = store.get(ADDRS[0]).override
+    assert (ov.factor, ov.source, len(ov.reason)) == (0.25, "alertmanager", 200)
+    assert 59 < ov.expires_at - time.monotonic() <= 60  # from when this replica heard it
+    sync.apply(batch("peer", ["o", ADDRS[0], 1.0, 60.0, "", "api"]))  # factor 1 clears
+    assert store.get(ADDRS[0]).override is None
+
+
 def test_a_remote_session_key_must_be_short_bytes_and_hashes_are_bounded_ints():
     sync, store, tracker = make_sync(max_hashes=2)
     hashes = chain_block_hashes(list(range(64)), 16)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.config.loader import config_from_mapping
-from extproc.replicas.workers import per_worker_limits_warning, worker_addresses
+from extproc.replicas.workers import worker_addresses
 
 
 def cfg(grpc: str, admin: str):
@@ -30,20 +30,6 @@ def test_worker_i_listens_on_the_configured_ports_plus_i():
 def test_impossible_port_layouts_are_refused_with_the_reason(grpc, admin, workers, message):
     with pytest.raises(ValueError, match=message):
         worker_addresses(cfg(grpc, admin), workers)
-
-
-MODEL = "Qwen/Qwen3-8B"
-BASE = {"models": [{"name": MODEL}], "endpoints": [{"address": "127.0.0.1:9", "models": [MODEL]}]}
-
-
-def test_per_worker_limits_warning_only_with_memory_backend_and_limits():
-    limited = {**BASE, "ratelimit": {"enabled": True, "tenants": {"a": {"models": {MODEL: {"tokens_per_minute": 9}}}}}}
-    assert per_worker_limits_warning(config_from_mapping(limited), 3) is not None
-    assert per_worker_limits_warning(config_from_mapping(limited), 1) is None
-    assert per_worker_limits_warning(config_from_mapping({**BASE, "ratelimit": {"enabled": True}}), 3) is None
-    shared = {**BASE, "ratelimit": {"enabled": True, "backend": "redis", "default": {"requests_per_minute": 5}}}
-    assert per_worker_limits_warning(config_from_mapping(shared), 3) is None
-    assert "effective limit is the configured one x 3" in per_worker_limits_warning(config_from_mapping(limited), 3)
 
 
 def test_one_worker_may_keep_port_zero():

@@ -112,11 +112,34 @@ async def test_existing_request_id_is_kept(stub):
 
 
 async def test_headers_only_request_is_routed_in_headers_phase(app, stub):
-    (reply,) = await exchange(stub, headers_msg("GET", "/v1/models", end=True))
+    (reply,) = await exchange(stub, headers_msg("GET", "/health", end=True))
     common = reply.request_headers.response
     assert common.clear_route_cache
     assert set_headers(common)["x-gateway-destination-endpoint"] in ENDPOINTS
     assert not reply.HasField("mode_override")
+
+
+def _models_response_headers(status: bytes = b"200", content_type: bytes = b"application/json") -> pb.ProcessingRequest:
+    hdrs = [base_pb2.HeaderValue(key=":status", raw_value=status), base_pb2.HeaderValue(key="content-type", raw_value=content_type),
+            base_pb2.HeaderValue(key="content-length", raw_value=b"200")]  # fmt: skip
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hdrs)))
+
+
+async def test_the_model_list_gets_the_configured_aliases(app, stub):
+    """The engines list the names they serve; the configured alias (`qwen3-8b`) is added after
+    its model, a copy of its entry, so a client listing models can find every name it may use."""
+    engine = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm", "root": MODEL, "max_model_len": 4096},
+                                         {"id": "other", "object": "model", "created": 1, "owned_by": "vllm"}]}  # fmt: skip
+    body = pb.ProcessingRequest(response_body=pb.HttpBody(body=orjson.dumps(engine), end_of_stream=True))
+    route, r_headers, r_body = await exchange(stub, headers_msg("GET", "/v1/models?x=1", end=True), _models_response_headers(), body)
+    assert route.mode_override.response_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    assert "content-length" in r_headers.response_headers.response.header_mutation.remove_headers
+    listed = orjson.loads(r_body.response_body.response.body_mutation.body)["data"]
+    assert [e["id"] for e in listed] == [MODEL, "qwen3-8b", "other"]
+    assert listed[1] == {**listed[0], "id": "qwen3-8b"}  # root still names the served model
+    # An error answer goes through untouched.
+    _, r_headers, r_body = await exchange(stub, headers_msg("GET", "/v1/models", end=True), _models_response_headers(b"500"), body)
+    assert not r_headers.response_headers.HasField("response") and not r_body.response_body.HasField("response")
 
 
 async def test_other_path_with_body_skips_body_processing(stub):
@@ -797,3 +820,19 @@ async def test_health_panic_of_one_model_is_not_undone_by_another_models_request
     assert registry.get_sample_value("llm_extproc_health_panic_entered_total") == 1.0
     assert registry.get_sample_value("llm_extproc_health_panic") == 1.0
     assert len([r for r in caplog.records if "health panic" in r.getMessage()]) == 1
+
+
+async def test_a_downgraded_claim_keeps_its_response_headers_when_others_skip_them(make_app):
+    """With `telemetry.response_headers: when_needed` unobserved requests skip the response
+    headers; a downgraded priority claim needs them, to say the class applied."""
+    app = await make_app(
+        telemetry={"sample_rate": 0.01, "response_headers": "when_needed"},
+        scheduling={"health_check": {"enabled": False}, "outlier_detection": {"enabled": False}},
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(headers_msg("POST", "/v1/chat/completions", extra={"x-llm-priority": b"critical"}))
+        reply = await call.read()
+        call.cancel()
+    assert reply.mode_override.response_header_mode == processing_mode_pb2.ProcessingMode.SEND

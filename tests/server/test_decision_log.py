@@ -1,7 +1,7 @@
 """The decision log through the real servicer: one line per decided generation request — routed
 (with the endpoint, the predicted and the observed TTFT, the engine's status) or refused (our
-status and reason, the prompt's count when it was counted) — and never the prompt's text, a
-header or a credential."""
+status and reason, the prompt's count when it was counted), with its request id and prefix
+match — and never the prompt's text, another header or a credential."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ async def test_one_line_per_decided_request_and_no_content(make_app, qwen_counte
     path = tmp_path / "decisions.jsonl"
     models = [{"name": MODEL, "aliases": ["qwen3-8b"], "max_model_len": 4096, "truncation": {"mode": "head-tail"}}]
     app = await make_app(limits=LIMITS, models=models, decision_log={"path": str(path)})
-    secret_headers = {"authorization": f"Bearer {SECRET}".encode(), "x-request-id": SECRET.encode()}
+    secret_headers = {"authorization": f"Bearer {SECRET}".encode(), "x-request-id": b"req-7f3a"}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         # 1. Routed and streamed: the observer sees its first token.
@@ -62,6 +62,7 @@ async def test_one_line_per_decided_request_and_no_content(make_app, qwen_counte
         body = orjson.dumps({"model": MODEL, "messages": [*turns, msgs[0]]})
         _, r_body = await exchange(stub, headers_msg("POST", "/v1/chat/completions"), body_msg(body))
         cut_tokens = int(set_headers(r_body.request_body.response)["x-llm-prompt-tokens"])
+        given_id = set_headers(r_body.request_body.response)["x-request-id"]  # none sent: ours
         # 5. Not a generation request: not a decision, no line.
         await exchange(stub, headers_msg("GET", "/v1/models", end=True))
     await app.aclose(grace_s=0)  # flushes the log
@@ -73,6 +74,9 @@ async def test_one_line_per_decided_request_and_no_content(make_app, qwen_counte
     assert routed["prompt_tokens"] == qwen_counter.count_chat(msgs).count and routed["output_budget"] == 32
     assert routed["endpoint"] in ENDPOINTS and routed["tenant"] is None and routed["truncation"] is None
     assert routed["predicted_ttft_ms"] > 0 and routed["observed_ttft_ms"] >= 10 and routed["decision_ms"] > 0
+    # The client's x-request-id matches its line; the prefix match on the chosen endpoint (a
+    # first request: nothing cached yet).
+    assert routed["request_id"] == "req-7f3a" and (routed["prefix_blocks"], routed["prefix_tokens"]) == (0, 0)
 
     assert (refused_long["outcome"], refused_long["status"]) == ("rejected", 400)
     assert refused_long["reason"] == "context_length_exceeded"
@@ -80,6 +84,8 @@ async def test_one_line_per_decided_request_and_no_content(make_app, qwen_counte
 
     assert (refused_json["outcome"], refused_json["reason"], refused_json["kind"]) == ("rejected", "invalid_json", "completion")
     assert refused_json["prompt_tokens"] is None and refused_json["model"] is None
+    assert refused_json["request_id"] is None and refused_json["prefix_blocks"] is None
 
     assert truncated["prompt_tokens"] == cut_tokens and truncated["truncation"]["tokens_after"] == cut_tokens
     assert truncated["truncation"]["cut"] == "messages" and truncated["status"] is None  # no response seen
+    assert truncated["request_id"] == given_id and len(given_id) == 32

@@ -109,14 +109,16 @@ def test_idle_serve_exits_promptly_and_says_so_once(tmp_path: Path):
     assert log.count("shutting down: waiting for in-flight streams") == 1, log
 
 
-def test_idle_workers_exit_promptly_and_warn_limits_are_per_worker(tmp_path: Path):
+def test_idle_workers_exit_promptly_and_warn_they_share_no_state(tmp_path: Path):
     config = {**BASE, "ratelimit": {"enabled": True, "backend": "memory", "default": {"requests_per_minute": 60}}}
     took, log = _serve(tmp_path, 2, config)
     assert took < IDLE_GROUP_EXIT_S, f"{took:.2f} s\n{log}"
     assert log.count("shutting down: waiting for in-flight streams") == 1, log
-    warning = [line for line in log.splitlines() if "rate limits are per worker" in line]
-    assert len(warning) == 1 and "WARNING" in warning[0], log
+    warning = [line for line in log.splitlines() if "rate limits are per replica" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0], log  # the supervisor's, not each worker's
     assert "x 2" in warning[0] and "ratelimit.backend: redis" in warning[0]
+    warning = [line for line in log.splitlines() if "with replicas.sync off" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0] and "one of 2 replicas (--workers 2)" in warning[0], log
 
 
 @pytest.mark.parametrize("extra", [[], ["--kv-events-port", "0"]], ids=["plain", "kv-events"])

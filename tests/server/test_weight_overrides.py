@@ -15,6 +15,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.server.overrides_api import TOKEN_ENV, TOKEN_FILE_ENV, load_admin_token
+from tests.ratelimit.conftest import redis_server  # noqa: F401 - a real redis-server per test
 from tests.server.conftest import ENDPOINTS, MODEL
 from tests.server.test_contract import body_msg, exchange, headers_msg, set_headers
 
@@ -163,3 +164,32 @@ def test_serve_stops_with_a_clear_message_when_the_token_file_is_unreadable(tmp_
     done = subprocess.run([sys.executable, "-m", "extproc", "serve"], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode != 0
     assert TOKEN_FILE_ENV in done.stderr and "Traceback" not in done.stderr
+
+
+async def test_with_replica_sync_an_override_posted_to_one_replica_applies_on_every_replica(make_app, monkeypatch, redis_server):
+    """The admin Service sends the webhook to one pod: with `replicas.sync: redis` that replica
+    passes the override on and the others drain (then clear) the endpoint too."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    shared = {
+        "replicas": {"sync": "redis", "heartbeat_s": 0.2, "owner_timeout_s": 1.0, "flush_ms": 1},
+        "ratelimit": {"redis": {"url": redis_server.url, "timeout_ms": 500}},
+    }
+    one, other = await make_app(**shared), await make_app(**shared)
+    await _until(lambda: one.sync.connected and other.sync.connected)
+    alerts = {"alerts": [{"status": "firing", "labels": {"alertname": "EngineSlow", "endpoint": A, "weight_action": "drain"}}]}
+    r = await _post(one, "/api/v1/alerts", alerts)
+    assert r.status_code == 200 and r.json()["applied"], r.text
+    await _until(lambda: other.store.get(A).override is not None)
+    row = (await _weights(other))[A]
+    assert row["override"]["factor"] == 0.0 and row["override"]["source"] == "alertmanager" and row["override"]["reason"] == "EngineSlow"
+    assert other.store.get(B).override is None
+    r = await _post(other, "/api/v1/weights/override", {"endpoint": A, "action": "clear"})
+    assert r.status_code == 200, r.text
+    await _until(lambda: one.store.get(A).override is None)
+
+
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

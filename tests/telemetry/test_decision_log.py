@@ -17,16 +17,17 @@ from extproc.bench.traces import load_trace
 from extproc.cli import app
 from extproc.config.schema import DecisionLogConfig
 from extproc.pipeline.truncate import Truncation
-from extproc.telemetry.decision_log import DecisionLog, DecisionRecord
+from extproc.telemetry.decision_log import MAX_REQUEST_ID_CHARS, DecisionLog, DecisionRecord
 
 FIELDS = {
     "time", "kind", "model", "tenant", "prompt_tokens", "output_budget", "endpoint", "tier", "predicted_ttft_ms",
-    "observed_ttft_ms", "status", "outcome", "reason", "truncation", "decision_ms",
+    "observed_ttft_ms", "status", "outcome", "reason", "truncation", "decision_ms", "request_id", "prefix_blocks",
+    "prefix_tokens",
 }  # fmt: skip
 
 
 def record(i: int, prompt: int, **extra) -> DecisionRecord:
-    return DecisionRecord(time=1_700_000_000 + i * 0.25, kind="chat", model="m", prompt_tokens=prompt, output_budget=128, **extra)
+    return DecisionRecord(time=1_700_000_000 + i * 0.25, kind="chat", model="m", prompt_tokens=prompt, **{"output_budget": 128, **extra})
 
 
 def write_all(path: Path, records: list[DecisionRecord], **config) -> None:
@@ -78,6 +79,31 @@ def test_fields_and_tenant_hash(tmp_path: Path) -> None:
                                    "tokens_dropped": 11_000, "messages_dropped": 12}  # fmt: skip
     assert first["predicted_ttft_ms"] == 123.457 and first["decision_ms"] == 2.0
     assert second["tenant"] is None and second["truncation"] is None
+
+
+def test_a_long_client_request_id_is_cut(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    write_all(path, [record(0, 5, request_id="r" * 10_000), record(1, 5, request_id="abc")])
+    first, second = lines(path)
+    assert first["request_id"] == "r" * MAX_REQUEST_ID_CHARS and second["request_id"] == "abc"
+
+
+def test_analyze_names_a_decision_logs_output_budget_and_leaves_refused_requests_out_of_it(tmp_path: Path) -> None:
+    """A decision log's output column is each request's budget (max_tokens or the expected
+    output), not what was generated; a refused request generated nothing, so its budget (here
+    4,000, against 100 for every routed one) must not move the statistics."""
+    routed = [record(i, 50, output_budget=100) for i in range(20)]
+    refused = [record(20 + i, 50, output_budget=4000, outcome="rejected", reason="kv_capacity", status=429) for i in range(5)]
+    path = tmp_path / "decisions.jsonl"
+    write_all(path, routed + refused)
+    analysis = analyze_trace(load_trace(path))
+    assert analysis["output_label"] == "output budget" and analysis["refused"] == 5
+    assert analysis["output_tokens"]["count"] == 20 and analysis["output_tokens"]["max"] == 100
+    assert analysis["input_tokens"]["count"] == 25  # offered: still in the input lengths
+    result = CliRunner().invoke(app, ["analyze", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "output budget" in result.output
+    assert "5 refused requests are in the input lengths, not in the output budget" in " ".join(result.output.split())
 
 
 def test_analyze_on_a_generated_log_matches_numpy(tmp_path: Path) -> None:

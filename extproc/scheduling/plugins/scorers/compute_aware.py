@@ -21,10 +21,9 @@ from collections.abc import Sequence
 
 from pydantic import Field, model_validator
 
-from extproc.datastore.endpoints import Endpoint
+from extproc.datastore.endpoints import Endpoint, effective_kv_usage
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Params, Plugin
-from extproc.scheduling.plugins.scorers.kv_utilization import effective_kv_usage
 from extproc.scheduling.registry import register
 
 __all__ = ["ComputeAwareScorer", "components", "p95_ttft_s"]

@@ -9,22 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.datastore.endpoints import Endpoint
+from extproc.datastore.endpoints import Endpoint, effective_kv_usage
 from extproc.scheduling.framework import SchedulingContext
 from extproc.scheduling.plugins.base import Plugin
 from extproc.scheduling.registry import register
 
-__all__ = ["KVUtilizationScorer", "effective_kv_usage"]
-
-
-def effective_kv_usage(ep: Endpoint) -> float | None:
-    """Fraction of the KV pool in use counting our unsettled reservations (0..1+), or None."""
-    engine = ep.engine
-    if engine is None:
-        return None
-    if engine.num_gpu_blocks:
-        return engine.kv_usage + ep.reserved_blocks / engine.num_gpu_blocks
-    return engine.kv_usage
+__all__ = ["KVUtilizationScorer"]
 
 
 @register("kv-utilization-scorer")
