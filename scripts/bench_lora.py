@@ -21,7 +21,8 @@ uses. Per run: TTFT p50/p99, goodput (requests/s meeting TTFT ≤ `--slo-ttft-ms
 
     flock /tmp/bench.lock .venv/bin/python scripts/bench_lora.py --out out/bench-lora
 
-Writes `<out>/lora.md` (also printed) and `<out>/lora.json`.
+Writes `<out>/lora.json` after every run (the rows so far) and, at the end, `<out>/lora.md`
+(also printed). SIGTERM (a `timeout`) stops it as Ctrl-C does, stopping every process it started.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,9 @@ def main() -> None:
     ap.add_argument("--lora-metrics", default="residency", choices=["residency", "activity"])
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     args = ap.parse_args()
+    # A `timeout` (SIGTERM) stops the run as Ctrl-C does: each stack's `finally` stops its
+    # simulators, Envoy and llm-extproc (a plain SIGTERM left the simulators running).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,6 +140,7 @@ def main() -> None:
                 }  # fmt: skip
                 rows.append(row)
                 console.print(row, highlight=False)
+                (out / "lora.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2), encoding="utf-8")
     md = table(rows, args)
     console.print("\n".join(md), highlight=False)
     (out / "lora.md").write_text("\n".join(md) + "\n", encoding="utf-8")
