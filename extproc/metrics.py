@@ -152,6 +152,15 @@ class Metrics:
             "ext_proc gRPC streams currently open.",
             registry=registry,
         )
+        self.lora_routed = Counter(
+            "llm_extproc_lora_requests_total",
+            "Requests for a LoRA adapter routed, by base model, adapter (a configured adapter's name, "
+            "else `other`: names learned from engines are unbounded) and the adapter's residency on the "
+            "chosen endpoint as the router believed it (gpu, cpu, free, evictable, full): anything but gpu "
+            "is an adapter load the routing caused.",
+            ["model", "adapter", "residency"],
+            registry=registry,
+        )
         self.token_estimates = Counter(
             "llm_extproc_tokenizer_estimates_total",
             "Requests routed on a character estimate of their prompt tokens because exact counting "

@@ -60,6 +60,10 @@ class LLMRequest:
         token_ids: the prompt's token ids when the counter kept them (for prefix hashing).
         prompt_lengths: each prompt's tokens of a batched completion (several prompts; `()`
             for one prompt): attention runs within each (`request_prefill_work`).
+        adapter: the LoRA adapter `model` names (`ModelConfig.adapters`, or learned from the
+            engines), None for the base model. Sent to the engine as `model` unchanged; the
+            tokenizer, KV arithmetic and rate limits are `served_model`'s.
+        cache_salt: the request's `cache_salt` (keys its prefix-cache blocks), or None.
     """
 
     kind: RequestKind
@@ -74,6 +78,8 @@ class LLMRequest:
     body_bytes: ByteCount = ByteCount(0)
     token_ids: list[int] | None = field(default=None, repr=False)
     prompt_lengths: tuple[int, ...] = ()
+    adapter: str | None = None
+    cache_salt: str | None = None
 
     @property
     def largest_prompt(self) -> int:

@@ -140,6 +140,7 @@ def _common(
     from extproc.bench.policies import PolicyError, parse_policies
     from extproc.bench.stacks import PortBusyError, StackSettings, check_port_free
     from extproc.sim.profiles import PROFILES
+    from extproc.stack.fleet import NAMED_FLEETS
 
     try:
         policies = parse_policies(policy_names)
@@ -149,19 +150,25 @@ def _common(
     if not speed > 0:
         raise _fail(f"--speed must be > 0, got {speed}")
     roles = None
+    named = NAMED_FLEETS.get(fleet.strip())
     if fleet.strip() == "pd":  # two prefill + two decode H100 engines, decode behind pd-sidecar
         from extproc.stack.fleet import PD_FLEET
 
         profiles, roles = tuple(p for p, _ in PD_FLEET), tuple(r for _, r in PD_FLEET)
     else:
-        profiles = tuple(p.strip() for p in fleet.split(",") if p.strip())
+        profiles = named[0] if named else tuple(p.strip() for p in fleet.split(",") if p.strip())
     unknown = [p for p in profiles if p not in PROFILES]
     if not profiles or unknown:
-        raise _fail(f"--fleet: unknown simulator profile(s) {unknown or fleet!r}; known: {', '.join(PROFILES)}")
+        raise _fail(
+            f"--fleet: unknown simulator profile(s) {unknown or fleet!r}; known: {', '.join(PROFILES)} (or a named fleet: {', '.join(NAMED_FLEETS)})"
+        )
     models = {PROFILES[p].model for p in profiles}
     if len(models) > 1:
         raise _fail(f"--fleet: every endpoint must serve the same model, got {sorted(models)}")
-    settings = StackSettings(profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port, roles=roles)
+    settings = StackSettings(
+        profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port, roles=roles,
+        lora=named[1] if named else None,
+    )
     return policies, settings
 
 
@@ -189,6 +196,9 @@ def _workload(trace: Path | None, format: TraceFormatChoice, requests: int | Non
     return workload
 
 
+_FLEET_HELP = (
+    "simulator profiles, comma-separated (one endpoint each), or a named fleet: lora (4× H100, 32 LoRA adapters, 4 GPU slots each), pd (2 prefill + 2 decode H100s, P/D disaggregation)"
+)
 _TRACE_HELP = "trace to replay (formats of `analyze`); default: the synthetic workload (Poisson arrivals)"
 
 
@@ -202,7 +212,7 @@ def demo(
     speed: float = typer.Option(DEMO_SPEED, "--speed", help="simulated seconds per wall second (simulators and replay)"),
     stream_interval: int = typer.Option(STREAM_INTERVAL, "--stream-interval", min=1, help="output tokens per streamed chunk"),
     policy: str = typer.Option("llm-extproc", "--policy", help="routing policy (see `bench --help`)"),
-    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help="simulator profiles, comma-separated (one endpoint each); pd: 2 prefill + 2 decode H100s (P/D disaggregation)"),
+    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help=_FLEET_HELP),
     seed: int = typer.Option(0, "--seed", help="seed of the workload and the simulators"),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="client-facing port (0 = any free port)"),
     json_path: Path | None = typer.Option(None, "--json", help="write the JSON summary (the bench report shape) here"),
@@ -244,7 +254,7 @@ def demo(
 
 def up(
     policy: str = typer.Option("llm-extproc", "--policy", help="routing policy (see `bench --help`)"),
-    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help="simulator profiles, comma-separated (one endpoint each); pd: 2 prefill + 2 decode H100s (P/D disaggregation)"),
+    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help=_FLEET_HELP),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="client-facing port (0 = any free port)"),
     speed: float = typer.Option(1.0, "--speed", help="simulated seconds per wall second"),
     stream_interval: int = typer.Option(1, "--stream-interval", min=1, help="output tokens per streamed chunk"),
@@ -285,7 +295,7 @@ def bench(
     auto_load: float = typer.Option(BENCH_LOAD, "--auto-load", help="the load --rate-scale auto aims at (see there)"),
     rate: float = typer.Option(DEMO_RATE, "--rate", help="arrival rate of the synthetic workload (requests/s)"),
     format: TraceFormatChoice = typer.Option(TraceFormatChoice.auto, "--format", help="trace format"),
-    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help="simulator profiles, comma-separated (one endpoint each); pd: 2 prefill + 2 decode H100s (P/D disaggregation)"),
+    fleet: str = typer.Option(DEFAULT_FLEET_SPEC, "--fleet", help=_FLEET_HELP),
     seed: int = typer.Option(0, "--seed", help="seed of the workload and the simulators"),
     speed: str = typer.Option(
         "auto", "--speed", help="simulated seconds per wall second; auto: 1, or slower when the offered load exceeds "

@@ -390,7 +390,7 @@ class LoadGenerator:
         if self.config.continuous_usage_stats:
             stream_options["continuous_usage_stats"] = True
         body: dict[str, object] = {
-            "model": self.config.model,
+            "model": request.model or self.config.model,
             "messages": messages,
             "stream": True,
             "stream_options": stream_options,

@@ -8,6 +8,8 @@
 | `llm-extproc-<profile>`      | Envoy + llm-extproc                     | built-in profile `<profile>`             |
 | `llm-extproc-precise`        | Envoy + llm-extproc, simulators publishing KV events | default profile, prefix index from the engines' KV events |
 | `llm-extproc-noprefix`       | Envoy + llm-extproc                     | the default profile with `scheduling.prefix.enabled: false` (prefix-blind load-aware) |
+| `llm-extproc-lora`           | Envoy + llm-extproc                     | built-in profile `lora`: the default plus `lora-affinity-scorer` (residency) |
+| `llm-extproc-lora-activity`  | Envoy + llm-extproc                     | profile `lora` with GIE's activity-only rule (`lora-activity-scorer`) in place of residency |
 | `sglang-cache-aware`, `sglang-power-of-two` | sglang-router (replaces Envoy) | `--policy cache_aware` / `power_of_two` |
 | `vllm-router-cache-aware`, `vllm-router-kv-aware`, `vllm-router-consistent-hash` | vllm-router (replaces Envoy) | `--policy cache_aware` / `kv_aware` / `consistent_hash` |
 
@@ -27,7 +29,7 @@ __all__ = ["DEFAULT_PROFILE", "EXTPROC_PROFILES", "POLICIES", "Policy", "PolicyE
 # The server's built-in scheduling profiles and its default (`extproc.config.schema`), spelled
 # out so that `llm-extproc --help` need not import the config schema (~0.4 s); a test checks
 # they match the schema.
-EXTPROC_PROFILES: tuple[str, ...] = ("load-aware", "least-inflight", "compute-aware", "random", "prefix")
+EXTPROC_PROFILES: tuple[str, ...] = ("load-aware", "least-inflight", "compute-aware", "random", "prefix", "lora")
 DEFAULT_PROFILE = "load-aware"
 
 
@@ -83,6 +85,17 @@ class Policy:
         return None
 
 
+def _lora_scorers(lora_scorer: str) -> list[dict[str, Any]]:
+    """The built-in `lora` profile's scorers (`extproc.config.schema`) with `lora_scorer` in
+    place of `lora-affinity-scorer` (a test checks the rest match)."""
+    weights = [
+        ("ttft-estimate-scorer", 10.0), (lora_scorer, 10.0), ("queue-depth-scorer", 1.0), ("kv-utilization-scorer", 1.0),
+        ("flops-load-scorer", 1.0), ("compute-aware-scorer", 1.0), ("backpressure-scorer", 0.5), ("inflight-scorer", 2.0),
+        ("session-affinity-scorer", 1.0), ("weight-override-scorer", 1.0),
+    ]  # fmt: skip
+    return [{"type": t, "weight": w} for t, w in weights]
+
+
 def _build() -> dict[str, Policy]:
     policies = [
         Policy("envoy-round-robin", "envoy", "Envoy alone, ROUND_ROBIN", envoy_lb_policy="ROUND_ROBIN"),
@@ -105,6 +118,15 @@ def _build() -> dict[str, Policy]:
             "Envoy + llm-extproc, no prefix index",
             profile=DEFAULT_PROFILE,
             server_overrides={"scheduling": {"prefix": {"enabled": False}}},
+        )
+    )
+    policies.append(
+        Policy(
+            "llm-extproc-lora-activity",
+            "extproc",
+            "profile lora, GIE's activity-only LoRA rule",
+            profile="lora",
+            server_overrides={"scheduling": {"profiles": {"lora": {"scorers": _lora_scorers("lora-activity-scorer")}}}},
         )
     )
     for peer, label, peer_policy in [

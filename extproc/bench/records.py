@@ -33,6 +33,8 @@ class TraceRequest:
         refused: True for a decision-log request llm-extproc refused (`outcome: rejected`): it
             was offered, so it counts in input lengths and arrivals, but nothing was generated,
             so `analyze` leaves its output budget out.
+        model: the `model` to send (a LoRA adapter's name, `extproc.bench.lora_workload`), or
+            None for the load generator's model.
     """
 
     arrival_s: float
@@ -42,6 +44,7 @@ class TraceRequest:
     session: str | None = None
     messages: list[dict[str, Any]] | None = None
     refused: bool = False
+    model: str | None = None
 
 
 class TraceFormatError(ValueError):

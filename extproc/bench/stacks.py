@@ -35,7 +35,7 @@ import yaml
 from extproc.bench.policies import Policy
 from extproc.sim.profiles import PROFILES, SIM_TOKENIZER
 from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunSettings, load_envoy_config, rewrite_config
-from extproc.stack.fleet import DEFAULT_FLEET, Fleet
+from extproc.stack.fleet import DEFAULT_FLEET, Fleet, LoraFleet
 from extproc.stack.pd import SidecarProcess
 from extproc.stack.ports import free_ports
 from extproc.stack.procs import ManagedProcess, wait_until
@@ -90,6 +90,8 @@ class StackSettings:
         roles: P/D role per endpoint (`prefill`, `decode`, `both`; same length as `profiles`),
             or None for a unified fleet. Each decode engine gets a `pd-sidecar` in front, which
             the router and Envoy route to instead of the engine.
+        lora: LoRA adapters the simulators serve (`--fleet lora`), or None; the generated config
+            lists them as the model's `adapters`.
     """
 
     profiles: Sequence[str] = DEFAULT_FLEET
@@ -100,6 +102,7 @@ class StackSettings:
     envoy_concurrency: int = 2
     server_overrides: Mapping[str, Any] | None = None
     roles: Sequence[str] | None = None
+    lora: LoraFleet | None = None
 
 
 def envoy_only_config(cfg: Mapping[str, Any], lb_policy: str) -> dict[str, Any]:
@@ -144,6 +147,7 @@ def server_config(
     profile: str,
     kv_events: Mapping[str, tuple[str, str | None]] | None = None,
     roles: Mapping[str, str] | None = None,
+    lora: LoraFleet | None = None,
 ) -> dict[str, Any]:
     """llm-extproc's config for a simulated fleet: one model entry per served model.
 
@@ -153,6 +157,8 @@ def server_config(
         kv_events: (KV-event endpoint, replay endpoint) by address, for endpoints whose prefix
             index comes from their events (`Fleet.kv_events`).
         roles: P/D role by address, for those not `both`.
+        lora: the adapters the simulators serve: each model's `adapters`, and their GPU slots
+            as `scheduling.lora_max_loras`.
 
     Each model gets the architecture and context limit of its simulator profile, the tokenizer
     the simulator counts with (Qwen3's, whatever the profile's model) and its short name (the
@@ -177,11 +183,16 @@ def server_config(
         if kv_events and address in kv_events:
             events, replay = kv_events[address]
             endpoints[-1].update({"kv_events": events, **({"kv_events_replay": replay} if replay else {})})
+    scheduling: dict[str, Any] = {"profile": profile}
+    if lora is not None:
+        for m in models.values():
+            m["adapters"] = list(lora.adapters)
+        scheduling["lora_max_loras"] = lora.max_loras
     return {
         "limits": {"shutdown_grace_s": 2.0},
         "models": list(models.values()),
         "endpoints": endpoints,
-        "scheduling": {"profile": profile},
+        "scheduling": scheduling,
     }
 
 
@@ -257,7 +268,7 @@ def policy_server_config(
     """
     if policy.profile is None:
         raise ValueError(f"{policy.name} is not an llm-extproc policy")
-    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events, roles=roles)
+    cfg = server_config(addresses, profile=policy.profile, kv_events=kv_events, roles=roles, lora=settings.lora)
     for overrides in (policy.server_overrides, settings.server_overrides):
         cfg = merge_config(cfg, overrides or {})
     return cfg
@@ -302,6 +313,7 @@ class PolicyStack:
             # real fleet (where the check against each engine's /v1/models flags a difference).
             max_model_len=overlay_max_model_len(settings.server_overrides, settings.profiles),
             roles=settings.roles,
+            lora=settings.lora,
         )
         self.sidecars: dict[str, SidecarProcess] = {}
         """The pd-sidecar in front of each decode engine, by the engine's address."""

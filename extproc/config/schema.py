@@ -398,10 +398,20 @@ class ModelConfig(Strict):
         token_encoder: `auto` (tiktoken built from the tokenizer when it is a byte-level BPE
             with a regex split and agrees with `tokenizers` on a load-time cross-check, else
             `tokenizers`) or `tokenizers` (always the reference encoder; docs/decisions/0200).
+        adapters: LoRA adapters the engines serve on this base model (`vllm serve --lora-modules
+            NAME=PATH`, or loaded at run time): a request whose `model` names one is this model's
+            in tokenizer, KV arithmetic, rate limits and endpoints, and reaches the engine with
+            the adapter's name as `model` (never rewritten to the base). Their names are the
+            per-adapter metric labels (any other adapter is labelled `other`).
+        learn_adapters: also accept adapters the engines report for this model — `/v1/models`
+            entries whose `parent` is this model, the adapter names of the LoRA metrics — without
+            listing them (default on; at most 1,024 learned names).
     """
 
     name: str = Field(min_length=1)
     aliases: list[str] = Field(default_factory=list)
+    adapters: list[str] = Field(default_factory=list)
+    learn_adapters: bool = True
     path: str | None = Field(default=None, min_length=1)
     tokenizer: str = Field(min_length=1)
     architecture: str = Field(min_length=1)
@@ -412,6 +422,16 @@ class ModelConfig(Strict):
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
     token_encoder: Literal["auto", "tokenizers"] = "auto"
     engine_check: Literal["warn", "drain", "off"] = "warn"
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"adapter name {name!r} is blank or has surrounding spaces")
+        if len(set(v)) != len(v):
+            raise ValueError("an adapter is listed twice")
+        return v
 
     @field_validator("engine_check", mode="before")
     @classmethod
@@ -705,6 +725,18 @@ def _p(type_: str, weight: float = 1.0, **params: Any) -> PluginSpec:
     return PluginSpec(type=type_, weight=weight, params=params)
 
 
+_LOAD_AWARE_BALANCERS: list[PluginSpec] = [
+    _p("queue-depth-scorer", 1.0),
+    _p("kv-utilization-scorer", 1.0),
+    _p("flops-load-scorer", 1.0),
+    _p("compute-aware-scorer", 1.0),
+    _p("backpressure-scorer", 0.5),
+    _p("inflight-scorer", 2.0),
+    _p("session-affinity-scorer", 1.0),
+    _p("weight-override-scorer"),
+]
+"""The default profile's scorers after the TTFT estimate: count balancers, session, override."""
+
 BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     # The default: KV admission, then the soonest predicted first token, short queues, free KV,
     # light FLOPs load, the design notes' compute-aware weight, steady token rhythm, and few
@@ -719,17 +751,7 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
     "load-aware": ProfileConfig(
         # weight-override: an operator's drain/lower (admin webhook), decision 0170.
         filters=[*(_p(name) for name in SAFE_FILTERS), _p("weight-override-filter")],
-        scorers=[
-            _p("ttft-estimate-scorer", 10.0),
-            _p("queue-depth-scorer", 1.0),
-            _p("kv-utilization-scorer", 1.0),
-            _p("flops-load-scorer", 1.0),
-            _p("compute-aware-scorer", 1.0),
-            _p("backpressure-scorer", 0.5),
-            _p("inflight-scorer", 2.0),
-            _p("session-affinity-scorer", 1.0),
-            _p("weight-override-scorer"),
-        ],
+        scorers=[_p("ttft-estimate-scorer", 10.0), *_LOAD_AWARE_BALANCERS],
         # On a request whose prefix an endpoint holds, the balancers choose only among the
         # endpoints the TTFT cost rates within a quarter of the best prefill cost (decision 0240);
         # on any other request, within one whole prefill cost (decision 0265).
@@ -746,6 +768,15 @@ BUILTIN_PROFILES: dict[str, ProfileConfig] = {
             _p("kv-utilization-scorer", 1.0),
             _p("inflight-scorer", 1.0),
         ],
+    ),
+    # Multi-LoRA fleets: the default profile plus the adapter's residency (GPU 1.0 > CPU 0.7 >
+    # free slot 0.6 > evictable 0.3 > full 0) with the spread rule for hot adapters, weighed as
+    # much as the TTFT estimate: a non-resident adapter costs a load (hundreds of milliseconds
+    # to seconds) the estimate does not see (decision 0335).
+    "lora": ProfileConfig(
+        filters=[*(_p(name) for name in SAFE_FILTERS), _p("weight-override-filter")],
+        scorers=[_p("ttft-estimate-scorer", 10.0), _p("lora-affinity-scorer", 10.0), *_LOAD_AWARE_BALANCERS],
+        picker=_p("max-score-picker", lead_scorer="ttft-estimate-scorer", lead_min_score_unmatched=0.5),
     ),
     # Issue-1 baseline: fewest in-flight requests counted by this server, random tie-break.
     "least-inflight": ProfileConfig(filters=[_p("healthy-filter")], scorers=[_p("inflight-scorer")]),
@@ -976,6 +1007,10 @@ class SchedulingConfig(Strict):
         explain_header: add `x-llm-route-debug` (scores of the chosen endpoint and the
             runner-up) to the response; off by default since it reveals fleet internals.
         disaggregation: prefill/decode disaggregation over endpoints with P/D roles.
+        lora_max_loras: GPU LoRA adapter slots per engine assumed where the engine exports
+            neither `vllm:max_gpu_lora_adapters` nor `lora_requests_info`'s `max_lora` (vLLM's
+            `--max-loras`, whose default is 1; count). Read by `lora-affinity-scorer` and the
+            `llm_extproc_lora_requests_total` residency label.
     """
 
     mode: Literal["endpoint", "tier"] = "endpoint"
@@ -990,6 +1025,7 @@ class SchedulingConfig(Strict):
     prefill_model: PrefillModelConfig = Field(default_factory=PrefillModelConfig)
     explain_header: bool = False
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    lora_max_loras: int = Field(default=1, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _profile_known(self) -> SchedulingConfig:
@@ -1252,7 +1288,7 @@ class Config(Strict):
             yield ConfigProblem("protocol.mode", "epp picks endpoints; it needs scheduling.mode: endpoint (tier mode routes by cluster)")
         names: dict[str, str] = {}
         for i, m in enumerate(self.models):
-            for n in [m.name, *m.aliases]:
+            for n in [m.name, *m.aliases, *m.adapters]:
                 if n in names:
                     yield ConfigProblem(f"models[{i}]", f"name or alias {n!r} already used by model {names[n]!r}")
                     continue

@@ -123,6 +123,10 @@ class Endpoint:
             (`EndpointConfig.kv_events`, `tcp://host:port`), or None.
         role: `prefill`, `decode` or `both` (`EndpointConfig.role`): which side of a
             disaggregated request it may take (`extproc.scheduling.pd`).
+        lora_sent: the LoRA adapters this router sent here (`extproc.datastore.lora.SentAdapters`),
+            or None before the first.
+        listed_adapters: adapter name → base model of the LoRA entries of its `/v1/models`
+            (entries with a `parent`), as the engine check last read them.
     """
 
     address: EndpointAddress
@@ -161,6 +165,8 @@ class Endpoint:
     agent: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    lora_sent: Any = None
+    listed_adapters: dict[str, str] = field(default_factory=dict)
     unsettled: set[Reservation] = field(default_factory=set, repr=False)
 
     @property

@@ -283,6 +283,8 @@ class EngineChecker:
         unverified: list[str] = []
         status, listing = await self._get_json(f"{base}/v1/models")
         engine_len = _listed_max_model_len(listing, model) if status == 200 else None
+        if status == 200:
+            ep.listed_adapters = listed_adapters(listing)
         texts: list[tuple[str, dict[str, Any], int]] = [
             (f"prompt[{i}]", {"model": model, "prompt": text}, n) for i, (text, n) in enumerate(zip(CHECK_PROMPTS, want.prompts))
         ]
@@ -354,6 +356,24 @@ class EngineChecker:
             set_override(ep, 0.0, duration, reason="token counts differ from the engine's", source=OVERRIDE_SOURCE)
         elif not mismatched and ours:
             set_override(ep, 1.0, 1.0, reason="", source=OVERRIDE_SOURCE)
+
+
+MAX_LISTED_ADAPTERS = 1024
+"""Adapters read from one engine's `/v1/models` (count); the rest are ignored."""
+
+
+def listed_adapters(listing: Any) -> dict[str, str]:
+    """LoRA adapters in a `/v1/models` body: adapter id → its `parent` (vLLM lists each loaded
+    adapter as an entry whose `parent` is the base model's id), at most `MAX_LISTED_ADAPTERS`;
+    {} for a body that is not such a listing."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    out: dict[str, str] = {}
+    for entry in data if isinstance(data, list) else ():
+        if len(out) >= MAX_LISTED_ADAPTERS:
+            break
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("parent"), str) and entry["id"] and entry["parent"]:
+            out[entry["id"]] = entry["parent"]
+    return out
 
 
 def _listed_max_model_len(listing: Any, model: str) -> int | None:

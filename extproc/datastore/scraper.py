@@ -8,7 +8,10 @@ Understood names (both vLLM generations, DESIGN section 4):
 * `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (tokens, cumulative);
 * `vllm:num_preemptions_total`;
 * `vllm:time_to_first_token_seconds` histogram (cumulative buckets; P95 over the window between
-  two scrapes is derived from bucket deltas).
+  two scrapes is derived from bucket deltas);
+* LoRA, both generations (`extproc.datastore.lora`): `vllm:lora_adapter_loaded{adapter_name,
+  level}`, `vllm:max_gpu_lora_adapters` where exported, else the newest series (by its value, a
+  timestamp) of `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`.
 
 Only lines of those families are handed to prometheus_client's parser: a vLLM exposition is
 tens of KB of histograms we do not need, and parsing is pure Python.
@@ -32,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.aio import cancel_and_wait
 from extproc.datastore.endpoints import Datastore, Endpoint
+from extproc.datastore.lora import LoraMetrics, adapter_list
 
 __all__ = ["EngineMetrics", "MetricsScraper", "parse_vllm_metrics", "histogram_quantile"]
 
@@ -47,6 +51,10 @@ _FAMILIES = (
     "vllm:prefix_cache_hits",
     "vllm:num_preemptions",
     "vllm:time_to_first_token_seconds",
+    "vllm:lora_adapter_loaded",
+    "vllm:num_gpu_loaded_lora_adapters",
+    "vllm:max_gpu_lora_adapters",
+    "vllm:lora_requests_info",
 )
 
 
@@ -64,6 +72,8 @@ class EngineMetrics:
         ttft_p95_s: P95 TTFT over the interval since the previous scrape (seconds), or None
             when no request finished its prefill in that interval.
         scraped_at: `time.monotonic()` when the scrape completed (seconds).
+        lora: the engine's LoRA state (`extproc.datastore.lora.LoraMetrics`), None when it
+            exports neither generation of LoRA metrics.
     """
 
     running: int = 0
@@ -77,6 +87,7 @@ class EngineMetrics:
     ttft_buckets: dict[float, float] = field(default_factory=dict)
     ttft_p95_s: float | None = None
     scraped_at: float = 0.0
+    lora: LoraMetrics | None = None
 
     @property
     def free_blocks(self) -> int | None:
@@ -168,10 +179,13 @@ def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> Engi
     m = EngineMetrics()
     legacy_usage: float | None = None
     have_usage = False
+    lora = _LoraParse()
     for fam in text_string_to_metric_families(_filter_lines(text)):
         for s in fam.samples:
             name = s.name
-            if name == "vllm:num_requests_running":
+            if name.startswith("vllm:lora_") or name.endswith("_lora_adapters"):
+                lora.add(name, s.labels, s.value)
+            elif name == "vllm:num_requests_running":
                 m.running += _request_count(name, s.value)
             elif name == "vllm:num_requests_waiting":
                 m.waiting += _request_count(name, s.value)
@@ -194,11 +208,54 @@ def parse_vllm_metrics(text: str, previous: EngineMetrics | None = None) -> Engi
                 m.ttft_buckets[le] = m.ttft_buckets.get(le, 0.0) + s.value
     if not have_usage and legacy_usage is not None:
         m.kv_usage = legacy_usage
+    m.lora = lora.result()
     if previous is not None and previous.ttft_buckets:
         delta = {le: c - previous.ttft_buckets.get(le, 0.0) for le, c in m.ttft_buckets.items()}
         if all(v >= 0 for v in delta.values()):  # a counter reset (engine restart) gives negatives
             m.ttft_p95_s = histogram_quantile(0.95, delta)
     return m
+
+
+class _LoraParse:
+    """Collects one exposition's LoRA samples (both generations) into a `LoraMetrics`."""
+
+    def __init__(self) -> None:
+        self.residency = False
+        self.gpu: set[str] = set()
+        self.cpu: set[str] = set()
+        self.max_gpu: int | None = None
+        self.info: tuple[float, dict[str, str]] | None = None  # newest lora_requests_info series
+
+    def add(self, name: str, labels: dict[str, str], value: float) -> None:
+        if name == "vllm:lora_adapter_loaded":
+            self.residency = True
+            adapter = labels.get("adapter_name", "")
+            if adapter and value > 0:
+                (self.cpu if labels.get("level") == "cpu" else self.gpu).add(adapter)
+        elif name == "vllm:max_gpu_lora_adapters":
+            if math.isfinite(value) and value >= 1:
+                self.max_gpu = int(value)
+        elif name == "vllm:num_gpu_loaded_lora_adapters":
+            self.residency = True  # an engine with none loaded exports the count and no series
+        elif name == "vllm:lora_requests_info" and math.isfinite(value):
+            # One series per change, its value the time it was set: the newest is current.
+            if self.info is None or value > self.info[0]:
+                self.info = (value, labels)
+
+    def result(self) -> LoraMetrics | None:
+        running = waiting = frozenset[str]()
+        max_lora = self.max_gpu
+        if self.info is not None:
+            labels = self.info[1]
+            running = adapter_list(labels.get("running_lora_adapters", ""))
+            waiting = adapter_list(labels.get("waiting_lora_adapters", ""))
+            if max_lora is None:
+                max_lora = _count_label(labels, "max_lora", None)
+        if self.residency:
+            return LoraMetrics("residency", frozenset(self.gpu), frozenset(self.cpu), running, waiting, max_lora)
+        if self.info is not None:
+            return LoraMetrics("activity", running=running, waiting=waiting, max_gpu=max_lora)
+        return None
 
 
 class MetricsScraper:

@@ -25,6 +25,7 @@ from typing import Any
 from extproc.admission.priority import check_shedding, claim_priority, fleet_saturation, parse_priority
 from extproc.config.schema import Config, ModelConfig, ProfileConfig
 from extproc.datastore.endpoints import Datastore, Endpoint, Reservation
+from extproc.datastore.lora import AdapterNames, SentAdapters, residency_tier
 from extproc.datastore.prefill_fit import PREFILL_ATTENTION_RATIO, PrefillCounts
 from extproc.errors import (
     ContextLengthError,
@@ -348,6 +349,12 @@ class RequestPipeline:
         for m in config.models:
             for name in (m.name, *m.aliases):
                 self._aliases[name] = m.name
+        self.adapters = AdapterNames(
+            {a: m.name for m in config.models for a in m.adapters},
+            reserved=set(self._aliases),
+            learning={m.name for m in config.models if m.learn_adapters},
+        )
+        """LoRA adapter names → base model: configured, and learned from the engines."""
         self._metrics = metrics
         self.output_estimates = OutputEstimates((m.name, m.output_estimate) for m in config.models)
         """Per model, the learned output length that caps max_tokens in decode estimates."""
@@ -395,8 +402,9 @@ class RequestPipeline:
 
     @property
     def served_models(self) -> list[str]:
-        """Every name a client may use (canonical names and aliases), sorted."""
-        return sorted(self._aliases)
+        """Every name a client may use (canonical names, aliases, LoRA adapters configured or
+        learned so far), sorted."""
+        return sorted({*self._aliases, *self.adapters.configured, *self.adapters.learned})
 
     @property
     def aliases(self) -> dict[str, list[str]]:
@@ -427,18 +435,47 @@ class RequestPipeline:
         }
 
     def resolve_model(self, name: str) -> ModelRuntime:
-        """The runtime for a requested model name or alias.
+        """The runtime for a requested model name, alias or LoRA adapter (its base model's).
+
+        Raises:
+            NotFoundError: unknown model; the message lists the served models.
+        """
+        return self.resolve(name)[0]
+
+    def resolve(self, name: str) -> tuple[ModelRuntime, str | None]:
+        """The runtime for a requested model name, alias or LoRA adapter, and the adapter's name
+        (None for a model name or alias). An adapter neither configured nor learned yet is
+        looked for in what the engines last reported (`learn_from_engines`).
 
         Raises:
             NotFoundError: unknown model; the message lists the served models.
         """
         canonical = self._aliases.get(name)
-        if canonical is None:
-            raise NotFoundError(
-                f"The model `{name}` does not exist. Served models: {', '.join(self.served_models)}",
-                param="model",
-            )
-        return self._models[canonical]
+        if canonical is not None:
+            return self._models[canonical], None
+        base = self.adapters.base_of(name)
+        if base is None and self.learn_from_engines():
+            base = self.adapters.base_of(name)
+        if base is not None:
+            return self._models[base], name
+        raise NotFoundError(f"The model `{name}` does not exist. Served models: {', '.join(self.served_models)}", param="model")
+
+    def learn_from_engines(self) -> int:
+        """Learn the adapters the engines report for the models that learn them
+        (`ModelConfig.learn_adapters`): `/v1/models` entries with a `parent`
+        (`Endpoint.listed_adapters`) and the names in their LoRA metrics (for an endpoint
+        serving one model). Returns how many names were new. O(endpoints); runs only for a
+        name that is no known model or adapter."""
+        new = 0
+        for ep in self._store.all():
+            for adapter, parent in ep.listed_adapters.items():
+                new += self.adapters.learn(adapter, self._aliases.get(parent, parent))
+            lora = ep.engine.lora if ep.engine is not None else None
+            if lora is not None and len(ep.models) == 1:
+                (base,) = ep.models
+                for adapter in lora.adapters:
+                    new += self.adapters.learn(adapter, base)
+        return new
 
     async def route(self, kind: RequestKind, body: bytes, **kwargs: Any) -> Routed:
         """Decide for one request body (reserves nothing): `count` then `schedule`.
@@ -508,7 +545,7 @@ class RequestPipeline:
             kind, body, max_values=max_values, max_messages=cfg.limits.max_messages, max_prompts=cfg.limits.max_prompts,
             max_depth=max_depth,
         )  # fmt: skip
-        runtime = self.resolve_model(parsed.model)
+        runtime, adapter = self.resolve(parsed.model)
         if subset is not None and not any(map(subset, self._store.for_model(runtime.config.name))):
             raise _none_in_subset(runtime.config.name)  # fail fast: before counting its tokens
         priority, downgraded = self._priority(priority_header, trusted_priority)
@@ -573,6 +610,8 @@ class RequestPipeline:
             user=parsed.user,
             body_bytes=len(body),  # type: ignore[arg-type]
             token_ids=token_ids,
+            adapter=adapter,
+            cache_salt=parsed.cache_salt,
         )
         return Counted(req, parsed, model, prompt_tokens, priority, session_header, subset, cut, t0, t1, t2, t_cut, priority_downgraded=downgraded)
 
@@ -621,6 +660,7 @@ class RequestPipeline:
             panic_threshold=cfg.scheduling.health_check.panic_threshold,
             attention_ratio=self.attention_ratio,
             decode_output_tokens=decode,
+            lora_max_loras=cfg.scheduling.lora_max_loras,
         )
         session = None
         if self.prefix is not None:
@@ -780,6 +820,15 @@ class RequestPipeline:
         ep = routed.endpoint
         if ep is None:
             return None
+        adapter = routed.request.adapter
+        if adapter is not None:
+            now = time.monotonic()
+            lora = ep.engine.lora if ep.engine is not None else None
+            tier = residency_tier(adapter, lora, ep.lora_sent, now, self._config.scheduling.lora_max_loras)
+            self._metrics.child(self._metrics.lora_routed, routed.request.served_model, self.adapters.label(adapter), tier).inc()
+            if ep.lora_sent is None:
+                ep.lora_sent = SentAdapters()
+            ep.lora_sent.note(adapter, now)
         prefill_ep = routed.prefill_endpoint
         if self.prefix is not None:
             req = routed.request
@@ -794,7 +843,7 @@ class RequestPipeline:
                     routed.session if holder is ep else None,
                     candidates=self._store.for_model(req.served_model),
                     token_ids=req.token_ids,
-                    model=req.served_model,
+                    model=req.adapter or req.served_model,  # a warm-up must fill the adapter's blocks
                 )
         settle = self._config.admission.kv.settle_after_s
         prefill_side = None

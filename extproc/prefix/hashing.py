@@ -21,10 +21,10 @@ import array
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["ROOT_HASH", "chain_block_hashes", "cacheable_blocks"]
+__all__ = ["ROOT_HASH", "chain_block_hashes", "cacheable_blocks", "root_hash"]
 
 ROOT_HASH = 0
-"""The parent of a prompt's first block."""
+"""The parent of a prompt's first block (base model, no cache salt)."""
 
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -62,6 +62,23 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 
         prev = blake(prev + view[start : start + step], digest_size=8).digest()
         out.append(int.from_bytes(prev, "little"))
     return out
+
+
+def root_hash(adapter: str | None = None, cache_salt: str | None = None) -> int:
+    """The parent of a prompt's first block for a LoRA `adapter` and a `cache_salt` (either
+    None): `ROOT_HASH` for the base model without salt, else an unsigned 64-bit BLAKE2b of both.
+
+    The engine caches an adapter's KV apart from the base model's and from every other
+    adapter's, and a salted request's apart from every other salt's (vLLM mixes the LoRA name
+    into every block's hash and the salt into the first's); mixing them into the chain's root
+    does the same for the index (Dynamo mixes the adapter into its block hash): the same prompt
+    under two adapters has no block hash in common, so adapter A's cached prompt never
+    attracts adapter B.
+    """
+    if adapter is None and cache_salt is None:
+        return ROOT_HASH
+    key = f"lora\0{adapter or ''}\0salt\0{cache_salt or ''}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def cacheable_blocks(prompt_tokens: int, block_size: int) -> int:

@@ -10,10 +10,13 @@ the engine's publisher (vLLM `--kv-events-config '{"enable_kv_cache_events": tru
   parent (looked up by the engine's parent hash in a per-endpoint translation table, kept LRU and
   bounded at twice the endpoint's index bound). A store whose parent we never saw (we joined late,
   or the parent was a block we do not index) is skipped: the index only matches from a
-  prompt's first block anyway. Blocks of a LoRA adapter, with extra hash keys (multimodal
-  inputs, cache salt), of a group other than the first, or on a medium other than the GPU are not
-  indexed: our hashes cover token ids only, so they would match prompts the engine cannot serve
-  from them.
+  prompt's first block anyway. A LoRA adapter's blocks (`lora_name`) and a salted prompt's
+  (`cache_salt` in the first block's `extra_keys`) are keyed as the approximate index keys them
+  (`extproc.prefix.hashing.root_hash`: the adapter and salt mixed into the chain's root), so the
+  same tokens under another adapter or salt never match. Blocks with other extra hash keys
+  (multimodal inputs), with a `lora_id` but no `lora_name`, of a group other than the first, or
+  on a medium other than the GPU are not indexed: our hashes cover token ids only, so they would
+  match prompts the engine cannot serve from them.
 * `BlockRemoved` — the block leaves the index once the engine holds no copy of it (vLLM does not
   deduplicate, so one hash may be stored twice and removed twice: copies are counted).
 * `AllBlocksCleared` — the endpoint's entries go (`PrefixTracker.reset(address, "cleared")`).
@@ -49,7 +52,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
 
 from extproc.aio import cancel_and_wait
-from extproc.prefix.hashing import ROOT_HASH, chain_block_hashes
+from extproc.prefix.hashing import chain_block_hashes, root_hash
 from extproc.prefix.kv_events import (
     MEDIUM_GPU,
     REPLAY_END_SEQ,
@@ -140,6 +143,32 @@ class _Mirror:
     held: dict[int, int] = field(default_factory=dict)
     speculative: dict[int, float] = field(default_factory=dict)
     last_seq: int | None = None
+
+
+_UNKEYABLE = object()
+"""`stored_salt`'s answer for a store whose extra keys the index cannot key."""
+
+
+def stored_salt(ev: BlockStored) -> str | None | object:
+    """The `cache_salt` of a stored run of blocks, from its `extra_keys` (vLLM: per block a tuple
+    of the adapter's name, multimodal hashes, and on a prompt's first block its salt; None for a
+    block with none): None for no salt, the salt, or `_UNKEYABLE` where a block carries anything
+    else (multimodal inputs: our hashes cannot cover them) or a salt on a block that does not
+    start a prompt."""
+    if ev.extra_keys is None:
+        return None
+    salt: str | None = None
+    for i, keys in enumerate(ev.extra_keys):
+        if keys is None:
+            continue
+        rest = [k for k in (keys if isinstance(keys, tuple | list) else (keys,)) if k != ev.lora_name]
+        if not rest:
+            continue
+        if i == 0 and ev.parent_block_hash is None and len(rest) == 1 and isinstance(rest[0], str):
+            salt = rest[0]
+            continue
+        return _UNKEYABLE
+    return salt
 
 
 class PreciseIndexer:
@@ -257,18 +286,18 @@ class PreciseIndexer:
 
     def _stored(self, address: str, m: _Mirror, ev: BlockStored) -> None:
         count = self.metrics.events
+        salt = stored_salt(ev)
         if (
             ev.medium not in (None, MEDIUM_GPU)
-            or ev.lora_id is not None
-            or ev.lora_name is not None
-            or (ev.extra_keys is not None and any(k is not None for k in ev.extra_keys))
+            or (ev.lora_id is not None and ev.lora_name is None)
+            or salt is _UNKEYABLE
             or ev.group_idx not in (None, 0)
             or not token_span_ok(ev)
         ):
             count.labels(address, "stored", "skipped").inc()
             return
         if ev.parent_block_hash is None:
-            parent = ROOT_HASH
+            parent = root_hash(ev.lora_name, salt)  # type: ignore[arg-type]
         else:
             entry = m.ours.get(ev.parent_block_hash)
             if entry is None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from extproc.prefix.hashing import cacheable_blocks, chain_block_hashes
+from extproc.prefix.hashing import cacheable_blocks, chain_block_hashes, root_hash
 from extproc.prefix.hot import HotPrefixes
 from extproc.prefix.index import BYTES_PER_ENTRY, PrefixIndex
 from extproc.prefix.match import PrefixMatch
@@ -166,8 +166,9 @@ class PrefixTracker:
             return None
         prompt = int(request.prompt_tokens) or len(ids)
         match = PrefixMatch(prompt_tokens=prompt)
+        root = root_hash(request.adapter, request.cache_salt)  # an adapter's blocks are its own
         for bs in {block_size_of(ep) for ep in candidates}:
-            hashes = match.hashes[bs] = chain_block_hashes(ids[: cacheable_blocks(len(ids), bs) * bs], bs)
+            hashes = match.hashes[bs] = chain_block_hashes(ids[: cacheable_blocks(len(ids), bs) * bs], bs, root)
             for addr, blocks in self.index.match(hashes).items():
                 match.matched[addr] = blocks
                 match.block_size[addr] = bs

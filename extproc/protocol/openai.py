@@ -120,6 +120,7 @@ class _Common(_Open):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=128)
     user: StrictStr | None = None
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)
 
 
 class ChatCompletionRequest(_Common):
@@ -148,6 +149,7 @@ class ResponsesRequest(_Open):
     stream: StrictBool = False
     user: StrictStr | None = None
     tools: list[dict[str, Any]] | None = None
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)
 
 
 class ParsedRequest:
@@ -159,6 +161,8 @@ class ParsedRequest:
         model: the requested model name.
         max_tokens: the effective output cap (tokens) or None.
         n, stream, include_usage, user: as sent.
+        cache_salt: vLLM's `cache_salt` (a tenant's key mixed into its prefix-cache hashes:
+            requests with another salt never share its blocks), or None.
         messages: chat messages as plain dicts, text content parts joined with "\\n" the way
             vLLM does for string-format chat templates.
         tools, chat_template_kwargs: passed to the chat template.
@@ -173,6 +177,7 @@ class ParsedRequest:
         "stream",
         "include_usage",
         "user",
+        "cache_salt",
         "messages",
         "tools",
         "chat_template_kwargs",
@@ -188,6 +193,7 @@ class ParsedRequest:
         self.stream = False
         self.include_usage = False
         self.user: str | None = None
+        self.cache_salt: str | None = None
         self.messages: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] | None = None
         self.chat_template_kwargs: dict[str, Any] | None = None
@@ -461,6 +467,7 @@ def parse_mapping(
         out.stream = req.stream
         out.include_usage = req.stream  # the `response.completed` event always carries usage
         out.user = req.user
+        out.cache_salt = req.cache_salt
         if req.input == [] or req.input == "":
             raise ValidationError("'input' must not be empty", param="input")
         out.messages = responses_messages(req.instructions, req.input)
@@ -471,6 +478,7 @@ def parse_mapping(
     out.stream = req.stream
     out.include_usage = bool(req.stream_options and req.stream_options.include_usage)
     out.user = req.user
+    out.cache_salt = req.cache_salt
     if isinstance(req, ChatCompletionRequest):
         out.max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         messages = []

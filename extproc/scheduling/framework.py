@@ -64,6 +64,8 @@ class SchedulingContext:
         attention_ratio: prefill attention per token pair relative to a token's linear cost
             (1/tokens; `scheduling.prefill_model.attention_ratio`), for `prefill_work`. Defaults to
             `PREFILL_ATTENTION_RATIO`, as the config does.
+        lora_max_loras: GPU LoRA slots assumed for an engine that does not export its own
+            (`scheduling.lora_max_loras`; count).
         data: per-cycle scratch space shared by plugins (e.g. predicted TTFT per endpoint).
     """
 
@@ -79,6 +81,7 @@ class SchedulingContext:
     panic_threshold: float = 0.5
     attention_ratio: float = PREFILL_ATTENTION_RATIO
     decode_output_tokens: int | None = None
+    lora_max_loras: int = 1
     data: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -123,7 +123,7 @@ def check_config(
         help="instead: the YAML `up`, `demo` and `bench --extproc-config` lay over their generated config, checked as they lay it",
     ),
     fleet: str = typer.Option(
-        "", "--fleet", help="with --overlay: the simulator profiles of that stack, comma-separated (default: the demo's fleet)"
+        "", "--fleet", help="with --overlay: the simulator profiles of that stack, comma-separated, or a named fleet (lora); default: the demo's"
     ),
 ) -> None:
     """Check a configuration without starting anything: loaded as `serve` loads it (the same
@@ -174,9 +174,10 @@ def _overlaid(overlay: str, fleet: str) -> Config:
 
     from extproc.bench.overlay import OverlayError, check_overlay
     from extproc.sim.profiles import PROFILES
-    from extproc.stack.fleet import DEFAULT_FLEET
+    from extproc.stack.fleet import DEFAULT_FLEET, NAMED_FLEETS
 
-    profiles = tuple(p.strip() for p in fleet.split(",") if p.strip()) or DEFAULT_FLEET
+    named = NAMED_FLEETS.get(fleet.strip())
+    profiles = named[0] if named else tuple(p.strip() for p in fleet.split(",") if p.strip()) or DEFAULT_FLEET
     unknown = [p for p in profiles if p not in PROFILES]
     try:
         if unknown:

@@ -696,9 +696,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if (prefiller := routed.prefill_endpoint) is not None:
                     headers[responses.PREFILLER_HEADER] = prefiller.address
                 req = routed.request
-                # A truncated prompt's body; an alias: the engines serve the model under its configured name.
+                # A truncated prompt's body; an alias: the engines serve the model under its configured
+                # name. A LoRA adapter's name is what selects the adapter in the engine: never rewritten.
                 rewritten = routed.body
-                if req.model != req.served_model:
+                if req.model != req.served_model and req.adapter is None:
                     rewritten = with_model(rewritten or body, req.served_model)
                 return Decision(routed, reservation, admission, headers, rewritten)
             except Exception:

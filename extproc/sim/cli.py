@@ -57,6 +57,12 @@ def sim(
     role: str = typer.Option("both", help="P/D role: prefill (holds KV for a decode engine), decode (pulls it) or both"),
     kv_link_gbytes_per_s: float = typer.Option(25.0, help="KV transfer bandwidth a pull is charged at (GB/s)"),
     kv_hold_timeout_s: float = typer.Option(480.0, help="how long a finished prefill holds its KV for a pull (simulated s)"),
+    lora_modules: str = typer.Option("", help="LoRA adapter names served on the model, comma-separated (vLLM --lora-modules)"),
+    max_loras: int = typer.Option(0, min=0, help="GPU LoRA slots; a batch holds at most this many adapters (default 1 with adapters)"),
+    max_cpu_loras: int = typer.Option(0, min=0, help="LoRA adapters kept in host memory (default --max-loras)"),
+    lora_rank: int = typer.Option(16, help="the adapters' rank (sizes their load time)"),
+    lora_load_scale: float = typer.Option(1.0, help="factor on every adapter load time (slower storage)"),
+    lora_metrics: str = typer.Option("residency", help="LoRA metrics exported: residency (new and old) or activity (lora_requests_info only)"),
 ) -> None:
     """Run an OpenAI-compatible vLLM simulator with a calibrated engine model."""
     import asyncio
@@ -99,6 +105,8 @@ def sim(
             load_shape=load_shape, faults=faults, seed=seed, tokenizer=counter,
             kv_events_endpoint=kv_events_endpoint, kv_events_replay=kv_events_replay_endpoint,
             role=role, kv_link_gbytes_per_s=kv_link_gbytes_per_s, kv_hold_timeout_s=kv_hold_timeout_s,
+            lora_modules=[n.strip() for n in lora_modules.split(",") if n.strip()], max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras, lora_rank=lora_rank, lora_load_scale=lora_load_scale, lora_metrics=lora_metrics,
         )
     except SimOptionError as exc:
         option = _OPTION_OF.get(exc.option, exc.option.replace("_", "-"))

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from extproc.prefix.kv_events import BlockStored, KVEvent
 from extproc.sim.blocks import BlockPool, chain_block_hashes, wire_hash
+from extproc.sim.lora import LoraLoadModel, LoraSlots
 from extproc.sim.profiles import StepCoefficients
 from extproc.sim.stats import EngineStats
 from extproc.types import BlockHash
@@ -72,6 +73,10 @@ class EngineConfig:
             `BlockStored` per run of prompt blocks a step registers, with their token ids and
             the parent's hash. Blocks of generated tokens are not announced: the simulator does
             not have their token ids (so no other prompt can hit them here either).
+        max_loras: GPU LoRA slots (vLLM `--max-loras`; 0: LoRA off). A batch holds at most this
+            many distinct adapters (`extproc.sim.lora`).
+        max_cpu_loras: adapters kept in host memory (vLLM `--max-cpu-loras`; 0: `max_loras`).
+        lora_load: the adapter load-time model (`extproc.sim.lora.LoraLoadModel`).
     """
 
     num_gpu_blocks: int
@@ -81,11 +86,18 @@ class EngineConfig:
     max_model_len: int = 40960
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    lora_load: LoraLoadModel = field(default_factory=LoraLoadModel)
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_loras < 0 or self.max_cpu_loras < 0:
+            raise ValueError("max_loras and max_cpu_loras must be ≥ 0")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be ≥ max_loras ({self.max_loras})")
 
 
 _uids = itertools.count(1)
@@ -108,13 +120,14 @@ class SimRequest:
             blocks are held for a decode engine to pull (`Engine.kv_holds`), not freed.
         external_tokens: P/D decode side: prompt tokens whose KV was pulled from a prefill
             engine (tokens): computed without a prefill step when the request is admitted.
+        lora: the LoRA adapter it runs with (its `model`), or None for the base model.
     """
 
     __slots__ = (
         "uid", "request_id", "prompt_len", "block_hashes", "target_output", "arrival", "status",
         "num_computed", "num_output", "blocks", "num_registered", "first_scheduled", "first_token_time",
         "last_token_time", "finish_time", "finish_reason", "cached_tokens", "notify", "notify_every",
-        "notified", "hold_kv", "external_tokens", "_final_reason", "_prompt_ids",
+        "notified", "hold_kv", "external_tokens", "_final_reason", "_prompt_ids", "lora",
     )
 
     def __init__(
@@ -129,6 +142,7 @@ class SimRequest:
         notify_every: int = 1,
         hold_kv: bool = False,
         external_tokens: int = 0,
+        lora: str | None = None,
     ) -> None:
         if output_tokens < 1:
             raise ValueError(f"output_tokens must be ≥ 1, got {output_tokens}")
@@ -158,6 +172,7 @@ class SimRequest:
         self.external_tokens = min(max(0, external_tokens), self.prompt_len - 1)
         self._final_reason = finish_reason
         self._prompt_ids: Sequence[int] = prompt_token_ids  # dropped once hashed
+        self.lora = lora
 
     @property
     def num_tokens(self) -> int:
@@ -234,6 +249,10 @@ class Engine:
         self.waiting: deque[SimRequest] = deque()
         self._inbox: list[tuple[float, int, SimRequest]] = []
         self.epoch = 0
+        self.lora = (
+            LoraSlots(config.max_loras, config.max_cpu_loras or config.max_loras, config.lora_load) if config.max_loras else None
+        )
+        """GPU slots and host cache of LoRA adapters, None with LoRA off."""
         self.kv_holds: dict[str, tuple[list[int], int, float]] = {}
         """P/D prefill side: request id → (held block ids, prompt tokens, expiry in simulated
         seconds) of finished `hold_kv` requests, until a decode engine pulls them
@@ -275,7 +294,10 @@ class Engine:
 
         Raises:
             RequestTooLargeError: prompt + output could never fit the pool.
+            ValueError: a LoRA request on an engine with LoRA off.
         """
+        if req.lora is not None and self.lora is None:
+            raise ValueError(f"request for LoRA adapter {req.lora!r} on an engine without LoRA (max_loras 0)")
         bs = self.config.block_size
         if -(-(req.prompt_len + req.target_output) // bs) > self.config.num_gpu_blocks:
             raise RequestTooLargeError(
@@ -283,7 +305,8 @@ class Engine:
                 f"holds {self.capacity_tokens()}"
             )
         if self.config.enable_prefix_caching:
-            req.block_hashes = chain_block_hashes(req._prompt_ids, bs)
+            # vLLM keys an adapter's blocks by its name: another adapter never hits them.
+            req.block_hashes = chain_block_hashes(req._prompt_ids, bs, seed=0 if req.lora is None else hash(("lora", req.lora)))
         if self.pool.events is None:
             req._prompt_ids = ()  # kept only for the token ids of KV events
         req.status = RequestStatus.PENDING
@@ -330,6 +353,8 @@ class Engine:
         self.kv_holds.clear()
         self.pool.reset()
         self.stats = EngineStats()
+        if self.lora is not None:
+            self.lora.clear()
         self.epoch += 1
         return dropped
 
@@ -379,8 +404,8 @@ class Engine:
                 k = left
         if k <= 1:
             return 1
-        if self.waiting and len(running) < cfg.max_num_seqs and self._head_could_be_admitted():
-            return 1
+        if self.waiting and len(running) < cfg.max_num_seqs and (self.lora is not None or self._head_could_be_admitted()):
+            return 1  # (with LoRA a request behind a skipped head may be admissible: step singly)
         free = self.pool.num_free
         bs = cfg.block_size
         while k > 1:
@@ -463,9 +488,16 @@ class Engine:
             budget -= num_new
             i += 1
 
+        lora = self.lora
+        active = {r.lora for r in self.running if r.lora is not None} if lora is not None else set()
+        skipped: list[SimRequest] = []
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
+                if lora is not None and req.lora is not None and req.lora not in active and len(active) >= lora.max_loras:
+                    # vLLM V1: a request whose adapter would exceed max_loras is skipped, the next admitted
+                    skipped.append(self.waiting.popleft())
+                    continue
                 first_lookup = req.num_computed == 0
                 hits, in_free = self._lookup(req)
                 hit_tokens = len(hits) * cfg.block_size
@@ -490,6 +522,9 @@ class Engine:
                 self.running.append(req)
                 items.append((req, num_new))
                 budget -= num_new
+                if req.lora is not None:
+                    active.add(req.lora)
+        self.waiting.extendleft(reversed(skipped))
 
         co = self.coefficients
         prefill = decode = 0
@@ -507,6 +542,9 @@ class Engine:
             # add_request rejects requests larger than the pool, but never spin: idle one floor.
             return StepPlan(start=self.now, ends=[self.now + co.a], epoch=self.epoch)
         dur = max(co.a, co.a_c + co.b * (prefill + decode)) + co.c * decode + co.d * ctx + co.q * attn
+        if lora is not None and active:
+            # adapters not in a GPU slot are loaded before the forward pass; the step waits
+            dur += lora.activate([r.lora for r, _ in items if r.lora is not None], in_use=active)
         return StepPlan(
             start=self.now, ends=[self.now + dur], items=items, epoch=self.epoch,
             prefill_tokens=prefill, decode_seqs=decode,
@@ -574,6 +612,9 @@ class Engine:
                 token_ids=tuple(req._prompt_ids[first * bs : (last + 1) * bs]),
                 block_size=bs,
                 medium="GPU",
+                lora_name=req.lora,
+                # vLLM's extra hash keys: the adapter's name on every block
+                extra_keys=tuple((req.lora,) for _ in run) if req.lora is not None else None,
             )
         )
 

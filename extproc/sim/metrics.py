@@ -6,10 +6,18 @@ scrape costs O(buckets) and the engine pays nothing per token for metrics. Names
 `model_name` label follow vLLM V1 (`vllm/v1/metrics/loggers.py`); `legacy=True` renames the two
 metrics older vLLM exposed differently (`vllm:gpu_cache_usage_perc`,
 `vllm:time_per_output_token_seconds`), as both kinds run in real fleets.
+
+With LoRA on (`max_loras` > 0), `lora_metrics` picks the generation: `activity` exports only
+`vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}` (one series
+per change of its labels, its value the wall time of the change; the older series stay, as in
+vLLM); `residency` exports that too and the newer `vllm:lora_adapter_loaded{adapter_name,
+level="gpu"|"cpu", pinned, rank}`, `vllm:num_gpu_loaded_lora_adapters`, `vllm:max_gpu_lora_adapters`.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -32,11 +40,18 @@ class SimMetricsCollector(Collector):
         legacy: emit the pre-V1 names for KV usage and TPOT.
     """
 
-    def __init__(self, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False, nixl: NixlStats | None = None) -> None:
+    def __init__(
+        self, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False, nixl: NixlStats | None = None, lora_metrics: str = "residency"
+    ) -> None:
+        if lora_metrics not in ("residency", "activity"):
+            raise ValueError(f"lora_metrics must be residency or activity, got {lora_metrics!r}")
         self._engine = engine
         self._model = model_name
         self._legacy = legacy
         self._nixl = nixl
+        self._lora_metrics = lora_metrics
+        self._lora_series: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+        """lora_requests_info label values → the wall time they were first seen (at most 16 kept)."""
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -99,13 +114,53 @@ class SimMetricsCollector(Collector):
             yield self._histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.", x.bytes_transferred)
             yield self._counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.", x.failed_transfers)
             yield self._counter("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire.", eng.kv_expired)
+        if eng.lora is not None:
+            yield from self._lora(eng)
+
+    def _lora(self, eng: Engine) -> Iterator[Metric]:
+        slots = eng.lora
+        assert slots is not None
+        running = ",".join(sorted({r.lora for r in eng.running if r.lora is not None}))
+        waiting = ",".join(sorted({r.lora for r in eng.waiting if r.lora is not None}))
+        key = (str(slots.max_loras), running, waiting)
+        if key not in self._lora_series:
+            self._lora_series[key] = time.time()
+            while len(self._lora_series) > 16:
+                self._lora_series.popitem(last=False)
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        for labels, stamp in self._lora_series.items():
+            info.add_metric(list(labels), stamp)
+        yield info
+        if self._lora_metrics != "residency":
+            return
+        loaded = GaugeMetricFamily(
+            "vllm:lora_adapter_loaded", "LoRA adapters loaded, by level (gpu slot or host cache).",
+            labels=["adapter_name", "level", "pinned", "rank"],
+        )
+        rank = str(slots.load.rank)
+        for name in slots.gpu:
+            loaded.add_metric([name, "gpu", "false", rank], 1.0)
+        for name in slots.host_only():
+            loaded.add_metric([name, "cpu", "false", rank], 1.0)
+        yield loaded
+        yield self._gauge("vllm:num_gpu_loaded_lora_adapters", "LoRA adapters in GPU slots.", len(slots.gpu))
+        yield self._gauge("vllm:max_gpu_lora_adapters", "GPU LoRA slots (max_loras).", slots.max_loras)
 
 
 def register_metrics(
-    registry: CollectorRegistry, engine: Callable[[], Engine], model_name: str, *, legacy: bool = False, nixl: NixlStats | None = None
+    registry: CollectorRegistry,
+    engine: Callable[[], Engine],
+    model_name: str,
+    *,
+    legacy: bool = False,
+    nixl: NixlStats | None = None,
+    lora_metrics: str = "residency",
 ) -> SimMetricsCollector:
     """Create the collector and register it on `registry` (never the global default); with
     `nixl`, vLLM's NIXL connector metrics too."""
-    collector = SimMetricsCollector(engine, model_name, legacy=legacy, nixl=nixl)
+    collector = SimMetricsCollector(engine, model_name, legacy=legacy, nixl=nixl, lora_metrics=lora_metrics)
     registry.register(collector)
     return collector

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from bisect import bisect_right
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import aiohttp
@@ -73,6 +73,7 @@ from extproc.sim.api import (
 from extproc.sim.engine import Engine, EngineConfig, RequestTooLargeError, SimRequest, StepPlan
 from extproc.sim.faults import Faults, FaultUpdate, parse_fault_update
 from extproc.sim.kv_publisher import KVEventPublisher
+from extproc.sim.lora import LoraLoadModel
 from extproc.sim.metrics import register_metrics
 from extproc.sim.profiles import DEFAULT_PROFILE, SIM_TOKENIZER, Profile, get_profile
 from extproc.sim.workload import choose_output_len
@@ -175,6 +176,34 @@ def _check_options(
         raise SimOptionError("load_shape", f"must be one of {', '.join(LOAD_SHAPES)}, got {load_shape!r}")
 
 
+def _check_lora(
+    modules: Sequence[str], model: str, max_loras: int, max_cpu_loras: int, rank: int, scale: float, metrics: str
+) -> LoraLoadModel:
+    """`SimServer`'s LoRA arguments, checked; the load-time model they give.
+
+    Raises:
+        SimOptionError: a blank or repeated adapter name, one equal to the model's, a negative
+            slot count, `max_cpu_loras` below `max_loras`, a rank or scale out of range, or an
+            unknown metric generation.
+    """
+    names = list(modules)
+    if any(not n or n != n.strip() or "," in n for n in names):
+        raise SimOptionError("lora_modules", f"adapter names must be non-blank, without commas or surrounding spaces, got {names!r}")
+    if len(set(names)) != len(names) or (model and model in names):
+        raise SimOptionError("lora_modules", "an adapter is named twice, or like the model")
+    if max_loras < 0 or max_cpu_loras < 0:
+        raise SimOptionError("max_loras", "slot counts must be ≥ 0")
+    if max_cpu_loras and max_cpu_loras < max(1, max_loras):
+        raise SimOptionError("max_cpu_loras", f"must be ≥ max_loras ({max(1, max_loras)}), got {max_cpu_loras}")
+    if not (1 <= rank <= 512):
+        raise SimOptionError("lora_rank", f"must be in 1..512, got {rank}")
+    if not (0 < scale <= 1000):
+        raise SimOptionError("lora_load_scale", f"must be in (0, 1000], got {scale}")
+    if metrics not in ("residency", "activity"):
+        raise SimOptionError("lora_metrics", f"must be residency or activity, got {metrics!r}")
+    return LoraLoadModel(rank=rank, scale=scale)
+
+
 def _prompt_tokens(reqs: list[SimRequest], n: int) -> int:
     """Usage's prompt tokens: each prompt once, however many (`n`) choices it has."""
     return sum(r.prompt_len for r in reqs[::n])
@@ -211,6 +240,15 @@ class SimServer:
             NIXL over one 400 Gb/s RDMA NIC: decision 0330).
         kv_hold_timeout_s: how long finished prefills hold their blocks for a pull (simulated
             seconds; vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480).
+        lora_modules: LoRA adapter names served on the model (vLLM `--lora-modules`): a request
+            whose `model` names one runs with it (`extproc.sim.lora`); `/v1/models` lists each
+            with the model as `parent`.
+        max_loras / max_cpu_loras: GPU slots / host-cached adapters (vLLM's flags; `max_loras`
+            defaults to 1 with adapters, `max_cpu_loras` to `max_loras`).
+        lora_rank / lora_load_scale: the adapters' rank and a factor on their load time
+            (`extproc.sim.lora.LoraLoadModel`).
+        lora_metrics: the LoRA metric generation exported: `residency` (new and old) or
+            `activity` (only `vllm:lora_requests_info`).
 
     Raises:
         SimOptionError: (a ValueError) an unknown profile, an empty model or host, or a size or
@@ -245,6 +283,12 @@ class SimServer:
         role: str = "both",
         kv_link_gbytes_per_s: float = 25.0,
         kv_hold_timeout_s: float = 480.0,
+        lora_modules: Sequence[str] = (),
+        max_loras: int = 0,
+        max_cpu_loras: int = 0,
+        lora_rank: int = 16,
+        lora_load_scale: float = 1.0,
+        lora_metrics: str = "residency",
     ) -> None:
         if role not in ("prefill", "decode", "both"):
             raise SimOptionError("role", f"must be prefill, decode or both, got {role!r}")
@@ -269,6 +313,7 @@ class SimServer:
         )
         if kv_events_replay is not None and kv_events_endpoint is None:
             raise SimOptionError("kv_events_replay", "needs kv_events_endpoint")
+        lora_load = _check_lora(lora_modules, model or "", max_loras, max_cpu_loras, lora_rank, lora_load_scale, lora_metrics)
         p = self.profile
         bs = block_size or p.block_size
         try:
@@ -287,10 +332,17 @@ class SimServer:
             max_num_batched_tokens=max_num_batched_tokens or p.max_num_batched_tokens,
             max_model_len=min(max_model_len or p.max_model_len, blocks * bs),
             enable_kv_cache_events=kv_events_endpoint is not None,
+            max_loras=(max_loras or 1) if lora_modules else 0,
+            max_cpu_loras=max_cpu_loras if lora_modules else 0,
+            lora_load=lora_load,
         )
         self.host = host
         self.port = port
         self.model = model or p.model
+        self.lora_modules: tuple[str, ...] = tuple(lora_modules)
+        self.lora_metrics = lora_metrics
+        self.adapter_requests: dict[str, int] = {}
+        """Engine requests per adapter name received (count): what the router sent as `model`."""
         self.speed = float(speed)
         self.stream_interval = stream_interval
         self.max_waiting = max_waiting
@@ -332,7 +384,7 @@ class SimServer:
             self.kv_events.start()
         if self.registry is None:
             self.registry = CollectorRegistry()
-        register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics, nixl=self.nixl)
+        register_metrics(self.registry, lambda: self._engine, self.model, legacy=self.legacy_metrics, nixl=self.nixl, lora_metrics=self.lora_metrics)
         self._rng = random.Random(self._seed)
         loop = asyncio.get_running_loop()
         self._wall0 = loop.time()
@@ -548,7 +600,7 @@ class SimServer:
         return web.Response(body=err.body(), status=err.status, content_type="application/json")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
+        if model is not None and model != self.model and model not in self.lora_modules:
             raise model_not_found(model)
 
     async def _prompts(self, params: Any, kind: str) -> list[list[int]]:
@@ -595,7 +647,7 @@ class SimServer:
             # Both P/D sides report cached tokens (vLLM with --enable-prompt-tokens-details); a
             # decode side counts the pulled KV as cached, as vLLM does (the sidecar rewrites it).
             cached = reqs[0].cached_tokens if transfer is not None else None
-            body = completion_body(kind, rid, created, self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs), cached)
+            body = completion_body(kind, rid, created, reqs[0].lora or self.model, choices, _prompt_tokens(reqs, params.n), sum(r.num_output for r in reqs), cached)
             if transfer is not None and transfer.role == "prefill":
                 body = self._with_transfer_params(body, reqs[0])
             return web.Response(body=body, content_type="application/json")
@@ -677,7 +729,7 @@ class SimServer:
         def final(text: str) -> dict[str, Any]:
             status = "incomplete" if req.finish_reason == "length" and params.max_tokens is not None else "completed"
             return responses_body(
-                req_in, rid, created, self.model, status=status, text=text, message_id=mid,
+                req_in, rid, created, req.lora or self.model, status=status, text=text, message_id=mid,
                 prompt_tokens=req.prompt_len, completion_tokens=req.num_output,
             )  # fmt: skip
 
@@ -714,6 +766,9 @@ class SimServer:
                 f"The server is overloaded: {eng.num_waiting} requests are waiting (max_waiting={self.max_waiting})",
             )
         rng = random.Random(params.seed if params.seed is not None else self._rng.getrandbits(64))
+        lora = params.model if params.model is not None and params.model in self.lora_modules else None
+        if lora is not None:
+            self.adapter_requests[lora] = self.adapter_requests.get(lora, 0) + len(prompts) * params.n
         reqs = []
         for ids in prompts:
             for _ in range(params.n):
@@ -727,7 +782,7 @@ class SimServer:
                 reqs.append(SimRequest(
                     ids, n_out, self.sim_now(), finish_reason=reason, notify=self._notify,
                     notify_every=self.stream_interval if params.stream else _NEVER,
-                    hold_kv=hold_kv, external_tokens=external_tokens,
+                    hold_kv=hold_kv, external_tokens=external_tokens, lora=lora,
                 ))  # fmt: skip
         added: list[SimRequest] = []
         try:
@@ -842,15 +897,15 @@ class SimServer:
                 await resp.prepare(request)
                 if kind == "chat":
                     for i in range(len(reqs)):
-                        if not await send(stream_chunk(kind, rid, created, self.model, "", role=True, index=i)):
+                        if not await send(stream_chunk(kind, rid, created, reqs[0].lora or self.model, "", role=True, index=i)):
                             return self._die(request)
             for i, start, end in ranges:
                 r = reqs[i]
                 fin = (r.finish_reason or "stop") if r.finished and end == r.num_output else None
-                chunk = stream_chunk(kind, rid, created, self.model, output_text(r.uid, start, end), fin, index=i)
+                chunk = stream_chunk(kind, rid, created, reqs[0].lora or self.model, output_text(r.uid, start, end), fin, index=i)
                 if not await send(chunk):
                     return self._die(request)
-        usage = usage_chunk(kind, rid, created, self.model, _prompt_tokens(reqs, n), sum(r.num_output for r in reqs))
+        usage = usage_chunk(kind, rid, created, reqs[0].lora or self.model, _prompt_tokens(reqs, n), sum(r.num_output for r in reqs))
         if include_usage and not await send(usage):
             return self._die(request)
         await resp.write(DONE)
@@ -883,7 +938,7 @@ class SimServer:
             if not started:
                 started = True
                 await resp.prepare(request)
-                pending = responses_body(req_in, rid, created, self.model, status="in_progress")
+                pending = responses_body(req_in, rid, created, req.lora or self.model, status="in_progress")
                 item = {"id": mid, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
                 for data in (
                     responses_event("response.created", next(seq), response=pending),
@@ -928,7 +983,14 @@ class SimServer:
                     {
                         "id": self.model, "object": "model", "created": self._started_unix, "owned_by": "vllm",
                         "root": self.model, "parent": None, "max_model_len": self.config.max_model_len,
-                    }
+                    },
+                    *(
+                        {
+                            "id": name, "object": "model", "created": self._started_unix, "owned_by": "vllm",
+                            "root": name, "parent": self.model, "max_model_len": self.config.max_model_len,
+                        }
+                        for name in self.lora_modules
+                    ),
                 ],
             }
         )
@@ -1104,5 +1166,25 @@ class SimServer:
                 "preemptions": s.preemptions,
                 "finished": s.finished,
                 "steps": s.steps,
+                "lora": self.lora_view(),
             }
         )
+
+    def lora_view(self) -> dict[str, Any] | None:
+        """The LoRA state (`/state`'s `lora`): slots, loaded adapters, loads and evictions so
+        far, requests per adapter; None with LoRA off."""
+        slots = self._engine.lora
+        if slots is None:
+            return None
+        return {
+            "max_loras": slots.max_loras,
+            "max_cpu_loras": slots.max_cpu_loras,
+            "gpu": list(slots.gpu),
+            "cpu": slots.host_only(),
+            "loads": slots.loads,
+            "loads_from_disk": slots.loads_from_disk,
+            "loads_from_host": slots.loads_from_host,
+            "evictions": slots.evictions,
+            "load_seconds": slots.load_seconds,
+            "requests": dict(self.adapter_requests),
+        }

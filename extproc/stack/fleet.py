@@ -19,6 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,7 @@ import httpx
 from extproc.sim.profiles import PROFILES
 from extproc.stack.procs import ChildHandle, ManagedProcess, ProcessError, wait_until
 
-__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "SimProcess", "SIM_ROLES"]
+__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "LoraFleet", "NAMED_FLEETS", "SimProcess", "SIM_ROLES", "adapter_names"]
 
 DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-8b", "a100-qwen3-8b")
 """The demo and bench fleet: two H100 and two A100 engines serving Qwen3-8B (mixed speeds)."""
@@ -39,6 +40,44 @@ each; the decode ones behind `llm-extproc pd-sidecar` (`extproc.stack.pd`)."""
 
 SIM_ROLES = ("prefill", "decode", "both")
 """A simulator's P/D roles (`sim --role`)."""
+
+def adapter_names(n: int) -> list[str]:
+    """Adapter names of a simulated LoRA fleet: `adapter-00` … (at least two digits)."""
+    width = max(2, len(str(n - 1)))
+    return [f"adapter-{i:0{width}d}" for i in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraFleet:
+    """LoRA adapters every simulator of a fleet serves (`llm-extproc sim --lora-modules ...`).
+
+    Attributes:
+        adapters: adapter names.
+        max_loras / max_cpu_loras: GPU slots / host-cached adapters per engine.
+        rank: the adapters' rank (sizes their load time, `extproc.sim.lora`).
+        metrics: the LoRA metric generation the simulators export (`residency` or `activity`).
+    """
+
+    adapters: tuple[str, ...]
+    max_loras: int = 4
+    max_cpu_loras: int = 8
+    rank: int = 16
+    metrics: str = "residency"
+
+    def sim_args(self) -> list[str]:
+        """The simulator's LoRA options."""
+        return [
+            "--lora-modules", ",".join(self.adapters), "--max-loras", str(self.max_loras),
+            "--max-cpu-loras", str(self.max_cpu_loras), "--lora-rank", str(self.rank), "--lora-metrics", self.metrics,
+        ]  # fmt: skip
+
+
+NAMED_FLEETS: dict[str, tuple[tuple[str, ...], LoraFleet | None]] = {
+    "lora": (("h100-qwen3-8b",) * 4, LoraFleet(tuple(adapter_names(32)))),
+}
+"""Fleets `--fleet` accepts by name: simulator profiles and the LoRA adapters they serve. `lora`:
+four H100 engines serving Qwen3-8B with 32 rank-16 adapters, 4 GPU slots and 8 host-cached each
+(the issue's measurement setting)."""
 
 _READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) (.*)$", re.MULTILINE)
 _KV_EVENTS = re.compile(r"\bkv_events=(tcp://\S+)")
@@ -63,6 +102,7 @@ class SimProcess(ChildHandle):
         max_model_len: the simulator's context limit (tokens; `sim --max-model-len`), or None
             for the profile's.
         role: its P/D role (`sim --role`: prefill, decode or both).
+        lora: LoRA adapters it serves, or None.
 
     Raises:
         ValueError: unknown profile or role, or speed / stream_interval out of range.
@@ -84,6 +124,7 @@ class SimProcess(ChildHandle):
         kv_events: bool = False,
         max_model_len: int | None = None,
         role: str = "both",
+        lora: LoraFleet | None = None,
     ) -> None:
         if role not in SIM_ROLES:
             raise ValueError(f"unknown P/D role {role!r}; one of {', '.join(SIM_ROLES)}")
@@ -104,6 +145,7 @@ class SimProcess(ChildHandle):
         self.kv_events = kv_events
         self.max_model_len = max_model_len
         self.role = role
+        self.lora = lora
         self.kv_events_endpoint: str | None = None
         self.kv_events_replay: str | None = None
         self.port: int | None = None
@@ -134,6 +176,7 @@ class SimProcess(ChildHandle):
             *(("--kv-events-port", "0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*") if self.kv_events else ()),
             *(("--max-model-len", str(self.max_model_len)) if self.max_model_len is not None else ()),
             *(("--role", self.role) if self.role != "both" else ()),
+            *(self.lora.sim_args() if self.lora is not None else ()),
         ]  # fmt: skip
 
     async def start(self, timeout_s: float = 90.0) -> None:
@@ -177,7 +220,7 @@ class Fleet:
     Args:
         profiles: engine profile per endpoint (default `DEFAULT_FLEET`).
         workdir: logs go to `<workdir>/sim-<i>.log`.
-        speed, stream_interval, load_shape, kv_events, max_model_len: as `SimProcess`.
+        speed, stream_interval, load_shape, kv_events, max_model_len, lora: as `SimProcess`.
         seed: endpoint i gets seed `seed + i`.
         roles: P/D role per endpoint (same length as `profiles`); None: all `both`.
 
@@ -197,6 +240,7 @@ class Fleet:
         kv_events: bool = False,
         max_model_len: int | None = None,
         roles: Sequence[str] | None = None,
+        lora: LoraFleet | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("a fleet needs at least one simulator profile")
@@ -205,7 +249,7 @@ class Fleet:
         self.sims = [
             SimProcess(
                 p, name=f"sim-{i}", workdir=workdir, speed=speed, stream_interval=stream_interval,
-                seed=seed + i, load_shape=load_shape, kv_events=kv_events, max_model_len=max_model_len,
+                seed=seed + i, load_shape=load_shape, kv_events=kv_events, max_model_len=max_model_len, lora=lora,
                 role=roles[i] if roles is not None else "both",
             )
             for i, p in enumerate(profiles)

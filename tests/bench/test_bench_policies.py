@@ -29,6 +29,7 @@ def test_every_required_policy_exists_with_its_front() -> None:
         **{f"llm-extproc-{p}": ("extproc", p) for p in EXTPROC_PROFILES},
         "llm-extproc-precise": ("extproc", "load-aware"),
         "llm-extproc-noprefix": ("extproc", "load-aware"),
+        "llm-extproc-lora-activity": ("extproc", "lora"),
         "sglang-cache-aware": ("peer", "cache_aware"),
         "sglang-power-of-two": ("peer", "power_of_two"),
         "vllm-router-cache-aware": ("peer", "cache_aware"),
@@ -84,3 +85,14 @@ def test_bench_refuses_a_request_timeout_that_is_not_finite(timeout: str) -> Non
     result = CliRunner().invoke(app, ["bench", "--policies", "llm-extproc", "--requests", "3", "--request-timeout", timeout])
     assert result.exit_code == 2, result.output
     assert f"--request-timeout must be a finite number > 0, got {float(timeout)}" in result.output
+
+
+def test_lora_activity_policy_differs_from_the_lora_profile_only_in_its_lora_scorer():
+    from extproc.bench.policies import POLICIES
+
+    policy = POLICIES["llm-extproc-lora-activity"]
+    scorers = policy.server_overrides["scheduling"]["profiles"]["lora"]["scorers"]
+    builtin = [(s.type, s.weight) for s in BUILTIN_PROFILES["lora"].scorers]
+    assert [(s["type"], s["weight"]) for s in scorers] == [
+        ("lora-activity-scorer" if t == "lora-affinity-scorer" else t, w) for t, w in builtin
+    ]

@@ -493,7 +493,7 @@ def test_a_huge_name_is_not_echoed_whole():
         config_from_mapping(minimal(scheduling={"profile": "x" * 1_000_000}), env={})
     (line,) = str(info.value).splitlines()[1:]
     assert len(line) <= MAX_PROBLEM_CHARS and line.startswith("  scheduling.profile: profile 'xxx")
-    assert "characters left out" in line and line.endswith("load-aware, pd-decode, pd-prefill, prefix, random)")
+    assert "characters left out" in line and line.endswith("load-aware, lora, pd-decode, pd-prefill, prefix, random)")
 
 
 def test_a_null_or_boolean_key_is_named_as_written():

@@ -82,9 +82,8 @@ def test_store_with_an_unknown_parent_is_skipped() -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param({"lora_id": 1}, id="lora-id"),
-        pytest.param({"lora_name": "adapter"}, id="lora-name"),
-        pytest.param({"extra_keys": (("salt",), None, None, None)}, id="cache-salt"),
+        pytest.param({"lora_id": 1}, id="lora-id-without-name"),
+        pytest.param({"extra_keys": (None, ("mm-hash", 0), None, None)}, id="multimodal"),
         pytest.param({"group_idx": 1}, id="second-group"),
         pytest.param({"medium": "CPU"}, id="offloaded"),
     ],

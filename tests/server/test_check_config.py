@@ -29,7 +29,7 @@ def test_a_valid_config_is_one_ok_line(tmp_path: Path) -> None:
     path, result = _check(tmp_path, VALID)
     assert result.exit_code == 0, result.output
     assert result.output == (
-        f"OK: {path}: 1 model (Qwen/Qwen3-8B: tokenizer builtin:qwen3, architecture builtin:qwen3-8b); endpoints from static (2 endpoints); profile least-inflight (of 7); "
+        f"OK: {path}: 1 model (Qwen/Qwen3-8B: tokenizer builtin:qwen3, architecture builtin:qwen3-8b); endpoints from static (2 endpoints); profile least-inflight (of 8); "
         "listens on 127.0.0.1:9002 (ext_proc), 127.0.0.1:9090 (admin)\n"
     )
 
