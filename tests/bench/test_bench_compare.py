@@ -69,7 +69,7 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch: pytest
         ("endpoints: [{address: '10.0.0.1:8000', models: [m]}]\n", "sets endpoints, which the stack owns"),
         ("admin: {enabled: false}\n", "sets admin, which the stack owns"),
         # The refusal lists every key an overlay may set (it named four of ten, models not among them).
-        ("listen: {grpc: '127.0.0.1:1'}\n", "may set admission, decision_log, discovery, limits, models, protocol, ratelimit, replicas, scheduling, telemetry"),
+        ("listen: {grpc: '127.0.0.1:1'}\n", "may set admission, decision_log, discovery, flow_control, limits, models, protocol, ratelimit, replicas, scheduling, telemetry"),
         ("models: [{name: other/model}]\n", "'other/model' is not served by the fleet; its models: Qwen/Qwen3-8B"),
         ("# " + "x" * (1 << 20) + "\n", "is larger than"),
     ],

@@ -33,7 +33,7 @@ async def stack(qwen_counter):
     """Factory: start sims with the given kwargs and an ExtProcApp over them."""
     started: list = []
 
-    async def factory(*sims_kwargs, **overrides):
+    async def factory(*sims_kwargs, explore: bool = False, **overrides):
         sims = []
         for kw in sims_kwargs:
             sim = SimServer(tokenizer=qwen_counter, **kw)
@@ -54,6 +54,11 @@ async def stack(qwen_counter):
         app = ExtProcApp(cfg, registry=CollectorRegistry(), models={MODEL: ModelRuntime(cfg.models[0], qwen_counter)})
         await app.start()
         started.append(app)
+        if not explore:
+            # Exploration (decision 0295) sends ~1 % of picks to an endpoint still learning its
+            # fit: by design at random, which these tests of where a pick goes cannot assert on.
+            picker = app.pipeline.profile.picker
+            picker.params = picker.params.model_copy(update={"explore_share": 0.0})
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
         started.append(channel)
         return app, sims, pb_grpc.ExternalProcessorStub(channel)
