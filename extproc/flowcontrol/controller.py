@@ -22,6 +22,7 @@ import asyncio
 import heapq
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -341,6 +342,10 @@ class FlowController:
             self._count(name, outcome)
         if not band.live:
             band.arrivals.clear()
+        elif len(band.arrivals) > 2 * band.live + 64:
+            # Only global FCFS pops its head; under the other policies dispatched tickets stay
+            # there (holding their counted request) while the band never empties: compact.
+            band.arrivals = deque(a for a in band.arrivals if a.alive)
         if not p.live:
             p.expiry.clear()
 
