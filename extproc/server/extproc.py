@@ -737,6 +737,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         assert fc is not None
         pool = counted.request.served_model
         routed: Routed | None = None
+        # Trusted flow headers are checked on the fast path too: a bad one is a 400 whether or
+        # not the fleet is busy (no cost when none is trusted).
+        ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority) if fc.identity.reads_headers else None
         if fc.idle(pool):
             try:
                 routed = self._pipeline.schedule(counted)
@@ -747,7 +750,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if fc.gate.admits(routed):
                     fc.count_immediate(counted.priority)
                     return routed, None
-        ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority)
+        if ident is None:
+            ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority)
         req = counted.request
         if routed is not None:  # charged as the scheduler sees it: uncached prompt + expected output
             cost = routed.prefill_counts.uncached + routed.decode_tokens * req.sequences

@@ -293,3 +293,24 @@ async def test_two_thousand_streams_cancelled_while_queued_leak_nothing(make_app
             c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
     assert app.metrics.registry.get_sample_value("llm_extproc_flow_requests_total", {"band": "standard", "outcome": "cancelled"}) == 2000
+
+
+async def test_a_bad_trusted_flow_header_is_a_400_whether_or_not_the_fleet_is_busy(make_app):
+    """A trusted deadline header that is no number, or an unknown objective, is refused the same
+    way on an idle fleet (the fast path, never queued) as on a busy one, and its charge is given
+    back: a client must not learn of its bad header only under load."""
+    fc = _fc(slo_header={"name": "x-slo-ttft-ms", "trusted": True}, objective_header={"name": "x-llm-d-inference-objective", "trusted": True})
+    app = await make_app(flow_control=fc)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        bad = [{"x-slo-ttft-ms": b"NaN"}, {"x-slo-ttft-ms": b"-5"}, {"x-slo-ttft-ms": b"9" * 40}, {"x-llm-d-inference-objective": b"nope"}]
+        for extra in bad:  # idle: every endpoint free
+            call = await _send(stub, extra=extra)
+            status, body, _ = error_of(await asyncio.wait_for(call.read(), 5))
+            assert status == 400, (extra, body)
+            call.cancel()
+        assert app.store.open_reservations == 0
+        ok = await _send(stub, extra={"x-slo-ttft-ms": b"250"})
+        await _routed(ok)
+        ok.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
