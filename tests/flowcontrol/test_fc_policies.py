@@ -219,6 +219,10 @@ def test_config_errors_name_the_problem():
     leased = {"enabled": True, "inflight_lease_s": 30, "default": {"tokens_per_minute": 1000}}
     with pytest.raises(ConfigError, match="inflight_lease_s"):
         config_from_mapping({**base, "ratelimit": leased, "flow_control": {"enabled": True}})
+    # The utilization gate reads scraped metrics only: with scraping off every endpoint counts as
+    # saturated, so every request would wait out its TTL and get a 503.
+    with pytest.raises(ConfigError, match="scheduling.metrics.enabled"):
+        config_from_mapping({**base, "scheduling": {"metrics": {"enabled": False}}, "flow_control": {"enabled": True, "gate": {"mode": "utilization"}}})
 
 
 class Stream:
