@@ -188,6 +188,36 @@ class FlowController:
                 reservation.release()
             t.future = None
 
+    def route(self, counted: Any) -> tuple[Any, bool]:
+        """Schedule `counted` and ask the gate: `(routed, admitted)`. When the gate refuses the
+        scheduler's choice, schedule once more among the endpoints the gate's per-endpoint test
+        passes (`Gate.endpoint_open`; the request's own subset still applies): a prefix-affine
+        favourite busy in prefill must not hold a request another endpoint can take now, nor —
+        as the head of its pool's queue — every request queued behind it. `routed` is the first
+        choice when nothing is admitted (what fairness charges).
+
+        Raises:
+            ExtProcError: the scheduler's refusal of the first choice ("not now" included: the
+                caller queues on it).
+        """
+        routed = self._schedule(counted)
+        if self.gate.admits(routed):
+            return routed, True
+        is_open = getattr(self.gate, "endpoint_open", None)  # a test's stand-in gate may have none
+        if is_open is None or getattr(routed, "endpoint", None) is None:
+            return routed, False
+        own = counted.subset
+        counted.subset = is_open if own is None else (lambda ep: is_open(ep) and own(ep))
+        try:
+            other = self._schedule(counted)
+        except ExtProcError as err:
+            if not_now(err) or err.code == "no_endpoint_in_subset":
+                return routed, False
+            raise
+        finally:
+            counted.subset = own
+        return (other, True) if self.gate.admits(other) else (routed, False)
+
     def track(self, stream: Any, pool: str) -> None:
         """Displacement: `stream` (an in-flight sheddable request whose response we see) may be
         evicted for a critical request of `pool`; it sets `stream.evict` when chosen."""
@@ -273,7 +303,7 @@ class FlowController:
                 self._remove(t, "cancelled")
                 continue
             try:
-                routed = self._schedule(t.counted)
+                routed, admitted = self.route(t.counted)
             except ExtProcError as err:
                 if not_now(err):
                     blocked = t
@@ -284,7 +314,7 @@ class FlowController:
                 log.exception("scheduling a queued request failed")
                 self._fail(t, ExtProcError("internal error while routing the request"))
                 continue
-            if not self.gate.admits(routed):
+            if not admitted:
                 blocked = t
                 break
             try:

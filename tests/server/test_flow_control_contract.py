@@ -314,3 +314,23 @@ async def test_a_bad_trusted_flow_header_is_a_400_whether_or_not_the_fleet_is_bu
         await _routed(ok)
         ok.cancel()
     await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
+
+
+async def test_a_busy_favourite_endpoint_does_not_hold_a_request_an_idle_one_can_take(make_app):
+    """The scheduler's choice (here the endpoint holding the prompt's prefix) is in prefill at
+    its cap while the other endpoint is idle: the request goes to the idle one at once instead
+    of queueing — and, as the head of its pool's queue, holding every request behind it."""
+    app = await make_app(flow_control=_fc())
+    shared = "a long shared system prompt " * 600
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        first = await _send(stub, chat_body(shared + "first question", max_tokens=16))
+        busy = await _routed(first)
+        second = await _send(stub, chat_body(shared + "second question", max_tokens=16))
+        idle = await asyncio.wait_for(_routed(second), 2)
+        assert idle != busy and app.flow.live == 0
+        third = await _send(stub)  # now both are in prefill: this one waits
+        await wait_until(lambda: app.flow.live == 1)
+        for c in (first, second, third):
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
