@@ -207,7 +207,9 @@ class FlowController:
         if is_open is None or getattr(routed, "endpoint", None) is None:
             return routed, False
         own = counted.subset
-        counted.subset = is_open if own is None else (lambda ep: is_open(ep) and own(ep))
+        # Healthy ones only: an unhealthy endpoint is idle (nothing goes there), and a pool of
+        # only those would put the scheduler in health panic, routing to it.
+        counted.subset = (lambda ep: ep.healthy and is_open(ep)) if own is None else (lambda ep: ep.healthy and is_open(ep) and own(ep))
         try:
             other = self._schedule(counted)
         except ExtProcError as err:

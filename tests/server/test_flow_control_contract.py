@@ -333,4 +333,16 @@ async def test_a_busy_favourite_endpoint_does_not_hold_a_request_an_idle_one_can
         await wait_until(lambda: app.flow.live == 1)
         for c in (first, second, third):
             c.cancel()
+        await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
+        # An idle endpoint that fails its probes is no way out: only healthy ones are tried again
+        # (alone in the pool it would put the scheduler in health panic, routing to it).
+        first = await _send(stub, chat_body(shared + "first question", max_tokens=16))
+        busy = await _routed(first)
+        sick = next(ep for ep in app.store.all() if ep.address != busy)
+        sick.healthy = False
+        second = await _send(stub, chat_body(shared + "second question", max_tokens=16))
+        await wait_until(lambda: app.flow.live == 1)
+        assert sick.inflight == 0
+        for c in (first, second):
+            c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
