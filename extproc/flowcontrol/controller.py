@@ -206,10 +206,15 @@ class FlowController:
         is_open = getattr(self.gate, "endpoint_open", None)  # a test's stand-in gate may have none
         if is_open is None or getattr(routed, "endpoint", None) is None:
             return routed, False
+        # Among the first run's runners-up only (they passed its filters): an endpoint a filter
+        # removed (drained, ejected, stale, unhealthy) is idle because nothing goes there, and
+        # alone in a narrowed pool the filters' keep-all fallbacks and health panic let it back in.
+        pick = routed.result.pick if getattr(routed, "result", None) is not None else None
+        runners_up = {id(s.endpoint) for s in pick.fallbacks} if pick is not None else set()
+        if not runners_up:
+            return routed, False
         own = counted.subset
-        # Healthy ones only: an unhealthy endpoint is idle (nothing goes there), and a pool of
-        # only those would put the scheduler in health panic, routing to it.
-        counted.subset = (lambda ep: ep.healthy and is_open(ep)) if own is None else (lambda ep: ep.healthy and is_open(ep) and own(ep))
+        counted.subset = lambda ep: id(ep) in runners_up and ep.healthy and is_open(ep) and (own is None or own(ep))
         try:
             other = self._schedule(counted)
         except ExtProcError as err:

@@ -7,6 +7,7 @@ queued request 503, and critical requests go before lower bands."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import orjson
@@ -343,6 +344,12 @@ async def test_a_busy_favourite_endpoint_does_not_hold_a_request_an_idle_one_can
         second = await _send(stub, chat_body(shared + "second question", max_tokens=16))
         await wait_until(lambda: app.flow.live == 1)
         assert sick.inflight == 0
-        for c in (first, second):
+        # Nor is one outlier detection ejected (alone in a pool, the healthy filter keeps it).
+        sick.healthy = True
+        sick.ejected_until = time.monotonic() + 60
+        third = await _send(stub, chat_body(shared + "third question", max_tokens=16))
+        await wait_until(lambda: app.flow.live == 2)
+        assert sick.inflight == 0
+        for c in (first, second, third):
             c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
