@@ -190,8 +190,9 @@ class FlowController:
 
     def route(self, counted: Any) -> tuple[Any, bool]:
         """Schedule `counted` and ask the gate: `(routed, admitted)`. When the gate refuses the
-        scheduler's choice, schedule once more among the endpoints the gate's per-endpoint test
-        passes (`Gate.endpoint_open`; the request's own subset still applies): a prefix-affine
+        scheduler's choice, schedule once more among that choice's runners-up (the endpoints its
+        filters kept) that are healthy and pass the gate's per-endpoint test
+        (`Gate.endpoint_open`; the request's own subset still applies): a prefix-affine
         favourite busy in prefill must not hold a request another endpoint can take now, nor —
         as the head of its pool's queue — every request queued behind it. `routed` is the first
         choice when nothing is admitted (what fairness charges).
