@@ -211,11 +211,11 @@ class FlowController:
         # removed (drained, ejected, stale, unhealthy) is idle because nothing goes there, and
         # alone in a narrowed pool the filters' keep-all fallbacks and health panic let it back in.
         pick = routed.result.pick if getattr(routed, "result", None) is not None else None
-        runners_up = {id(s.endpoint) for s in pick.fallbacks} if pick is not None else set()
-        if not runners_up:
+        runners_up = {id(s.endpoint) for s in pick.fallbacks if s.endpoint.healthy and is_open(s.endpoint)} if pick is not None else set()
+        if not runners_up:  # a closed gate everywhere: no second scheduling
             return routed, False
         own = counted.subset
-        counted.subset = lambda ep: id(ep) in runners_up and ep.healthy and is_open(ep) and (own is None or own(ep))
+        counted.subset = lambda ep: id(ep) in runners_up and (own is None or own(ep))
         try:
             other = self._schedule(counted)
         except ExtProcError as err:
