@@ -1323,3 +1323,10 @@ class Config(Strict):
                 f"the longest queue wait ({fc.max_wait_s:g} s) must be below ratelimit.inflight_lease_s "
                 f"({self.ratelimit.inflight_lease_s:g} s): a queued request holds its tenant's in-flight slot",
             )
+        if fc.enabled and fc.gate.mode == "utilization" and not self.scheduling.metrics.enabled:
+            yield ConfigProblem(
+                "flow_control.gate.mode",
+                "the utilization gate reads the engines' scraped metrics, and scheduling.metrics.enabled is false: every "
+                "endpoint would count as saturated and every request wait out its TTL for a 503; turn scraping on or "
+                "use gate.mode: router",
+            )

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.aio import cancel_and_wait
@@ -39,7 +40,7 @@ from extproc.datastore.endpoints import Endpoint
 from extproc.datastore.overrides import MAX_DURATION_S, set_override
 
 __all__ = [
-    "CHECK_CHAT", "CHECK_PROMPTS", "EngineCheck", "EngineChecker", "OUTCOMES", "OVERRIDE_SOURCE", "RECHECK_S",
+    "CHECK_CHAT", "CHECK_PROMPTS", "EngineCheck", "EngineChecker", "MAX_ANSWER_BYTES", "OUTCOMES", "OVERRIDE_SOURCE", "RECHECK_S",
     "RETRY_FIRST_S", "RETRY_MAX_S", "TIMEOUT_S", "USER_AGENT",
 ]  # fmt: skip
 
@@ -76,6 +77,10 @@ USER_AGENT = "llm-extproc-engine-check"
 """The checks' `User-Agent`: an engine's access log tells them from clients' requests."""
 OVERRIDE_SOURCE = "engine-check"
 """`WeightOverride.source` of a drain set by a mismatch (`engine_check: drain`)."""
+MAX_ANSWER_BYTES = 1 << 20
+"""Largest answer read from an engine (bytes): a `/tokenize` answer on the fixed texts is a few
+hundred bytes, a `/v1/models` listing a few KB per model; past it the answer is not read on (the
+check is `unverified`), so a hostile or broken engine cannot fill the server's memory."""
 _NO_TOKENIZE = frozenset({404, 405, 501})
 
 
@@ -110,6 +115,10 @@ class EngineCheck:
 
 class _Unreachable(Exception):
     """The engine did not answer usefully now (connection, timeout, 5xx): retry later."""
+
+
+class _Hostile(Exception):
+    """The engine's answer is larger than `MAX_ANSWER_BYTES`: unverified until the next re-check."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +261,11 @@ class EngineChecker:
             except _Unreachable as exc:
                 result = EngineCheck("unverified", f"engine unreachable: {exc}", time.time())
                 unreachable = True
+            except _Hostile as exc:
+                result = EngineCheck("unverified", f"answer refused: {exc}", time.time())
+            except Exception:  # an answer shaped as nothing foreseen: say so, keep checking
+                log.exception("endpoint %s: engine check of model %s failed", ep.address, model)
+                result = EngineCheck("unverified", "the engine's answer could not be read", time.time())
             self._record(ep, model, result)
         return unreachable
 
@@ -260,6 +274,7 @@ class EngineChecker:
 
         Raises:
             _Unreachable: no connection, a timeout, or a 5xx other than 501.
+            _Hostile: an answer over `MAX_ANSWER_BYTES` (not read past that).
         """
         assert self._session is not None
         try:
@@ -267,9 +282,14 @@ class EngineChecker:
             async with call as resp:
                 if resp.status >= 500 and resp.status != 501:
                     raise _Unreachable(f"HTTP {resp.status} from {url}")
+                raw = bytearray()
+                async for chunk in resp.content.iter_any():
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER_BYTES:
+                        raise _Hostile(f"{url} answered more than {MAX_ANSWER_BYTES} bytes")
                 try:
-                    data = await resp.json(content_type=None)
-                except ValueError:
+                    data = orjson.loads(raw)  # nesting past 1,024 levels: a JSONDecodeError, not a RecursionError
+                except orjson.JSONDecodeError:
                     data = None
                 return resp.status, data
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

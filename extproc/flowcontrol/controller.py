@@ -22,6 +22,7 @@ import asyncio
 import heapq
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -187,6 +188,44 @@ class FlowController:
                 reservation.release()
             t.future = None
 
+    def route(self, counted: Any) -> tuple[Any, bool]:
+        """Schedule `counted` and ask the gate: `(routed, admitted)`. When the gate refuses the
+        scheduler's choice, schedule once more among that choice's runners-up (the endpoints its
+        filters kept) that are healthy and pass the gate's per-endpoint test
+        (`Gate.endpoint_open`; the request's own subset still applies): a prefix-affine
+        favourite busy in prefill must not hold a request another endpoint can take now, nor —
+        as the head of its pool's queue — every request queued behind it. `routed` is the first
+        choice when nothing is admitted (what fairness charges).
+
+        Raises:
+            ExtProcError: the scheduler's refusal of the first choice ("not now" included: the
+                caller queues on it).
+        """
+        routed = self._schedule(counted)
+        if self.gate.admits(routed):
+            return routed, True
+        is_open = getattr(self.gate, "endpoint_open", None)  # a test's stand-in gate may have none
+        if is_open is None or getattr(routed, "endpoint", None) is None:
+            return routed, False
+        # Among the first run's runners-up only (they passed its filters): an endpoint a filter
+        # removed (drained, ejected, stale, unhealthy) is idle because nothing goes there, and
+        # alone in a narrowed pool the filters' keep-all fallbacks and health panic let it back in.
+        pick = routed.result.pick if getattr(routed, "result", None) is not None else None
+        runners_up = {id(s.endpoint) for s in pick.fallbacks if s.endpoint.healthy and is_open(s.endpoint)} if pick is not None else set()
+        if not runners_up:  # a closed gate everywhere: no second scheduling
+            return routed, False
+        own = counted.subset
+        counted.subset = lambda ep: id(ep) in runners_up and (own is None or own(ep))
+        try:
+            other = self._schedule(counted)
+        except ExtProcError as err:
+            if not_now(err) or err.code == "no_endpoint_in_subset":
+                return routed, False
+            raise
+        finally:
+            counted.subset = own
+        return (other, True) if self.gate.admits(other) else (routed, False)
+
     def track(self, stream: Any, pool: str) -> None:
         """Displacement: `stream` (an in-flight sheddable request whose response we see) may be
         evicted for a critical request of `pool`; it sets `stream.evict` when chosen."""
@@ -272,7 +311,7 @@ class FlowController:
                 self._remove(t, "cancelled")
                 continue
             try:
-                routed = self._schedule(t.counted)
+                routed, admitted = self.route(t.counted)
             except ExtProcError as err:
                 if not_now(err):
                     blocked = t
@@ -283,7 +322,7 @@ class FlowController:
                 log.exception("scheduling a queued request failed")
                 self._fail(t, ExtProcError("internal error while routing the request"))
                 continue
-            if not self.gate.admits(routed):
+            if not admitted:
                 blocked = t
                 break
             try:
@@ -341,6 +380,10 @@ class FlowController:
             self._count(name, outcome)
         if not band.live:
             band.arrivals.clear()
+        elif len(band.arrivals) > 2 * band.live + 64:
+            # Only global FCFS pops its head; under the other policies dispatched tickets stay
+            # there (holding their counted request) while the band never empties: compact.
+            band.arrivals = deque(a for a in band.arrivals if a.alive)
         if not p.live:
             p.expiry.clear()
 

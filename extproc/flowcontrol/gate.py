@@ -64,6 +64,25 @@ class Gate:
             "concurrency": self._concurrency,
             "utilization": self._utilization,
         }[config.mode]
+        self.endpoint_open: Callable[[Endpoint], bool] | None = {
+            "router": self._router_open,
+            "concurrency": self._concurrency_open,
+            "utilization": None,
+        }[config.mode]
+        """The gate's per-endpoint test, without the request (None: `utilization` reads the whole
+        pool): when the scheduler's choice is refused, the request is scheduled again among the
+        endpoints it passes, so a busy favourite does not hold a request an idle endpoint can take."""
+
+    def _router_open(self, ep: Endpoint) -> bool:
+        cfg = self.config
+        if ep.prefill_inflight >= cfg.max_prefill_requests:
+            return False
+        engine = ep.engine
+        return cfg.max_engine_waiting is None or engine is None or engine.waiting <= cfg.max_engine_waiting
+
+    def _concurrency_open(self, ep: Endpoint) -> bool:
+        cap = self.config.max_inflight
+        return cap is None or ep.inflight < cap
 
     def _router(self, routed: Any) -> bool:
         ep = routed.endpoint

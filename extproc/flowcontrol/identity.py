@@ -38,6 +38,8 @@ class IdentityResolver:
     def __init__(self, config: FlowControlConfig) -> None:
         self.config = config
         self._labels: dict[str, str] = {}
+        self.reads_headers = bool(config.trusted_headers)
+        """Some flow header is trusted: `resolve` may refuse a request (checked on every one)."""
 
     def resolve(self, headers: Mapping[str, str], tenant: Any, priority: str) -> FlowIdentity:
         """Raises:

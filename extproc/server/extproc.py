@@ -722,8 +722,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def _flow_route(self, counted: Counted, s: _Stream, nbytes: int) -> tuple[Routed, Reservation | None]:
         """Flow control's decision on a counted request (rate limit already charged).
 
-        Fast path — nothing queued for its model pool: schedule, and when the gate admits the
-        chosen endpoint return (routed, None) for the caller to reserve with no await between;
+        Fast path — nothing queued for its model pool: schedule (`FlowController.route`: among
+        the endpoints the gate leaves open when it refuses the first choice), and when the gate
+        admits return (routed, None) for the caller to reserve with no await between;
         no allocation, no await. Otherwise (something queued, the gate closed, or the scheduler
         answered "not now": no KV room, saturation shedding) the request queues in its (tenant,
         band) flow and this awaits its dispatch: (routed, its reservation), both made by the
@@ -740,17 +741,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         assert fc is not None
         pool = counted.request.served_model
         routed: Routed | None = None
+        # Trusted flow headers are checked on the fast path too: a bad one is a 400 whether or
+        # not the fleet is busy (no cost when none is trusted).
+        ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority) if fc.identity.reads_headers else None
         if fc.idle(pool):
             try:
-                routed = self._pipeline.schedule(counted)
+                routed, admitted = fc.route(counted)
             except ExtProcError as err:
                 if not not_now(err):
                     raise
             else:
-                if fc.gate.admits(routed):
+                if admitted:
                     fc.count_immediate(counted.priority)
                     return routed, None
-        ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority)
+        if ident is None:
+            ident = fc.identity.resolve(s.hdrs, s.tenant, counted.priority)
         req = counted.request
         if routed is not None:  # charged as the scheduler sees it: uncached prompt + expected output
             cost = routed.prefill_counts.uncached + routed.decode_tokens * req.sequences

@@ -211,3 +211,53 @@ class socket_free_port:
 
     def __exit__(self, *exc) -> None:
         self._sock.close()
+
+
+async def _serve(handler) -> tuple[web.AppRunner, int]:
+    app_ = web.Application()
+    app_.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app_)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_hostile_engine_answers_are_unverified_not_fatal(stack):
+    """A deeply nested JSON answer, or one far larger than any real /tokenize answer, leaves the
+    endpoint `unverified` with a reason (the checker's task lives on: it is asked again), and the
+    huge one is not read into memory whole."""
+    asked: dict[int, int] = {}
+
+    async def deep(request: web.Request) -> web.Response:
+        asked[request.url.port] = asked.get(request.url.port, 0) + 1
+        return web.Response(body=b"[" * 200_000 + b"]" * 200_000, content_type="application/json")
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        asked[request.url.port] = asked.get(request.url.port, 0) + 1
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"count": 1, "pad": "')
+        chunk = b"x" * (1 << 20)
+        try:
+            for _ in range(256):  # 256 MiB, unless the reader stops first
+                await resp.write(chunk)
+        except (ConnectionError, RuntimeError):  # the reader stopped
+            pass
+        return resp
+
+    runners, ports = [], []
+    for handler in (deep, huge):
+        runner, port = await _serve(handler)
+        runners.append(runner)
+        ports.append(port)
+    try:
+        app, _ = await stack(endpoints=[{"address": f"127.0.0.1:{p}", "models": [MODEL]} for p in ports])
+        deep_check, huge_check = [await _outcome(app, f"127.0.0.1:{p}") for p in ports]
+        assert deep_check.outcome == "unverified" and "without a count" in deep_check.detail, deep_check
+        assert huge_check.outcome == "unverified" and "answered more than 1048576 bytes" in huge_check.detail, huge_check
+        tasks = app.engine_check._tasks  # type: ignore[union-attr]
+        assert all(not t.done() for t in tasks.values()), "a hostile answer ended the endpoint's check task"
+    finally:
+        for runner in runners:
+            await runner.cleanup()

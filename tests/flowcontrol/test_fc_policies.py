@@ -219,6 +219,10 @@ def test_config_errors_name_the_problem():
     leased = {"enabled": True, "inflight_lease_s": 30, "default": {"tokens_per_minute": 1000}}
     with pytest.raises(ConfigError, match="inflight_lease_s"):
         config_from_mapping({**base, "ratelimit": leased, "flow_control": {"enabled": True}})
+    # The utilization gate reads scraped metrics only: with scraping off every endpoint counts as
+    # saturated, so every request would wait out its TTL and get a 503.
+    with pytest.raises(ConfigError, match="scheduling.metrics.enabled"):
+        config_from_mapping({**base, "scheduling": {"metrics": {"enabled": False}}, "flow_control": {"enabled": True, "gate": {"mode": "utilization"}}})
 
 
 class Stream:
@@ -241,3 +245,20 @@ async def test_displacement_evicts_the_newest_sheddable_stream_once_per_critical
     assert not older.evict
     fc.untrack(older)
     assert fc.evictable == {other_model: "n"}
+
+
+@pytest.mark.parametrize("fairness", ["drr", "round-robin"])
+async def test_a_band_that_never_empties_keeps_no_dispatched_tickets(fairness):
+    # Only global FCFS reads the band's arrival deque; under the others a band kept busy by a
+    # sustained overload must not hold every ticket (and its counted request) it ever queued.
+    fc, slots, _ = controller(fairness=fairness)
+    a, b = ident("a"), ident("b")
+    put(fc, -1, a)
+    put(fc, -1, b)
+    for i in range(2000):
+        put(fc, i, a)
+        put(fc, i, b)
+        dispatch(fc, slots, 2)
+    band = fc._pools["m"].bands[1]
+    assert band.live == 2
+    assert len(band.arrivals) <= 2 * band.live + 65

@@ -7,6 +7,7 @@ queued request 503, and critical requests go before lower bands."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import orjson
@@ -293,3 +294,62 @@ async def test_two_thousand_streams_cancelled_while_queued_leak_nothing(make_app
             c.cancel()
     await wait_until(lambda: app.store.open_reservations == 0)
     assert app.metrics.registry.get_sample_value("llm_extproc_flow_requests_total", {"band": "standard", "outcome": "cancelled"}) == 2000
+
+
+async def test_a_bad_trusted_flow_header_is_a_400_whether_or_not_the_fleet_is_busy(make_app):
+    """A trusted deadline header that is no number, or an unknown objective, is refused the same
+    way on an idle fleet (the fast path, never queued) as on a busy one, and its charge is given
+    back: a client must not learn of its bad header only under load."""
+    fc = _fc(slo_header={"name": "x-slo-ttft-ms", "trusted": True}, objective_header={"name": "x-llm-d-inference-objective", "trusted": True})
+    app = await make_app(flow_control=fc)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        bad = [{"x-slo-ttft-ms": b"NaN"}, {"x-slo-ttft-ms": b"-5"}, {"x-slo-ttft-ms": b"9" * 40}, {"x-llm-d-inference-objective": b"nope"}]
+        for extra in bad:  # idle: every endpoint free
+            call = await _send(stub, extra=extra)
+            status, body, _ = error_of(await asyncio.wait_for(call.read(), 5))
+            assert status == 400, (extra, body)
+            call.cancel()
+        assert app.store.open_reservations == 0
+        ok = await _send(stub, extra={"x-slo-ttft-ms": b"250"})
+        await _routed(ok)
+        ok.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
+
+
+async def test_a_busy_favourite_endpoint_does_not_hold_a_request_an_idle_one_can_take(make_app):
+    """The scheduler's choice (here the endpoint holding the prompt's prefix) is in prefill at
+    its cap while the other endpoint is idle: the request goes to the idle one at once instead
+    of queueing — and, as the head of its pool's queue, holding every request behind it."""
+    app = await make_app(flow_control=_fc())
+    shared = "a long shared system prompt " * 600
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        first = await _send(stub, chat_body(shared + "first question", max_tokens=16))
+        busy = await _routed(first)
+        second = await _send(stub, chat_body(shared + "second question", max_tokens=16))
+        idle = await asyncio.wait_for(_routed(second), 2)
+        assert idle != busy and app.flow.live == 0
+        third = await _send(stub)  # now both are in prefill: this one waits
+        await wait_until(lambda: app.flow.live == 1)
+        for c in (first, second, third):
+            c.cancel()
+        await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
+        # An idle endpoint that fails its probes is no way out: only healthy ones are tried again
+        # (alone in the pool it would put the scheduler in health panic, routing to it).
+        first = await _send(stub, chat_body(shared + "first question", max_tokens=16))
+        busy = await _routed(first)
+        sick = next(ep for ep in app.store.all() if ep.address != busy)
+        sick.healthy = False
+        second = await _send(stub, chat_body(shared + "second question", max_tokens=16))
+        await wait_until(lambda: app.flow.live == 1)
+        assert sick.inflight == 0
+        # Nor is one outlier detection ejected (alone in a pool, the healthy filter keeps it).
+        sick.healthy = True
+        sick.ejected_until = time.monotonic() + 60
+        third = await _send(stub, chat_body(shared + "third question", max_tokens=16))
+        await wait_until(lambda: app.flow.live == 2)
+        assert sick.inflight == 0
+        for c in (first, second, third):
+            c.cancel()
+    await wait_until(lambda: app.store.open_reservations == 0 and app.flow.live == 0)
