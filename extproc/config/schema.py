@@ -344,10 +344,12 @@ def model_sources(name: str, path: Any, tokenizer: Any, architecture: Any) -> di
             "built-in tokenizers serve Qwen3 models only, and another model's prompts counted by one are silently wrong"
             if "tokenizer" in missing else "its shape (config.json) is not built in"
         )
+        d = f"/models/{name.rsplit('/', 1)[-1]}"
+        example = ", ".join(f"tokenizer: {d}" if k == "tokenizer" else f"architecture: {d}/config.json" for k in missing)
         raise ValueError(
             f"model {name!r} matches no built-in {' or '.join(missing)}, so it must name its {what}: set `path:` to "
             "the model directory the engines load (tokenizer.json, tokenizer_config.json and config.json in it), or "
-            f"set {what} (e.g. `{{name: {name}, path: /models/{name.rsplit('/', 1)[-1]}}}`); {why}"
+            f"set {what}; e.g. `{{name: {name}, path: {d}}}` or `{{name: {name}, {example}}}`; {why}"
         )
     return out
 
