@@ -76,8 +76,10 @@ class GateConfig(Strict):
             requests plus those routed since its latest scrape still in prefill (count; None: not read).
         max_predicted_ttft_ms: router: ... and its learned prefill fit predicts the request's
             first token within this (milliseconds; None: not read).
-        max_inflight: concurrency: requests in flight per endpoint (count; None: no cap).
-        max_inflight_tokens: concurrency: decode context in flight per endpoint (tokens; None: no cap).
+        max_inflight: router and concurrency: requests in flight per endpoint, decoding ones
+            included (count; None: no cap; decision 0311).
+        max_inflight_tokens: router and concurrency: decode context in flight per endpoint
+            (tokens; None: no cap).
         queue_depth: utilization: waiting requests that count as full (llm-d's default 5).
         kv_threshold: utilization: KV usage that counts as full (0..1; llm-d's default 0.8).
     """
