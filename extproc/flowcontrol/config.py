@@ -80,6 +80,9 @@ class GateConfig(Strict):
             included (count; None: no cap; decision 0311).
         max_inflight_tokens: router and concurrency: decode context in flight per endpoint
             (tokens; None: no cap).
+        fair_share_headroom: a queued request whose tenant holds fewer of the pool's in-flight
+            requests than its weighted share goes past a closed gate (at most up to twice
+            `max_inflight` per endpoint; decision 0311).
         queue_depth: utilization: waiting requests that count as full (llm-d's default 5).
         kv_threshold: utilization: KV usage that counts as full (0..1; llm-d's default 0.8).
     """
@@ -90,6 +93,7 @@ class GateConfig(Strict):
     max_predicted_ttft_ms: float | None = Field(default=None, gt=0)
     max_inflight: int | None = Field(default=None, ge=1)
     max_inflight_tokens: int | None = Field(default=None, ge=1)
+    fair_share_headroom: bool = True
     queue_depth: int = Field(default=5, ge=1)
     kv_threshold: float = Field(default=0.8, gt=0, le=1)
 

@@ -283,20 +283,12 @@ class FlowController:
                 log.exception("scheduling a queued request failed")
                 self._fail(t, ExtProcError("internal error while routing the request"))
                 continue
-            if not self.gate.admits(routed):
+            if not self.gate.admits(routed) and not self._below_fair_share(p, band, flow, routed):
                 blocked = t
+                budget = self._headroom(p, band, flow, budget)
                 break
-            try:
-                reservation = self._reserve(routed)
-            except Exception:
-                log.exception("reserving a queued request failed")
-                self._fail(t, ExtProcError("internal error while routing the request"))
-                continue
-            flow.order.pop()
-            self._fairness.dispatched(band, flow, t)
-            self._remove(t, "dispatched")
-            t.future.set_result(Dispatched(routed, reservation))
-            budget -= 1
+            if self._dispatch(p, band, flow, t, routed):
+                budget -= 1
         saturated = blocked is not None
         if blocked is not None and blocked.band == 0 and not blocked.displaced and self.config.displacement:
             blocked.displaced = self._displace(p.key)
@@ -305,6 +297,76 @@ class FlowController:
             m = self._metrics
             if m is not None:
                 m.child(m.pool_saturated, p.key).set(1 if saturated else 0)
+        return budget
+
+    def _dispatch(self, p: Pool, band: Any, flow: Flow, t: Ticket, routed: Any) -> bool:
+        """Reserve `routed` for `t` and hand both to its waiter; False when reserving failed
+        (the ticket is answered 500)."""
+        try:
+            reservation = self._reserve(routed)
+        except Exception:
+            log.exception("reserving a queued request failed")
+            self._fail(t, ExtProcError("internal error while routing the request"))
+            return False
+        flow.order.pop()
+        self._fairness.dispatched(band, flow, t)
+        self._remove(t, "dispatched")
+        if reservation is not None and self.config.gate.fair_share_headroom:
+            p.inflight.setdefault(flow.id, (flow.weight, []))[1].append(reservation)
+        assert t.future is not None
+        t.future.set_result(Dispatched(routed, reservation))
+        return True
+
+    def _held(self, p: Pool) -> dict[str, tuple[float, int]]:
+        """Per flow id: (its weight, its requests dispatched from `p`'s queues and not yet
+        released (count)); released reservations are dropped here."""
+        out = {}
+        for fid, (weight, held) in list(p.inflight.items()):
+            held[:] = [r for r in held if not r.released]
+            if held:
+                out[fid] = (weight, len(held))
+            else:
+                del p.inflight[fid]
+        return out
+
+    def _below_fair_share(self, p: Pool, band: Any, flow: Flow, routed: Any) -> bool:
+        """The fair-share headroom (decision 0311): `flow` holds fewer of the pool's in-flight
+        requests (those dispatched from its queues) than its weighted share of them, weight /
+        Σ weights of the flows holding some or queued in the band. Such a request goes past a
+        closed gate — a light tenant never waits behind a flooder's queue — but never past twice
+        the endpoint's `max_inflight` (the overcommit is bounded by the bound itself). A flow
+        alone holds its whole share: it never goes past the gate."""
+        cfg = self.config.gate
+        ep = getattr(routed, "endpoint", None)
+        if not cfg.fair_share_headroom or ep is None:
+            return False
+        if cfg.max_inflight is not None and ep.inflight >= 2 * cfg.max_inflight:
+            return False
+        held = self._held(p)
+        total = sum(n for _, n in held.values())
+        weights = sum(f.weight for f in band.flows.values())
+        weights += sum(w for fid, (w, _) in held.items() if fid not in band.flows)
+        mine = held.get(flow.id, (flow.weight, 0))[1]
+        return mine < total * flow.weight / weights
+
+    def _headroom(self, p: Pool, band: Any, refused: Flow, budget: int) -> int:
+        """The gate refused `refused`'s head: dispatch the heads of the band's other flows that
+        are below their fair share (`_below_fair_share`), each as long as it stays below.
+        Returns the budget left."""
+        if not self.config.gate.fair_share_headroom:
+            return budget
+        for flow in list(band.flows.values()):
+            while flow is not refused and budget > 0 and flow.live:
+                t = flow.head()
+                if t is None or t.future is None or t.future.done():
+                    break
+                try:
+                    routed = self._schedule(t.counted)
+                except ExtProcError:
+                    break  # "not now" or its own error: its turn in the cycle answers it
+                if not self._below_fair_share(p, band, flow, routed) or not self._dispatch(p, band, flow, t, routed):
+                    break
+                budget -= 1
         return budget
 
     def _fail(self, t: Ticket, err: ExtProcError) -> None:
