@@ -329,6 +329,20 @@ class FlowController:
                 del p.inflight[fid]
         return out
 
+    def _shares(self, p: Pool, band: Any) -> tuple[dict[str, tuple[float, int]], int, float]:
+        """The headroom's view of `p`: per flow id (weight, held), the held total (count), and
+        Σ weights of the flows holding some or queued in `band`."""
+        held = self._held(p)
+        weights = sum(f.weight for f in band.flows.values())
+        weights += sum(w for fid, (w, _) in held.items() if fid not in band.flows)
+        return held, sum(n for _, n in held.values()), weights
+
+    def _room_over(self, routed: Any) -> bool:
+        """The overcommit's own bound: the routed endpoint holds fewer than twice `max_inflight`."""
+        cap = self.config.gate.max_inflight
+        ep = getattr(routed, "endpoint", None)
+        return ep is not None and (cap is None or ep.inflight < 2 * cap)
+
     def _below_fair_share(self, p: Pool, band: Any, flow: Flow, routed: Any) -> bool:
         """The fair-share headroom (decision 0311): `flow` holds fewer of the pool's in-flight
         requests (those dispatched from its queues) than its weighted share of them, weight /
@@ -336,27 +350,24 @@ class FlowController:
         closed gate — a light tenant never waits behind a flooder's queue — but never past twice
         the endpoint's `max_inflight` (the overcommit is bounded by the bound itself). A flow
         alone holds its whole share: it never goes past the gate."""
-        cfg = self.config.gate
-        ep = getattr(routed, "endpoint", None)
-        if not cfg.fair_share_headroom or ep is None:
+        if not self.config.gate.fair_share_headroom or not self._room_over(routed):
             return False
-        if cfg.max_inflight is not None and ep.inflight >= 2 * cfg.max_inflight:
-            return False
-        held = self._held(p)
-        total = sum(n for _, n in held.values())
-        weights = sum(f.weight for f in band.flows.values())
-        weights += sum(w for fid, (w, _) in held.items() if fid not in band.flows)
-        mine = held.get(flow.id, (flow.weight, 0))[1]
-        return mine < total * flow.weight / weights
+        held, total, weights = self._shares(p, band)
+        return held.get(flow.id, (flow.weight, 0))[1] < total * flow.weight / weights
 
     def _headroom(self, p: Pool, band: Any, refused: Flow, budget: int) -> int:
         """The gate refused `refused`'s head: dispatch the heads of the band's other flows that
-        are below their fair share (`_below_fair_share`), each as long as it stays below.
-        Returns the budget left."""
+        are below their fair share (`_below_fair_share`), each as long as it stays below; stops
+        at the first endpoint at twice its bound. One pass over the band's flows and one
+        `schedule` per flow below its share. Returns the budget left."""
         if not self.config.gate.fair_share_headroom:
             return budget
+        held, total, weights = self._shares(p, band)
         for flow in list(band.flows.values()):
-            while flow is not refused and budget > 0 and flow.live:
+            if flow is refused:
+                continue
+            mine = held.get(flow.id, (flow.weight, 0))[1]
+            while budget > 0 and flow.live and mine < total * flow.weight / weights:
                 t = flow.head()
                 if t is None or t.future is None or t.future.done():
                     break
@@ -364,9 +375,13 @@ class FlowController:
                     routed = self._schedule(t.counted)
                 except ExtProcError:
                     break  # "not now" or its own error: its turn in the cycle answers it
-                if not self._below_fair_share(p, band, flow, routed) or not self._dispatch(p, band, flow, t, routed):
+                if not self._room_over(routed):
+                    return budget
+                if not self._dispatch(p, band, flow, t, routed):
                     break
                 budget -= 1
+                mine += 1
+                total += 1
         return budget
 
     def _fail(self, t: Ticket, err: ExtProcError) -> None:
