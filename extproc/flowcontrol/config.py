@@ -82,7 +82,7 @@ class GateConfig(Strict):
             (tokens; None: no cap).
         fair_share_headroom: a queued request whose tenant holds fewer of the pool's in-flight
             requests than its weighted share goes past a closed gate (at most up to twice
-            `max_inflight` per endpoint; decision 0311).
+            `max_inflight` per endpoint; only with `max_inflight`; decision 0311).
         queue_depth: utilization: waiting requests that count as full (llm-d's default 5).
         kv_threshold: utilization: KV usage that counts as full (0..1; llm-d's default 0.8).
     """

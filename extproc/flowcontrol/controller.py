@@ -338,10 +338,11 @@ class FlowController:
         return held, sum(n for _, n in held.values()), weights
 
     def _room_over(self, routed: Any) -> bool:
-        """The overcommit's own bound: the routed endpoint holds fewer than twice `max_inflight`."""
+        """The overcommit's own bound: the routed endpoint holds fewer than twice `max_inflight`
+        (no `max_inflight`: no headroom, an overcommit with nothing to bound it)."""
         cap = self.config.gate.max_inflight
         ep = getattr(routed, "endpoint", None)
-        return ep is not None and (cap is None or ep.inflight < 2 * cap)
+        return ep is not None and cap is not None and ep.inflight < 2 * cap
 
     def _below_fair_share(self, p: Pool, band: Any, flow: Flow, routed: Any) -> bool:
         """The fair-share headroom (decision 0311): `flow` holds fewer of the pool's in-flight

@@ -19,7 +19,7 @@ A = "127.0.0.1:18011"
 MODEL = "m"
 
 
-def setup(**gate) -> tuple[FlowController, Datastore]:
+def setup(decode: bool = True, **gate) -> tuple[FlowController, Datastore]:
     ds = Datastore([EndpointConfig(address=A, models=[MODEL])])
     ep = ds.get(A)
     cfg = FlowControlConfig(enabled=True, gate={"max_prefill_requests": 8, "max_inflight": 2, **gate})
@@ -30,7 +30,8 @@ def setup(**gate) -> tuple[FlowController, Datastore]:
 
     def reserve(routed):
         r = ds.reserve(ep, prompt_tokens=100)
-        r.mark_first_token()  # decoding at once: only the running-load bound holds them
+        if decode:
+            r.mark_first_token()  # decoding at once: only the running-load bound holds them
         return r
 
     return FlowController(cfg, Gate(cfg.gate), schedule=schedule, reserve=reserve), ds
@@ -69,6 +70,20 @@ async def test_without_headroom_the_light_tenant_waits_for_the_bound():
     steady = fc.enqueue("steady", MODEL, ident("steady"), 10, 100)
     fc.run_cycle()
     assert not steady.future.done() and ep.inflight == 2
+    for d in done(flood):
+        d.reservation.release()
+    fc.close()
+    assert ep.inflight == 0
+
+
+async def test_no_headroom_without_a_bound_to_overcommit():
+    fc, ds = setup(decode=False, max_inflight=None, max_prefill_requests=1)
+    ep = ds.get(A)
+    flood = [fc.enqueue("flood", MODEL, ident("flood"), 10, 100) for _ in range(5)]
+    fc.run_cycle()
+    steady = fc.enqueue("steady", MODEL, ident("steady"), 10, 100)
+    fc.run_cycle()
+    assert len(done(flood)) == 1 and not steady.future.done() and ep.inflight == 1
     for d in done(flood):
         d.reservation.release()
     fc.close()
