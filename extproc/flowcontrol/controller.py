@@ -11,7 +11,9 @@ The cycle is a callback on the event loop, not a task: `wake()` schedules it (on
 reservation's release or first token, on a scrape), and while anything waits a timer re-runs it
 every `tick_s` (prefill credited by time passing, scrapes, expiries). Each pool: drop expired
 tickets (503 `queue_timeout`), then dispatch heads — band by strict priority, flow by the
-fairness policy, ticket by the flow's ordering — until the gate refuses or the pool is empty.
+fairness policy, ticket by the flow's ordering — until the gate refuses or the pool is empty;
+when it refuses, the band's other flows below their weighted share of the pool's in-flight
+requests go past it (the fair-share headroom, decision 0311).
 A refused head stops only its own pool. At most `MAX_PER_CYCLE` dispatches per callback, so a
 long queue never stalls the loop; the rest go on the next callback.
 """
