@@ -16,7 +16,8 @@ Shape::
         critical:  {ttl_s: 60}
         standard:  {ttl_s: 30}
         sheddable: {ttl_s: 10, max_requests: 2000}
-      gate: {mode: router, max_prefill_requests: 4, max_engine_waiting: 0, max_predicted_ttft_ms: null}
+      gate: {mode: router, max_prefill_requests: 4, max_engine_waiting: 0, max_predicted_ttft_ms: null,
+             max_inflight: null, max_inflight_tokens: null, fair_share_headroom: true}
       slo_header: {name: x-slo-ttft-ms, trusted: false, max_ms: 600000}
       fairness_header: {name: x-llm-d-inference-fairness-id, trusted: false}
       objective_header: {name: x-llm-d-inference-objective, trusted: false}
