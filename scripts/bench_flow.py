@@ -34,6 +34,8 @@ simulated milliseconds. Run under `flock /tmp/bench.lock` (each run starts a fle
     flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py fairness --modes off,flow --seeds 3
     flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py weights --modes off,flow
     flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py overload --modes no-gate,off,flow
+    # flow mode with another gate (decision 0311's running-load bound):
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py fairness --modes flow --gate '{"max_inflight": 32}'
 """
 
 from __future__ import annotations
