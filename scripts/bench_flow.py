@@ -34,6 +34,8 @@ simulated milliseconds. Run under `flock /tmp/bench.lock` (each run starts a fle
     flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py fairness --modes off,flow --seeds 3
     flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py weights --modes off,flow
     flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py overload --modes no-gate,off,flow
+    # flow mode with another gate (decision 0311's running-load bound):
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_flow.py fairness --modes flow --gate '{"max_inflight": 32}'
 """
 
 from __future__ import annotations
@@ -84,12 +86,16 @@ MODES = {
     "flow": {"flow_control": {"enabled": True, "fairness": "drr"}},
 }
 P50_BOUND, P99_BOUND, SHARE_BOUND = 0.10, 0.25, 0.05
+_GATE: dict[str, Any] = {}
+"""`--gate`: flow mode's `flow_control.gate` (empty: the build's defaults)."""
 
 
 def _mode_config(mode: str, weights: dict[str, float] | None = None) -> dict[str, Any]:
     cfg = json.loads(json.dumps(MODES[mode]))
     if mode == "flow" and weights:
         cfg["flow_control"]["weights"] = weights
+    if mode == "flow" and _GATE:
+        cfg["flow_control"]["gate"] = dict(_GATE)
     return cfg
 
 
@@ -239,11 +245,14 @@ def main() -> None:
     ap.add_argument("--weights-load", type=float, default=1.5, help="weights: each tenant's load (× capacity)")
     ap.add_argument("--traces", default="azure-conv,mooncake-conv", help=f"overload traces, of {', '.join(TRACES)}")
     ap.add_argument("--traces-dir", default="", help="folder of the public traces (default: ../shared/data/traces beside the repository)")
+    ap.add_argument("--gate", default="", help='flow mode\'s flow_control.gate as JSON, e.g. \'{"max_inflight": 8}\' (default: the build\'s)')
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per attempt (simulated seconds)")
     ap.add_argument("--out", default="out/bench_flow.json", help="JSON of every run")
     args = ap.parse_args()
+    if args.gate:
+        _GATE.update(json.loads(args.gate))
     console = Console(width=200)
     settings = StackSettings(profiles=tuple(args.fleet.split(",")), speed=args.speed)
     modes = []

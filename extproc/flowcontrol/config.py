@@ -16,7 +16,8 @@ Shape::
         critical:  {ttl_s: 60}
         standard:  {ttl_s: 30}
         sheddable: {ttl_s: 10, max_requests: 2000}
-      gate: {mode: router, max_prefill_requests: 4, max_engine_waiting: 0, max_predicted_ttft_ms: null}
+      gate: {mode: router, max_prefill_requests: 4, max_engine_waiting: 0, max_predicted_ttft_ms: null,
+             max_inflight: null, max_inflight_tokens: null, fair_share_headroom: true}
       slo_header: {name: x-slo-ttft-ms, trusted: false, max_ms: 600000}
       fairness_header: {name: x-llm-d-inference-fairness-id, trusted: false}
       objective_header: {name: x-llm-d-inference-objective, trusted: false}
@@ -76,8 +77,13 @@ class GateConfig(Strict):
             requests plus those routed since its latest scrape still in prefill (count; None: not read).
         max_predicted_ttft_ms: router: ... and its learned prefill fit predicts the request's
             first token within this (milliseconds; None: not read).
-        max_inflight: concurrency: requests in flight per endpoint (count; None: no cap).
-        max_inflight_tokens: concurrency: decode context in flight per endpoint (tokens; None: no cap).
+        max_inflight: router and concurrency: requests in flight per endpoint, decoding ones
+            included (count; None: no cap; decision 0311).
+        max_inflight_tokens: router and concurrency: decode context in flight per endpoint
+            (tokens; None: no cap).
+        fair_share_headroom: a queued request whose tenant holds fewer of the pool's in-flight
+            requests than its weighted share goes past a closed gate (at most up to twice
+            `max_inflight` per endpoint; only with `max_inflight`; decision 0311).
         queue_depth: utilization: waiting requests that count as full (llm-d's default 5).
         kv_threshold: utilization: KV usage that counts as full (0..1; llm-d's default 0.8).
     """
@@ -88,6 +94,7 @@ class GateConfig(Strict):
     max_predicted_ttft_ms: float | None = Field(default=None, gt=0)
     max_inflight: int | None = Field(default=None, ge=1)
     max_inflight_tokens: int | None = Field(default=None, ge=1)
+    fair_share_headroom: bool = True
     queue_depth: int = Field(default=5, ge=1)
     kv_threshold: float = Field(default=0.8, gt=0, le=1)
 

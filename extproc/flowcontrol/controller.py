@@ -11,7 +11,9 @@ The cycle is a callback on the event loop, not a task: `wake()` schedules it (on
 reservation's release or first token, on a scrape), and while anything waits a timer re-runs it
 every `tick_s` (prefill credited by time passing, scrapes, expiries). Each pool: drop expired
 tickets (503 `queue_timeout`), then dispatch heads — band by strict priority, flow by the
-fairness policy, ticket by the flow's ordering — until the gate refuses or the pool is empty.
+fairness policy, ticket by the flow's ordering — until the gate refuses or the pool is empty;
+when it refuses, the band's other flows below their weighted share of the pool's in-flight
+requests go past it (the fair-share headroom, decision 0311).
 A refused head stops only its own pool. At most `MAX_PER_CYCLE` dispatches per callback, so a
 long queue never stalls the loop; the rest go on the next callback.
 """
@@ -322,20 +324,12 @@ class FlowController:
                 log.exception("scheduling a queued request failed")
                 self._fail(t, ExtProcError("internal error while routing the request"))
                 continue
-            if not admitted:
+            if not admitted and not self._below_fair_share(p, band, flow, routed):
                 blocked = t
+                budget = self._headroom(p, band, flow, budget)
                 break
-            try:
-                reservation = self._reserve(routed)
-            except Exception:
-                log.exception("reserving a queued request failed")
-                self._fail(t, ExtProcError("internal error while routing the request"))
-                continue
-            flow.order.pop()
-            self._fairness.dispatched(band, flow, t)
-            self._remove(t, "dispatched")
-            t.future.set_result(Dispatched(routed, reservation))
-            budget -= 1
+            if self._dispatch(p, band, flow, t, routed):
+                budget -= 1
         saturated = blocked is not None
         if blocked is not None and blocked.band == 0 and not blocked.displaced and self.config.displacement:
             blocked.displaced = self._displace(p.key)
@@ -344,6 +338,92 @@ class FlowController:
             m = self._metrics
             if m is not None:
                 m.child(m.pool_saturated, p.key).set(1 if saturated else 0)
+        return budget
+
+    def _dispatch(self, p: Pool, band: Any, flow: Flow, t: Ticket, routed: Any) -> bool:
+        """Reserve `routed` for `t` and hand both to its waiter; False when reserving failed
+        (the ticket is answered 500)."""
+        try:
+            reservation = self._reserve(routed)
+        except Exception:
+            log.exception("reserving a queued request failed")
+            self._fail(t, ExtProcError("internal error while routing the request"))
+            return False
+        flow.order.pop()
+        self._fairness.dispatched(band, flow, t)
+        self._remove(t, "dispatched")
+        if reservation is not None and self.config.gate.fair_share_headroom:
+            p.inflight.setdefault(flow.id, (flow.weight, []))[1].append(reservation)
+        assert t.future is not None
+        t.future.set_result(Dispatched(routed, reservation))
+        return True
+
+    def _held(self, p: Pool) -> dict[str, tuple[float, int]]:
+        """Per flow id: (its weight, its requests dispatched from `p`'s queues and not yet
+        released (count)); released reservations are dropped here."""
+        out = {}
+        for fid, (weight, held) in list(p.inflight.items()):
+            held[:] = [r for r in held if not r.released]
+            if held:
+                out[fid] = (weight, len(held))
+            else:
+                del p.inflight[fid]
+        return out
+
+    def _shares(self, p: Pool, band: Any) -> tuple[dict[str, tuple[float, int]], int, float]:
+        """The headroom's view of `p`: per flow id (weight, held), the held total (count), and
+        Σ weights of the flows holding some or queued in `band`."""
+        held = self._held(p)
+        weights = sum(f.weight for f in band.flows.values())
+        weights += sum(w for fid, (w, _) in held.items() if fid not in band.flows)
+        return held, sum(n for _, n in held.values()), weights
+
+    def _room_over(self, routed: Any) -> bool:
+        """The overcommit's own bound: the routed endpoint holds fewer than twice `max_inflight`
+        (no `max_inflight`: no headroom, an overcommit with nothing to bound it)."""
+        cap = self.config.gate.max_inflight
+        ep = getattr(routed, "endpoint", None)
+        return ep is not None and cap is not None and ep.inflight < 2 * cap
+
+    def _below_fair_share(self, p: Pool, band: Any, flow: Flow, routed: Any) -> bool:
+        """The fair-share headroom (decision 0311): `flow` holds fewer of the pool's in-flight
+        requests (those dispatched from its queues) than its weighted share of them, weight /
+        Σ weights of the flows holding some or queued in the band. Such a request goes past a
+        closed gate — a light tenant never waits behind a flooder's queue — but never past twice
+        the endpoint's `max_inflight` (the overcommit is bounded by the bound itself). A flow
+        alone holds its whole share: it never goes past the gate."""
+        if not self.config.gate.fair_share_headroom or not self._room_over(routed):
+            return False
+        held, total, weights = self._shares(p, band)
+        return held.get(flow.id, (flow.weight, 0))[1] < total * flow.weight / weights
+
+    def _headroom(self, p: Pool, band: Any, refused: Flow, budget: int) -> int:
+        """The gate refused `refused`'s head: dispatch the heads of the band's other flows that
+        are below their fair share (`_below_fair_share`), each as long as it stays below; stops
+        at the first endpoint at twice its bound. One pass over the band's flows and one
+        `schedule` per flow below its share. Returns the budget left."""
+        if not self.config.gate.fair_share_headroom:
+            return budget
+        held, total, weights = self._shares(p, band)
+        for flow in list(band.flows.values()):
+            if flow is refused:
+                continue
+            mine = held.get(flow.id, (flow.weight, 0))[1]
+            while budget > 0 and flow.live and mine < total * flow.weight / weights:
+                t = flow.head()
+                if t is None or t.future is None or t.future.done():
+                    break
+                try:
+                    routed = self._schedule(t.counted)
+                except ExtProcError:
+                    break  # "not now" or its own error: its turn in the cycle answers it
+                if not self._room_over(routed):
+                    return budget
+                if not self._dispatch(p, band, flow, t, routed):
+                    break
+                budget -= 1
+                mine += 1
+                total += 1
         return budget
 
     def _fail(self, t: Ticket, err: ExtProcError) -> None:

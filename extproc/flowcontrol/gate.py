@@ -7,7 +7,10 @@ Three shapes (`flow_control.gate.mode`, docs/decisions/0310 for the trade-off):
   token. That count is ours: it moves at the moment of each reservation (synchronously, in
   the decision), at each first token and each release, and it includes every replica's picks
   (`extproc.replicas.sync` applies the others' reservations to the same `Endpoint`), so a burst
-  cannot pass on a scrape taken before it. Then, when configured, the engine's own reported
+  cannot pass on a scrape taken before it. Then the running load (decision 0311): fewer than
+  `max_inflight` requests in flight there (decoding ones included) and, when configured, the
+  decode context in flight within `max_inflight_tokens` — without it a flooder's decodes fill
+  the engine's batch and every other tenant's tokens slow with it. Then, when configured, the engine's own reported
   queue (`max_engine_waiting`: a scraped number can only close the gate, and a stale high value
   closes it until the next scrape — conservative) and the predicted TTFT (the ttft-estimate scorer's for this endpoint, else the learned prefill fit's)
   for this request behind the prefill already there (`max_predicted_ttft_ms`).
@@ -91,6 +94,8 @@ class Gate:
         cfg = self.config
         if ep.prefill_inflight >= cfg.max_prefill_requests:
             return False
+        if not self._within_inflight(routed, ep):  # the decode load, not only the prefill queue
+            return False
         engine = ep.engine
         if cfg.max_engine_waiting is not None and engine is not None and engine.waiting > cfg.max_engine_waiting:
             return False
@@ -108,6 +113,13 @@ class Gate:
         ep = routed.endpoint
         if ep is None:
             return True
+        return self._within_inflight(routed, ep)
+
+    def _within_inflight(self, routed: Any, ep: Endpoint) -> bool:
+        """The running-load bound (router and concurrency): fewer than `max_inflight` requests
+        in flight on the endpoint, and its decode context plus this request's within
+        `max_inflight_tokens` (an endpoint with nothing in flight always takes one, so a request
+        larger than the bound is never blocked for good)."""
         cfg = self.config
         if cfg.max_inflight is not None and ep.inflight >= cfg.max_inflight:
             return False

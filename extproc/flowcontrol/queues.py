@@ -117,9 +117,11 @@ class BandQueue:
 
 
 class Pool:
-    """The queues of one model pool: its bands in priority order and an expiry heap."""
+    """The queues of one model pool: its bands in priority order, an expiry heap, and the
+    weight and the reservations dispatched from its queues per flow id while they last (`inflight`: the
+    fair-share headroom reads it; released ones are dropped when it is read)."""
 
-    __slots__ = ("key", "bands", "live", "expiry", "saturated")
+    __slots__ = ("key", "bands", "live", "expiry", "saturated", "inflight")
 
     def __init__(self, key: str, band_names: tuple[str, ...]) -> None:
         self.key = key
@@ -127,3 +129,4 @@ class Pool:
         self.live = 0
         self.expiry: list[tuple[float, int, Ticket]] = []
         self.saturated = False
+        self.inflight: dict[str, tuple[float, list[Any]]] = {}

@@ -117,3 +117,35 @@ def test_an_endpoint_back_under_the_same_address_starts_from_zero():
     assert new.inflight == 0 and new.prefill_inflight == 0 and new.prefill_tokens == 0
     assert old.inflight == 0 and old.prefill_inflight == 0
     assert Gate(GateConfig(max_prefill_requests=1)).admits(routed(new))
+
+
+def test_router_gate_bounds_the_decode_load_not_only_the_prefill_queue():
+    # Issue 27's miss (decision 0311): requests past their first token left the router's count,
+    # so a flooder's decodes filled the engine's batch. They now count against max_inflight.
+    ds = store()
+    ep = ds.get(A)
+    gate = Gate(GateConfig(max_prefill_requests=8, max_inflight=3))
+    held = []
+    while gate.admits(routed(ep)):
+        r = ds.reserve(ep, prompt_tokens=100)
+        r.mark_first_token()  # decoding: no longer in prefill
+        held.append(r)
+        assert len(held) <= 3
+    assert len(held) == 3 and ep.prefill_inflight == 0
+    held.pop().release()
+    assert gate.admits(routed(ep))  # a stream ended: room for one
+    for r in held:
+        r.release()
+
+
+def test_router_gate_bounds_decode_context_tokens():
+    ds = store()
+    ep = ds.get(A)
+    gate = Gate(GateConfig(max_prefill_requests=8, max_inflight=None, max_inflight_tokens=1000))
+    big = routed(ep, prompt=5000)
+    assert gate.admits(big)  # alone it waits for nobody
+    r = ds.reserve(ep, prompt_tokens=5000, context_tokens=5025)
+    r.mark_first_token()
+    assert not gate.admits(routed(ep))
+    r.release()
+    assert gate.admits(routed(ep))

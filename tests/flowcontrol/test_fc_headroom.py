@@ -1,0 +1,90 @@
+"""The running-load bound and the fair-share headroom together (decision 0311), on real
+datastore endpoints and the real router gate: a flooder fills the endpoint up to
+`max_inflight`, its decodes included, and waits in the gateway queue; a light tenant's request
+behind that queue goes at once while its share of the in-flight requests is below its weighted
+share, never past twice the bound; every reservation is returned."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from extproc.config.schema import EndpointConfig
+from extproc.datastore.endpoints import Datastore
+from extproc.flowcontrol.config import FlowControlConfig
+from extproc.flowcontrol.controller import FlowController
+from extproc.flowcontrol.gate import Gate
+from extproc.flowcontrol.identity import FlowIdentity
+
+A = "127.0.0.1:18011"
+MODEL = "m"
+
+
+def setup(decode: bool = True, **gate) -> tuple[FlowController, Datastore]:
+    ds = Datastore([EndpointConfig(address=A, models=[MODEL])])
+    ep = ds.get(A)
+    cfg = FlowControlConfig(enabled=True, gate={"max_prefill_requests": 8, "max_inflight": 2, **gate})
+
+    def schedule(counted):
+        request = SimpleNamespace(prompt_tokens=100, sequences=1, served_model=MODEL)
+        return SimpleNamespace(endpoint=ep, request=request, prefill_tokens=100, decode_tokens=50, predicted_ttft_s=None, tenant=counted)
+
+    def reserve(routed):
+        r = ds.reserve(ep, prompt_tokens=100)
+        if decode:
+            r.mark_first_token()  # decoding at once: only the running-load bound holds them
+        return r
+
+    return FlowController(cfg, Gate(cfg.gate), schedule=schedule, reserve=reserve), ds
+
+
+def ident(tenant: str, weight: float = 1.0) -> FlowIdentity:
+    return FlowIdentity(tenant, tenant, 1, weight, None, 30.0)
+
+
+def done(tickets) -> list:
+    return [t.future.result() for t in tickets if t.future.done()]
+
+
+async def test_a_light_tenant_goes_past_a_flooders_queue_and_the_bound_holds_the_flood():
+    fc, ds = setup()
+    ep = ds.get(A)
+    flood = [fc.enqueue("flood", MODEL, ident("flood"), 10, 100) for _ in range(10)]
+    fc.run_cycle()
+    assert len(done(flood)) == 2 and ep.inflight == 2  # decoding requests hold the bound
+    steady = [fc.enqueue("steady", MODEL, ident("steady"), 10, 100) for _ in range(3)]
+    fc.run_cycle()
+    # Below its fair share, the light tenant goes past the closed gate, up to twice the bound.
+    assert len(done(steady)) == 2 and ep.inflight == 4
+    assert len(done(flood)) == 2  # the flood still waits in the gateway queue
+    for d in done(flood) + done(steady):
+        d.reservation.release()
+    assert ep.inflight == 0
+    fc.close()
+
+
+async def test_without_headroom_the_light_tenant_waits_for_the_bound():
+    fc, ds = setup(fair_share_headroom=False)
+    ep = ds.get(A)
+    flood = [fc.enqueue("flood", MODEL, ident("flood"), 10, 100) for _ in range(10)]
+    fc.run_cycle()
+    steady = fc.enqueue("steady", MODEL, ident("steady"), 10, 100)
+    fc.run_cycle()
+    assert not steady.future.done() and ep.inflight == 2
+    for d in done(flood):
+        d.reservation.release()
+    fc.close()
+    assert ep.inflight == 0
+
+
+async def test_no_headroom_without_a_bound_to_overcommit():
+    fc, ds = setup(decode=False, max_inflight=None, max_prefill_requests=1)
+    ep = ds.get(A)
+    flood = [fc.enqueue("flood", MODEL, ident("flood"), 10, 100) for _ in range(5)]
+    fc.run_cycle()
+    steady = fc.enqueue("steady", MODEL, ident("steady"), 10, 100)
+    fc.run_cycle()
+    assert len(done(flood)) == 1 and not steady.future.done() and ep.inflight == 1
+    for d in done(flood):
+        d.reservation.release()
+    fc.close()
+    assert ep.inflight == 0
