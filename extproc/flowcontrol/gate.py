@@ -77,13 +77,16 @@ class Gate:
         endpoints it passes, so a busy favourite does not hold a request an idle endpoint can take."""
 
     def _router_open(self, ep: Endpoint) -> bool:
+        """Router mode's tests that read the endpoint alone: its prefill count, its in-flight
+        count (`max_inflight`) and the engine's reported queue."""
         cfg = self.config
-        if ep.prefill_inflight >= cfg.max_prefill_requests:
+        if ep.prefill_inflight >= cfg.max_prefill_requests or not self._concurrency_open(ep):
             return False
         engine = ep.engine
         return cfg.max_engine_waiting is None or engine is None or engine.waiting <= cfg.max_engine_waiting
 
     def _concurrency_open(self, ep: Endpoint) -> bool:
+        """Fewer than `max_inflight` requests in flight on `ep` (no cap: always)."""
         cap = self.config.max_inflight
         return cap is None or ep.inflight < cap
 
@@ -91,14 +94,10 @@ class Gate:
         ep = routed.endpoint
         if ep is None:  # tier mode: Envoy picks the endpoint; nothing of ours to read
             return True
+        # The endpoint's own tests, then the decode context (the decode load, not only the prefill queue).
+        if not self._router_open(ep) or not self._within_tokens(routed, ep):
+            return False
         cfg = self.config
-        if ep.prefill_inflight >= cfg.max_prefill_requests:
-            return False
-        if not self._within_inflight(routed, ep):  # the decode load, not only the prefill queue
-            return False
-        engine = ep.engine
-        if cfg.max_engine_waiting is not None and engine is not None and engine.waiting > cfg.max_engine_waiting:
-            return False
         if cfg.max_predicted_ttft_ms is not None:
             # The ttft-estimate scorer's prediction for this endpoint when the profile made one
             # (prefix-aware, decode stalls included), else the fit over the prefill ahead.
@@ -113,21 +112,18 @@ class Gate:
         ep = routed.endpoint
         if ep is None:
             return True
-        return self._within_inflight(routed, ep)
+        return self._concurrency_open(ep) and self._within_tokens(routed, ep)
 
-    def _within_inflight(self, routed: Any, ep: Endpoint) -> bool:
-        """The running-load bound (router and concurrency): fewer than `max_inflight` requests
-        in flight on the endpoint, and its decode context plus this request's within
-        `max_inflight_tokens` (an endpoint with nothing in flight always takes one, so a request
-        larger than the bound is never blocked for good)."""
-        cfg = self.config
-        if cfg.max_inflight is not None and ep.inflight >= cfg.max_inflight:
-            return False
-        if cfg.max_inflight_tokens is not None and ep.inflight > 0:
-            own = routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2
-            if ep.context_tokens + own > cfg.max_inflight_tokens:
-                return False
-        return True
+    def _within_tokens(self, routed: Any, ep: Endpoint) -> bool:
+        """The running-load bound's token half (router and concurrency): the endpoint's decode
+        context plus this request's (tokens) within `max_inflight_tokens` (an endpoint with
+        nothing in flight always takes one, so a request larger than the bound is never
+        blocked for good). The count half is `_concurrency_open`."""
+        cap = self.config.max_inflight_tokens
+        if cap is None or ep.inflight == 0:
+            return True
+        own = routed.request.prompt_tokens + routed.decode_tokens * routed.request.sequences // 2
+        return ep.context_tokens + own <= cap
 
     def _utilization(self, routed: Any) -> bool:
         ep = routed.endpoint

@@ -149,3 +149,18 @@ def test_router_gate_bounds_decode_context_tokens():
     assert not gate.admits(routed(ep))
     r.release()
     assert gate.admits(routed(ep))
+
+
+def test_the_per_endpoint_test_holds_every_endpoint_bound_of_the_request_test():
+    # The runners-up are the endpoints `endpoint_open` passes: in router mode it missed
+    # max_inflight, so a runner-up full of decodes was scheduled, then refused by `admits`,
+    # and the request queued although another runner-up was open.
+    ds = store()
+    ep = ds.get(A)
+    for mode in ("router", "concurrency"):
+        gate = Gate(GateConfig(mode=mode, max_prefill_requests=8, max_inflight=1))
+        r = ds.reserve(ep, prompt_tokens=100)
+        r.mark_first_token()
+        assert not gate.admits(routed(ep)) and not gate.endpoint_open(ep), mode
+        r.release()
+        assert gate.admits(routed(ep)) and gate.endpoint_open(ep), mode
