@@ -399,9 +399,10 @@ class FlowController:
 
     def _headroom(self, p: Pool, band: Any, refused: Flow, budget: int) -> int:
         """The gate refused `refused`'s head: dispatch the heads of the band's other flows that
-        are below their fair share (`_below_fair_share`), each as long as it stays below; stops
-        at the first endpoint at twice its bound. One pass over the band's flows and one
-        `schedule` per flow below its share. Returns the budget left."""
+        are below their fair share (`_below_fair_share`), each as long as it stays below, routed
+        as the cycle routes (`route`: an open runner-up first, else past the closed gate); stops
+        at the first endpoint at twice its bound. One pass over the band's flows and one `route`
+        per head dispatched (plus the one that stops it). Returns the budget left."""
         if not self.config.gate.fair_share_headroom:
             return budget
         held, total, weights = self._shares(p, band)
@@ -414,10 +415,10 @@ class FlowController:
                 if t is None or t.future is None or t.future.done():
                     break
                 try:
-                    routed = self._schedule(t.counted)
+                    routed, admitted = self.route(t.counted)  # an open runner-up before an overcommit
                 except ExtProcError:
                     break  # "not now" or its own error: its turn in the cycle answers it
-                if not self._room_over(routed):
+                if not admitted and not self._room_over(routed):
                     return budget
                 if not self._dispatch(p, band, flow, t, routed):
                     break

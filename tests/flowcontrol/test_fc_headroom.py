@@ -15,7 +15,7 @@ from extproc.flowcontrol.controller import FlowController
 from extproc.flowcontrol.gate import Gate
 from extproc.flowcontrol.identity import FlowIdentity
 
-A = "127.0.0.1:18011"
+A, B = "127.0.0.1:18011", "127.0.0.1:18012"
 MODEL = "m"
 
 
@@ -88,3 +88,37 @@ async def test_no_headroom_without_a_bound_to_overcommit():
         d.reservation.release()
     fc.close()
     assert ep.inflight == 0
+
+
+async def test_the_headroom_takes_an_open_runner_up_before_overcommitting_a_closed_endpoint():
+    # A light tenant below its share whose favourite is full goes to an open runner-up, as the
+    # cycle's own `route` would send it, not past the gate on its favourite.
+    ds = Datastore([EndpointConfig(address=a, models=[MODEL]) for a in (A, B)])
+    a, b = ds.get(A), ds.get(B)
+    cfg = FlowControlConfig(enabled=True, gate={"max_prefill_requests": 8, "max_inflight": 2})
+
+    def schedule(counted):
+        choices = [a] if counted.who == "flood" else [a, b]  # the flooder's filters keep only A
+        ep, *rest = [e for e in choices if counted.subset is None or counted.subset(e)]
+        request = SimpleNamespace(prompt_tokens=100, sequences=1, served_model=MODEL)
+        pick = SimpleNamespace(fallbacks=[SimpleNamespace(endpoint=e) for e in rest])
+        return SimpleNamespace(
+            endpoint=ep, request=request, prefill_tokens=100, decode_tokens=50, predicted_ttft_s=None, result=SimpleNamespace(pick=pick)
+        )
+
+    def reserve(routed):
+        r = ds.reserve(routed.endpoint, prompt_tokens=100)
+        r.mark_first_token()
+        return r
+
+    fc = FlowController(cfg, Gate(cfg.gate), schedule=schedule, reserve=reserve)
+    flood = [fc.enqueue(SimpleNamespace(who="flood", subset=None), MODEL, ident("flood"), 10, 100) for _ in range(5)]
+    fc.run_cycle()
+    assert len(done(flood)) == 2 and a.inflight == 2
+    steady = fc.enqueue(SimpleNamespace(who="steady", subset=None), MODEL, ident("steady"), 10, 100)
+    fc.run_cycle()
+    assert steady.future.done() and steady.future.result().routed.endpoint is b
+    assert a.inflight == 2 and b.inflight == 1
+    for d in done(flood) + done([steady]):
+        d.reservation.release()
+    fc.close()
