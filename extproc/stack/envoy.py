@@ -345,7 +345,7 @@ class RunSettings:
         message_timeout_s: the ext_proc filter's `message_timeout` (seconds): how long Envoy
             waits for each answer. A request held in a flow-control queue is answered only when
             dispatched, so it must exceed the longest queue wait plus a decision
-            (`message_timeout_for`); None keeps the config's (2 s in the shipped files).
+            (`FlowControlConfig.message_timeout_s`); None keeps the config's (2 s in the shipped files).
     """
 
     listener: tuple[str, int] | None = ("127.0.0.1", 0)
