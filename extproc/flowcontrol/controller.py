@@ -158,7 +158,6 @@ class FlowController:
         flow.live += 1
         flow.bytes += nbytes
         band.live += 1
-        band.bytes += nbytes
         p.live += 1
         self.live += 1
         self.bytes += nbytes
@@ -442,7 +441,6 @@ class FlowController:
         flow.live -= 1
         flow.bytes -= t.nbytes
         band.live -= 1
-        band.bytes -= t.nbytes
         p.live -= 1
         self.live -= 1
         self.bytes -= t.nbytes
@@ -519,7 +517,7 @@ class FlowController:
                             "head_wait_s": round(now - head.arrived, 3) if head is not None else None,
                         }
                     )
-                bands.append({"band": b.name, "queued": b.live, "bytes": b.bytes, "flows": len(b.flows), "top_flows": rows})
+                bands.append({"band": b.name, "queued": b.live, "bytes": sum(f.bytes for f in b.flows.values()), "flows": len(b.flows), "top_flows": rows})
             pools.append({"model": p.key, "queued": p.live, "saturated": p.saturated, "bands": bands})
         cfg = self.config
         return {

@@ -91,16 +91,17 @@ class Flow:
 class BandQueue:
     """The flows of one priority band that hold at least one ticket, in ring order (insertion
     order of the dict: round robin and DRR rotate by moving a flow to the end), and the band's
-    tickets in arrival order (`arrivals`, dead ones dropped lazily: global FCFS reads its head)."""
+    tickets in arrival order (`arrivals`, dead ones dropped lazily: global FCFS reads its head).
+    `live`: its tickets queued (count); their bytes are the sum of its flows' (no count of its own:
+    only the admin page reads them)."""
 
-    __slots__ = ("index", "name", "flows", "live", "bytes", "arrivals")
+    __slots__ = ("index", "name", "flows", "live", "arrivals")
 
     def __init__(self, index: int, name: str) -> None:
         self.index = index
         self.name = name
         self.flows: dict[str, Flow] = {}
         self.live = 0
-        self.bytes = 0
         self.arrivals: deque[Ticket] = deque()
 
     def oldest(self) -> Ticket:

@@ -156,6 +156,7 @@ async def test_expiry_answers_503_and_cancellation_leaves_no_count():
     kept = put(fc, "kept", ident("b"), nbytes=25)
     fc.cancel(gone)
     assert fc.live == 2 and fc.bytes == 125
+    assert fc.snapshot()["pools"][0]["bands"][1]["bytes"] == 125  # the band's: its flows' bytes
     clock.t += 1.5
     dispatch(fc, slots, 0)
     with pytest.raises(NoEndpointError) as err:
