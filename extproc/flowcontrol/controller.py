@@ -103,6 +103,8 @@ class FlowController:
         self._soon: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self._headroom_on = config.gate.fair_share_headroom and config.gate.max_inflight is not None
+        """The fair-share headroom acts (it needs `max_inflight` to bound its overcommit)."""
         self.evictable: dict[Any, str] = {}
         """Displacement: in-flight sheddable streams that can be evicted → their pool, oldest first."""
 
@@ -323,10 +325,13 @@ class FlowController:
                 log.exception("scheduling a queued request failed")
                 self._fail(t, ExtProcError("internal error while routing the request"))
                 continue
-            if not admitted and not self._below_fair_share(p, band, flow, routed):
-                blocked = t
-                budget = self._headroom(p, band, flow, budget)
-                break
+            if not admitted:
+                shares = self._shares(p, band) if self._headroom_on else None
+                if shares is None or not (self._room_over(routed) and self._below_fair_share(flow, shares)):
+                    blocked = t
+                    if shares is not None:
+                        budget = self._headroom(p, band, flow, budget, shares)
+                    break
             if self._dispatch(p, band, flow, t, routed):
                 budget -= 1
         saturated = blocked is not None
@@ -351,15 +356,19 @@ class FlowController:
         flow.order.pop()
         self._fairness.dispatched(band, flow, t)
         self._remove(t, "dispatched")
-        if reservation is not None and self.config.gate.fair_share_headroom:
+        if reservation is not None and self._headroom_on:
             p.inflight.setdefault(flow.id, (flow.weight, []))[1].append(reservation)
+            p.prune_in -= 1
+            if p.prune_in <= 0:  # the cycle reads them only when the gate refuses: never let them pile up
+                self._held(p)
         assert t.future is not None
         t.future.set_result(Dispatched(routed, reservation))
         return True
 
     def _held(self, p: Pool) -> dict[str, tuple[float, int]]:
         """Per flow id: (its weight, its requests dispatched from `p`'s queues and not yet
-        released (count)); released reservations are dropped here."""
+        released (count)); released reservations are dropped here, and the next prune comes
+        after as many dispatches again plus 64 (amortised O(1) per dispatch)."""
         out = {}
         for fid, (weight, held) in list(p.inflight.items()):
             held[:] = [r for r in held if not r.released]
@@ -367,6 +376,7 @@ class FlowController:
                 out[fid] = (weight, len(held))
             else:
                 del p.inflight[fid]
+        p.prune_in = sum(n for _, n in out.values()) + 64
         return out
 
     def _shares(self, p: Pool, band: Any) -> tuple[dict[str, tuple[float, int]], int, float]:
@@ -384,27 +394,25 @@ class FlowController:
         ep = getattr(routed, "endpoint", None)
         return ep is not None and cap is not None and ep.inflight < 2 * cap
 
-    def _below_fair_share(self, p: Pool, band: Any, flow: Flow, routed: Any) -> bool:
+    @staticmethod
+    def _below_fair_share(flow: Flow, shares: tuple[dict[str, tuple[float, int]], int, float]) -> bool:
         """The fair-share headroom (decision 0311): `flow` holds fewer of the pool's in-flight
         requests (those dispatched from its queues) than its weighted share of them, weight /
-        Σ weights of the flows holding some or queued in the band. Such a request goes past a
-        closed gate — a light tenant never waits behind a flooder's queue — but never past twice
-        the endpoint's `max_inflight` (the overcommit is bounded by the bound itself). A flow
-        alone holds its whole share: it never goes past the gate."""
-        if not self.config.gate.fair_share_headroom or not self._room_over(routed):
-            return False
-        held, total, weights = self._shares(p, band)
+        Σ weights of the flows holding some or queued in the band (`shares`: `_shares`). Such a
+        request goes past a closed gate — a light tenant never waits behind a flooder's queue —
+        but never past twice the endpoint's `max_inflight` (`_room_over`, the caller's test).
+        A flow alone holds its whole share: it never goes past the gate."""
+        held, total, weights = shares
         return held.get(flow.id, (flow.weight, 0))[1] < total * flow.weight / weights
 
-    def _headroom(self, p: Pool, band: Any, refused: Flow, budget: int) -> int:
+    def _headroom(self, p: Pool, band: Any, refused: Flow, budget: int, shares: tuple[dict[str, tuple[float, int]], int, float]) -> int:
         """The gate refused `refused`'s head: dispatch the heads of the band's other flows that
         are below their fair share (`_below_fair_share`), each as long as it stays below, routed
         as the cycle routes (`route`: an open runner-up first, else past the closed gate); stops
         at the first endpoint at twice its bound. One pass over the band's flows and one `route`
-        per head dispatched (plus the one that stops it). Returns the budget left."""
-        if not self.config.gate.fair_share_headroom:
-            return budget
-        held, total, weights = self._shares(p, band)
+        per head dispatched (plus the one that stops it). `shares`: `_shares(p, band)`, read
+        when the gate refused. Returns the budget left."""
+        held, total, weights = shares
         for flow in list(band.flows.values()):
             if flow is refused:
                 continue

@@ -120,9 +120,10 @@ class BandQueue:
 class Pool:
     """The queues of one model pool: its bands in priority order, an expiry heap, and the
     weight and the reservations dispatched from its queues per flow id while they last (`inflight`: the
-    fair-share headroom reads it; released ones are dropped when it is read)."""
+    fair-share headroom reads it; released ones are dropped when it is read, and at the latest
+    when `prune_in` more have been added)."""
 
-    __slots__ = ("key", "bands", "live", "expiry", "saturated", "inflight")
+    __slots__ = ("key", "bands", "live", "expiry", "saturated", "inflight", "prune_in")
 
     def __init__(self, key: str, band_names: tuple[str, ...]) -> None:
         self.key = key
@@ -131,3 +132,4 @@ class Pool:
         self.expiry: list[tuple[float, int, Ticket]] = []
         self.saturated = False
         self.inflight: dict[str, tuple[float, list[Any]]] = {}
+        self.prune_in = 64

@@ -122,3 +122,17 @@ async def test_the_headroom_takes_an_open_runner_up_before_overcommitting_a_clos
     for d in done(flood) + done([steady]):
         d.reservation.release()
     fc.close()
+
+
+async def test_released_reservations_do_not_pile_up_while_the_gate_admits():
+    # The headroom reads its per-flow reservations only when the gate refuses; dispatched and
+    # released ones were kept until then (for ever without max_inflight, the shipped default).
+    for bound in (None, 1000):
+        fc, ds = setup(max_inflight=bound)
+        for _ in range(500):
+            t = fc.enqueue("flood", MODEL, ident("flood"), 10, 100)
+            fc.run_cycle()
+            t.future.result().reservation.release()
+        kept = sum(len(held) for p in fc._pools.values() for _, held in p.inflight.values())  # noqa: SLF001
+        assert kept <= 64 + 1, bound
+        fc.close()
