@@ -207,7 +207,7 @@ class FlowController:
         routed = self._schedule(counted)
         if self.gate.admits(routed):
             return routed, True
-        is_open = getattr(self.gate, "endpoint_open", None)  # a test's stand-in gate may have none
+        is_open = self.gate.endpoint_open
         if is_open is None or getattr(routed, "endpoint", None) is None:
             return routed, False
         # Among the first run's runners-up only (they passed its filters): an endpoint a filter
