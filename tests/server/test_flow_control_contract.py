@@ -117,6 +117,17 @@ async def test_a_request_past_its_band_ttl_is_a_503(make_app, tmp_path):
     assert expired["reason"] == "queue_timeout" and expired["status"] == 503 and expired["queue_ms"] >= 200
 
 
+async def _nothing_stale_dispatched(app, held: list) -> None:
+    """After every queued client left: room appears on a held endpoint (its first token) and no
+    reservation is made for the departed; then the held streams end."""
+    await held[0].write(_ok_headers())
+    await held[0].read()
+    await asyncio.sleep(0.1)
+    assert app.store.open_reservations == 2
+    for c in held:
+        c.cancel()
+
+
 async def test_a_client_leaving_while_queued_leaves_nothing_behind(make_app):
     limited = {"enabled": True, "default": {"tokens_per_minute": 100_000, "requests_per_minute": 1000}}
     app = await make_app(flow_control=_fc(), ratelimit=limited)
@@ -142,13 +153,7 @@ async def test_a_client_leaving_while_queued_leaves_nothing_behind(make_app):
         assert app.flow.bytes == 0
         assert (await used())[0] == before[0], "the charge of a request that left while queued is given back"
         assert app.store.open_reservations == 2
-        # Room appears: nothing stale is dispatched (no reservation made for the departed).
-        await held[0].write(_ok_headers())
-        await held[0].read()
-        await asyncio.sleep(0.1)
-        assert app.store.open_reservations == 2
-        for c in held:
-            c.cancel()
+        await _nothing_stale_dispatched(app, held)
     await wait_until(lambda: app.store.open_reservations == 0)
     assert app.metrics.registry.get_sample_value("llm_extproc_flow_queued_requests", {"band": "standard", "tenant": tenant.label}) == 0
 
@@ -286,12 +291,7 @@ async def test_two_thousand_streams_cancelled_while_queued_leak_nothing(make_app
         assert after.inflight == 2, "the queued requests' concurrency slots are free again"
         assert after.tokens == before.tokens, "every charge of a request that left while queued is given back"
         assert app.store.open_reservations == 2 and sum(ep.inflight for ep in app.store.all()) == 2
-        await held[0].write(_ok_headers())
-        await held[0].read()
-        await asyncio.sleep(0.05)
-        assert app.store.open_reservations == 2
-        for c in held:
-            c.cancel()
+        await _nothing_stale_dispatched(app, held)
     await wait_until(lambda: app.store.open_reservations == 0)
     assert app.metrics.registry.get_sample_value("llm_extproc_flow_requests_total", {"band": "standard", "outcome": "cancelled"}) == 2000
 
