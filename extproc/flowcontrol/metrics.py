@@ -23,7 +23,7 @@ class FlowMetrics:
         self.queue_seconds = Histogram(
             "llm_extproc_flow_queue_seconds",
             "Seconds a request waited in a flow-control queue, by band and outcome "
-            "(dispatched, expired, cancelled, rejected, shutdown).",
+            "(dispatched, expired, cancelled, failed, shutdown).",
             ["band", "outcome"],
             buckets=_QUEUE_BUCKETS,
             registry=registry,
@@ -31,7 +31,8 @@ class FlowMetrics:
         self.requests = Counter(
             "llm_extproc_flow_requests_total",
             "Generation requests through flow control by outcome: immediate (no queue), queued, dispatched, "
-            "queue_full (429), expired (503), cancelled (client left while queued), failed, shutdown (503).",
+            "queue_full (429), expired (503), cancelled (client left while queued), failed, shutdown (503), "
+            "displaced (a streaming sheddable request evicted for a waiting critical one).",
             ["band", "outcome"],
             registry=registry,
         )
