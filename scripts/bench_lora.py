@@ -35,14 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 
 from extproc.bench.lora_workload import LoraWorkloadSpec, lora_workload
 from extproc.bench.policies import parse_policies
 from extproc.bench.prompts import PromptSynthesizer
 from extproc.bench.results import SLO, LabeledRun, percentiles, summarize_run
-from extproc.bench.runner import ReplayOptions, Workload, auto_speed, fleet_prefill_capacity, replay
+from extproc.bench.runner import ReplayOptions, Workload, auto_speed, fleet_prefill_capacity, get_all, replay
 from extproc.bench.stacks import PolicyStack, StackSettings
 from extproc.pipeline.tokens import TokenCounter
 from extproc.stack.fleet import NAMED_FLEETS, LoraFleet, adapter_names
@@ -54,14 +53,8 @@ MAX_WALL_RPS = 15.0
 
 async def adapter_loads(urls: list[str]) -> int | None:
     """Adapter loads so far over the engines (`/sim/state`'s `lora.loads`), None if one fails."""
-    try:
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            states = await asyncio.gather(*(client.get(f"{u}/sim/state") for u in urls))
-    except httpx.HTTPError:
-        return None
-    if any(s.status_code != 200 for s in states):
-        return None
-    return sum((s.json().get("lora") or {}).get("loads", 0) for s in states)
+    states = await get_all(urls, "/sim/state", timeout_s=5.0)
+    return None if states is None else sum((s.json().get("lora") or {}).get("loads", 0) for s in states)
 
 
 async def run_policy(policy_name: str, workload: Workload, prompts: PromptSynthesizer, settings: StackSettings, console: Console) -> tuple[LabeledRun, int | None]:
