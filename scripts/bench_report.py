@@ -174,13 +174,11 @@ def capacity_tables(results: list[SeededResult]) -> list[str]:
         points: dict[str, list[LoadPoint]] = {}
         bounds = None
         for r in rs:
-            table = aggregate(r.valid_runs())
-            for policy, figs in table.items():
-                if not {"ttft_p99_ms", "tpot_p99_ms"} <= set(figs) or not any(
-                    v.policy == policy and v.offered_rps for v in r.valid_runs()
-                ):
+            valid = r.valid_runs()
+            for policy, figs in aggregate(valid).items():
+                offered = [v.offered_rps for v in valid if v.policy == policy and v.offered_rps]
+                if not offered or not {"ttft_p99_ms", "tpot_p99_ms"} <= set(figs):
                     continue
-                offered = [v.offered_rps for v in r.valid_runs() if v.policy == policy and v.offered_rps]
                 point = LoadPoint(sum(offered) / len(offered), figs["ttft_p99_ms"].mean, figs["tpot_p99_ms"].mean)
                 points.setdefault(policy, []).append(point)
                 if policy == baseline and r.settings.get("load", "1") == "1":
