@@ -37,6 +37,7 @@ from typing import Any
 
 from rich.console import Console
 
+from extproc.bench.cli import BENCH_MAX_WALL_RPS
 from extproc.bench.lora_workload import LoraWorkloadSpec, lora_workload
 from extproc.bench.policies import parse_policies
 from extproc.bench.prompts import PromptSynthesizer
@@ -47,8 +48,6 @@ from extproc.pipeline.tokens import TokenCounter
 from extproc.stack.fleet import NAMED_FLEETS, LoraFleet, adapter_names
 
 POLICIES = "llm-extproc-lora,llm-extproc,llm-extproc-lora-activity,envoy-least-request"
-MAX_WALL_RPS = 15.0
-"""Requests per wall second the 2-core machine replays on schedule (`bench --speed auto`'s bound)."""
 
 
 async def adapter_loads(urls: list[str]) -> int | None:
@@ -118,7 +117,7 @@ def main() -> None:
         for load in (float(x) for x in args.loads.split(",")):
             rate = load * fleet_prefill_capacity(profiles) / tokens
             workload = base.scaled(rate / (base.offered_rps or 1.0))
-            speed = round(auto_speed(workload.offered_rps, MAX_WALL_RPS), 3)
+            speed = round(auto_speed(workload.offered_rps, BENCH_MAX_WALL_RPS), 3)
             settings = StackSettings(profiles=profiles, speed=speed, seed=seed, lora=lora)
             for name in args.policies.split(","):
                 run, loads = asyncio.run(run_policy(name, workload, prompts, settings, console))
