@@ -127,6 +127,11 @@ def _tenant(report: TenantReport, name: str):  # type: ignore[no-untyped-def]
     return next(t for t in report.tenants if t.tenant == name)
 
 
+def _row_tenant(row: dict[str, Any], name: str) -> dict[str, Any]:
+    """Tenant `name`'s summary in a result row's dumped report (`_tenant` after a JSON round trip)."""
+    return next(t for t in row["report"]["tenants"] if t["tenant"] == name)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -202,8 +207,7 @@ def _print_summary(rows: list[dict[str, Any]]) -> None:
         print("\n| seed | mode | steady TTFT p50 / p99 ms (solo) | p50 / solo | p99 / solo | met (≤1.10 / ≤1.25) | steady 429/503 | flood ok / sent / 429 / 503 | flood goodput/s (capacity left/s) | late sends steady / flood |")
         print("|---:|---|---|---:|---:|---|---|---|---|---|")
         for r in fair:
-            s = next(t for t in r["report"]["tenants"] if t["tenant"] == "steady")
-            f = next(t for t in r["report"]["tenants"] if t["tenant"] == "flood")
+            s, f = _row_tenant(r, "steady"), _row_tenant(r, "flood")
             p50, p99 = r["steady_p50_ratio"], r["steady_p99_ratio"]
             met = "yes" if p50 is not None and p99 is not None and p50 <= 1 + P50_BOUND and p99 <= 1 + P99_BOUND else "no"
             print(f"| {r['seed']} | {r['mode']} | {_fmt(s['ttft_ms']['p50'], '.0f')} / {_fmt(s['ttft_ms']['p99'], '.0f')} "
@@ -216,8 +220,7 @@ def _print_summary(rows: list[dict[str, Any]]) -> None:
         print("\n| seed | mode | load each | heavy ok / light ok | heavy : light completed tokens, whole run | while both sending | within 5 % of 4:1 (while sending) | 429 / 503 (heavy, light) |")
         print("|---:|---|---:|---|---:|---:|---|---|")
         for r in wts:
-            h = next(t for t in r["report"]["tenants"] if t["tenant"] == "heavy")
-            lt = next(t for t in r["report"]["tenants"] if t["tenant"] == "light")
+            h, lt = _row_tenant(r, "heavy"), _row_tenant(r, "light")
             wr, ws = r["work_ratio"], r.get("work_ratio_while_sending")
             met = "yes" if ws is not None and abs(ws / 4.0 - 1) <= SHARE_BOUND else "no"
             print(f"| {r['seed']} | {r['mode']} | {r.get('load', 1.5):g}× | {h['ok']} / {lt['ok']} | {_fmt(wr)} | {_fmt(ws)} | {met} | "

@@ -35,33 +35,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 
+from extproc.bench.cli import BENCH_MAX_WALL_RPS
 from extproc.bench.lora_workload import LoraWorkloadSpec, lora_workload
 from extproc.bench.policies import parse_policies
 from extproc.bench.prompts import PromptSynthesizer
 from extproc.bench.results import SLO, LabeledRun, percentiles, summarize_run
-from extproc.bench.runner import ReplayOptions, Workload, auto_speed, fleet_prefill_capacity, replay
+from extproc.bench.runner import ReplayOptions, Workload, auto_speed, fleet_prefill_capacity, get_all, replay
 from extproc.bench.stacks import PolicyStack, StackSettings
 from extproc.pipeline.tokens import TokenCounter
 from extproc.stack.fleet import NAMED_FLEETS, LoraFleet, adapter_names
 
 POLICIES = "llm-extproc-lora,llm-extproc,llm-extproc-lora-activity,envoy-least-request"
-MAX_WALL_RPS = 15.0
-"""Requests per wall second the 2-core machine replays on schedule (`bench --speed auto`'s bound)."""
 
 
 async def adapter_loads(urls: list[str]) -> int | None:
     """Adapter loads so far over the engines (`/sim/state`'s `lora.loads`), None if one fails."""
-    try:
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            states = await asyncio.gather(*(client.get(f"{u}/sim/state") for u in urls))
-    except httpx.HTTPError:
-        return None
-    if any(s.status_code != 200 for s in states):
-        return None
-    return sum((s.json().get("lora") or {}).get("loads", 0) for s in states)
+    states = await get_all(urls, "/sim/state", timeout_s=5.0)
+    return None if states is None else sum((s.json().get("lora") or {}).get("loads", 0) for s in states)
 
 
 async def run_policy(policy_name: str, workload: Workload, prompts: PromptSynthesizer, settings: StackSettings, console: Console) -> tuple[LabeledRun, int | None]:
@@ -125,7 +117,7 @@ def main() -> None:
         for load in (float(x) for x in args.loads.split(",")):
             rate = load * fleet_prefill_capacity(profiles) / tokens
             workload = base.scaled(rate / (base.offered_rps or 1.0))
-            speed = round(auto_speed(workload.offered_rps, MAX_WALL_RPS), 3)
+            speed = round(auto_speed(workload.offered_rps, BENCH_MAX_WALL_RPS), 3)
             settings = StackSettings(profiles=profiles, speed=speed, seed=seed, lora=lora)
             for name in args.policies.split(","):
                 run, loads = asyncio.run(run_policy(name, workload, prompts, settings, console))

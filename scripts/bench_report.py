@@ -95,26 +95,13 @@ def _steady(result: SeededResult, valid: list, policies: list[str]) -> list[str]
         lines.append(f"| {policy} | {n} | " + " | ".join(cells) + f" | {_hotspot_classes(result, policy)} |")
     verdicts = compare_to(valid, result.baseline)
     if verdicts:
-        keys = [f for f in FIGURES if f.higher_is_better is not None]
-        lines += [
-            "", f"Against {result.baseline}, paired by seed: verdict (difference of means [95 % interval]).", "",
-            "| policy | " + " | ".join(f.label for f in keys) + " |",
-            "|---|" + "---|" * len(keys) + "",
-        ]  # fmt: skip
-        for policy, comps in verdicts.items():
-            lines.append(_verdict_row(policy, comps, keys))
+        title = f"Against {result.baseline}, paired by seed: verdict (difference of means [95 % interval])."
+        lines += _verdict_table(title, "policy", verdicts)
     subject = SUBJECT if SUBJECT in policies and SUBJECT != result.baseline else None
     others = [p for p in policies if p not in (subject, result.baseline)]
     if subject and others:
-        keys = [f for f in FIGURES if f.higher_is_better is not None]
-        lines += [
-            "", f"{subject} against each other policy, paired by seed.", "",
-            "| against | " + " | ".join(f.label for f in keys) + " |",
-            "|---|" + "---|" * len(keys) + "",
-        ]  # fmt: skip
-        for other in others:
-            comps = compare_to(valid, other).get(subject, {})
-            lines.append(_verdict_row(other, comps, keys))
+        rows = {other: compare_to(valid, other).get(subject, {}) for other in others}
+        lines += _verdict_table(f"{subject} against each other policy, paired by seed.", "against", rows)
     lines += [
         "", "Runs:", "",
         "| policy | seed | valid | steady span (s) | requests | offered / achieved req/s | TTFT p99 | TPOT p99 | hotspot | client CPU | load avg | notes |",
@@ -129,6 +116,13 @@ def _steady(result: SeededResult, valid: list, policies: list[str]) -> list[str]
             f"{r.load_average:.1f} | {'; '.join(r.notes) or '–'} |"
         )
     return lines
+
+
+def _verdict_table(title: str, head: str, rows: dict[str, dict]) -> list[str]:
+    """A titled table of verdicts, one row per label (`rows`: label -> `compare_to`'s comparisons)."""
+    keys = [f for f in FIGURES if f.higher_is_better is not None]
+    lines = ["", title, "", f"| {head} | " + " | ".join(f.label for f in keys) + " |", "|---|" + "---|" * len(keys)]
+    return lines + [_verdict_row(label, comps, keys) for label, comps in rows.items()]
 
 
 def _verdict_row(label: str, comps: dict, keys: list) -> str:
@@ -180,13 +174,11 @@ def capacity_tables(results: list[SeededResult]) -> list[str]:
         points: dict[str, list[LoadPoint]] = {}
         bounds = None
         for r in rs:
-            table = aggregate(r.valid_runs())
-            for policy, figs in table.items():
-                if not {"ttft_p99_ms", "tpot_p99_ms"} <= set(figs) or not any(
-                    v.policy == policy and v.offered_rps for v in r.valid_runs()
-                ):
+            valid = r.valid_runs()
+            for policy, figs in aggregate(valid).items():
+                offered = [v.offered_rps for v in valid if v.policy == policy and v.offered_rps]
+                if not offered or not {"ttft_p99_ms", "tpot_p99_ms"} <= set(figs):
                     continue
-                offered = [v.offered_rps for v in r.valid_runs() if v.policy == policy and v.offered_rps]
                 point = LoadPoint(sum(offered) / len(offered), figs["ttft_p99_ms"].mean, figs["tpot_p99_ms"].mean)
                 points.setdefault(policy, []).append(point)
                 if policy == baseline and r.settings.get("load", "1") == "1":

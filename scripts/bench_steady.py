@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
+from extproc.bench.cli import BENCH_MAX_WALL_RPS  # noqa: E402
 from extproc.bench.policies import parse_policies  # noqa: E402
 from extproc.bench.runner import ReplayOptions, Workload, auto_speed, fit_context, with_messages  # noqa: E402
 from extproc.bench.seeds import SeededOptions, SeededResult, run_seeded  # noqa: E402
@@ -51,7 +52,6 @@ from extproc.stack.fleet import DEFAULT_FLEET  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / ".." / "shared" / "data" / "traces"
 WORKLOADS = ("mooncake-conv", "mooncake-synth", "azure-conv", "azure-code", "sharegpt", "shared-system")
-MAX_WALL_RPS = 15.0  # `bench --speed auto`'s ceiling (extproc.bench.cli.BENCH_MAX_WALL_RPS)
 AZURE_WINDOW_S = 300.0  # seed k replays the Azure trace from k × this (trace seconds)
 
 
@@ -159,7 +159,7 @@ def main() -> None:
         return workload, prompts
 
     first, replay, what = built[seeds[0]] = make_workload(args.workload, seeds[0], args, prompts, max_model_len)
-    speed = args.speed or round(auto_speed(first.offered_rps, MAX_WALL_RPS), 3)
+    speed = args.speed or round(auto_speed(first.offered_rps, BENCH_MAX_WALL_RPS), 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = args.workload if args.load == "1" else f"{args.workload}-x{args.load}"

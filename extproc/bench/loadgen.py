@@ -516,7 +516,7 @@ class LoadGenerator:
         a new attempt, due at once: its lag is 0 unless the loop is late)."""
         assert self._stop is not None
         loop = asyncio.get_running_loop()
-        headers, result, _ = self._start(request, index, target, results, t0)
+        headers, result = self._start(request, index, target, results, t0)
         first = result.sent_wall_s
         await self._send(session, url, body, headers, result, t0)
         attempts = 1
@@ -526,7 +526,7 @@ class LoadGenerator:
                 break
             if wait > 0:
                 await asyncio.sleep(wait)
-            headers, result, _ = self._start(request, index, loop.time(), results, t0)
+            headers, result = self._start(request, index, loop.time(), results, t0)
             result.attempt = attempts
             result.waited_s = (result.sent_wall_s - first) * self.config.speed
             attempts += 1
@@ -534,8 +534,8 @@ class LoadGenerator:
 
     def _start(
         self, request: TraceRequest, index: int, target: float, results: list[RequestResult], t0: float
-    ) -> tuple[dict[str, str], RequestResult, float]:
-        """Record a send now (its result, lag, counts): `(headers, result, t0)` for `_send`."""
+    ) -> tuple[dict[str, str], RequestResult]:
+        """Record a send now (its result, lag, counts): `(headers, result)` for `_send`."""
         now = asyncio.get_running_loop().time()
         result = RequestResult(
             index=index,
@@ -554,7 +554,7 @@ class LoadGenerator:
         if self.config.session_header and request.session:
             headers[self.config.session_header] = request.session
         self._report()
-        return headers, result, t0
+        return headers, result
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
         installed = []

@@ -298,16 +298,23 @@ class Interrupts:
             self._loadgen = None
 
 
-async def scrape_prefix_counters(urls: Sequence[str], timeout_s: float = 2.0) -> list[tuple[float, float]] | None:
-    """`(hits, queries)` prefix-cache tokens of each engine (`<url>/metrics`); None if any fails."""
+async def get_all(urls: Sequence[str], path: str, timeout_s: float = 2.0) -> list[httpx.Response] | None:
+    """GET `<url><path>` of every url at once (`timeout_s` seconds each); the 200 answers in
+    `urls`' order, or None when any fails (a transport error or another status)."""
     try:
         async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-            responses = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls))
+            responses = await asyncio.gather(*(client.get(f"{u}{path}") for u in urls))
     except httpx.HTTPError:
         return None
     if any(r.status_code != 200 for r in responses):
         return None
-    return [prefix_cache_counters(r.text) for r in responses]
+    return list(responses)
+
+
+async def scrape_prefix_counters(urls: Sequence[str], timeout_s: float = 2.0) -> list[tuple[float, float]] | None:
+    """`(hits, queries)` prefix-cache tokens of each engine (`<url>/metrics`); None if any fails."""
+    responses = await get_all(urls, "/metrics", timeout_s)
+    return None if responses is None else [prefix_cache_counters(r.text) for r in responses]
 
 
 def _progress_bar(console: Console, label: str) -> Progress:

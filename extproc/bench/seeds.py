@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 
 from extproc.bench.policies import Policy
 from extproc.bench.results import SLO
-from extproc.bench.runner import Interrupts, ReplayOptions, Workload, replay
+from extproc.bench.runner import Interrupts, ReplayOptions, Workload, get_all, replay
 from extproc.bench.stacks import PolicyStack, StackSettings
 from extproc.bench.stats import Comparison, Interval, bootstrap_interval, compare
 from extproc.bench.steady import SteadyRun, SteadySettings, client_usage, engine_request_counts, steady_run
@@ -188,14 +187,8 @@ class SeededOptions:
 async def _engine_counts(stack: PolicyStack) -> dict[str, float] | None:
     """Requests each engine finished so far (its `/metrics`), None when a scrape fails."""
     sims = [s for s in stack.fleet.sims if s.port is not None]
-    try:
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-            pages = await asyncio.gather(*(client.get(f"{s.url}/metrics") for s in sims))
-    except httpx.HTTPError:
-        return None
-    if any(p.status_code != 200 for p in pages):
-        return None
-    return engine_request_counts([p.text for p in pages], [s.address for s in sims])
+    pages = await get_all([s.url for s in sims], "/metrics")
+    return None if pages is None else engine_request_counts([p.text for p in pages], [s.address for s in sims])
 
 
 def _classes(stack: PolicyStack) -> dict[str, str]:

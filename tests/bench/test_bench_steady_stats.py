@@ -264,6 +264,20 @@ def test_the_page_is_generated_from_the_result_files_and_check_catches_drift(tmp
     assert done.returncode == 1 and "run scripts/bench_report.py" in done.stderr
 
 
+def test_the_capacity_table_bounds_every_policy_by_the_baselines_p99s_at_load_1() -> None:
+    report = _script("bench_report")
+    one = _result([_seeded(p, s, t) for p, t in [("base", 0.3), ("mine", 0.2)] for s in range(3)])
+    doubled = [_seeded(p, s, t) for p, t in [("base", 0.6), ("mine", 0.4)] for s in range(3)]
+    two = _result([r.model_copy(update={"offered_rps": 2 * r.offered_rps, "load": "2"}) for r in doubled], name="w-x2")
+    two = two.model_copy(update={"settings": {"load": "2"}})
+    text = "\n".join(report.capacity_tables([one, two]))
+    assert "## Capacity on every objective: w" in text and "p99 TTFT ≤ 300 ms" in text  # base's p99 at load 1
+    rate = one.runs[0].offered_rps
+    # mine's p99 TTFT goes 200 → 400 ms as the rate doubles: 300 ms is met halfway
+    assert f"| mine | {rate:.2f}, {2 * rate:.2f} | {1.5 * rate:.2f} |" in text
+    assert report.capacity_tables([one]) == []  # one load: no capacity
+
+
 def test_the_committed_page_is_what_its_result_files_say() -> None:
     """docs/benchmarks.md cannot drift from docs/benchmarks/results/ (regenerate, never hand-edit)."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_report.py"), "--check"], capture_output=True, text=True, check=False)
