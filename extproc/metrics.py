@@ -23,6 +23,8 @@ DECISION_PHASES = ("parse", "tokenize", "truncate", "schedule", "total")
 _DECISION_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )
+# A scrape and a predicted KV transfer: a millisecond to a second.
+_MILLIS_TO_SECOND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -112,7 +114,7 @@ class Metrics:
             "llm_extproc_endpoint_scrape_duration_seconds",
             "Time to scrape and parse an endpoint's engine metrics, in seconds.",
             ["endpoint"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            buckets=_MILLIS_TO_SECOND_BUCKETS,
             registry=registry,
         )
         self.scrape_errors = Counter(
@@ -204,7 +206,7 @@ class Metrics:
             "llm_extproc_disagg_kv_transfer_seconds",
             "Predicted KV transfer time of disaggregated requests (prompt KV bytes / link bandwidth), per model, in seconds.",
             ["model"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            buckets=_MILLIS_TO_SECOND_BUCKETS,
             registry=registry,
         )
         self.health_panic_entered = Counter(

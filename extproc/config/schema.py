@@ -216,7 +216,7 @@ class LimitsConfig(Strict):
             natural text averages ~4 characters per token).
         token_cache_bytes: memory bound of each tokenizer's segment cache (bytes; the text
             between two added tokens of a rendered prompt and its ids, LRU,
-            `extproc.pipeline.tokens`). 64 MiB holds ~8M tokens of prose; what it caches is
+            `extproc.pipeline.tokens`). 64 MiB holds ~7M tokens of prose (`tokens.DEFAULT_CACHE_BYTES`); what it caches is
             resent history, so a fleet of long multi-turn chats gains from more.
     """
 

@@ -158,6 +158,7 @@ class EngineChecker:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._pending: dict[str, Endpoint] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._starting: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         self.endpoints = Gauge(
             "llm_extproc_engine_check_endpoints",
@@ -178,11 +179,15 @@ class EngineChecker:
             self.mismatches.labels(name)
 
     async def start(self, counters: Mapping[str, Any]) -> None:
-        """Count the fixed texts with each model's tokenizer (`counters`: canonical model name →
-        `TokenCounter`; in a thread, ~ms), then check every endpoint added so far, in the
-        background."""
+        """Begin in the background and return at once, so that serving does not wait on it:
+        count the fixed texts with each model's tokenizer (`counters`: canonical model name →
+        `TokenCounter`; in a thread, ~ms per model, more on a chat template's first use), then
+        check every endpoint added so far."""
         if not self._models:
             return
+        self._starting = asyncio.create_task(self._begin(counters), name="engine-check-start")
+
+    async def _begin(self, counters: Mapping[str, Any]) -> None:
         self._expected = await asyncio.to_thread(self._count_expected, counters)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._timeout_s),
@@ -230,6 +235,8 @@ class EngineChecker:
         ep.engine_check = None
 
     async def aclose(self) -> None:
+        if self._starting is not None:
+            await cancel_and_wait([self._starting])
         await cancel_and_wait(list(self._tasks.values()))
         self._tasks.clear()
         if self._session is not None:

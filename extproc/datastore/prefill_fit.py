@@ -26,8 +26,9 @@ Closed form: the 2×2 normal equations (solved directly; O(1) per sample).
 Samples older than `FRESH_GAP_S` no longer weigh: the next sample after such a gap starts the
 fit over from its prior. Forgetting is per sample, so an endpoint nobody routed to kept its last
 few samples (a slow cold start) at full weight for good; the picker's exploration
-(`max-score-picker`'s `explore_share`) sends it a few requests while it has fewer than a handful
-of fresh samples (`fresh_samples`), and those re-measure it from the prior (decision 0295).
+(`max-score-picker`'s `explore_share`) sends it a few requests while it has fewer than
+`explore_min_samples` (default 20) fresh samples (`fresh_samples`), and those re-measure it from
+the prior (decision 0295).
 """
 
 from __future__ import annotations

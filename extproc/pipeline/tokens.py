@@ -293,10 +293,10 @@ class TokenCounter:
         return out
 
     @classmethod
-    def from_source(cls, source: str, *, encoder: str = "auto", cache_bytes: int = 0) -> TokenCounter:
+    def from_source(cls, source: str, *, encoder: str = "auto", cache_bytes: int = DEFAULT_CACHE_BYTES) -> TokenCounter:
         """Load from `builtin:qwen3` or a local directory holding `tokenizer.json` (`~` the
         user's home; a relative path from the working directory, as `architecture`'s) (`encoder`,
-        `cache_bytes`: see the class; 0 there: `DEFAULT_CACHE_BYTES`).
+        `cache_bytes`: see the class).
 
         Never touches the network (HF_HUB_OFFLINE, local_files_only).
 
@@ -320,7 +320,7 @@ class TokenCounter:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:  # transformers raises many types here
             raise TokenizerLoadError(f"tokenizer {source!r} failed to load: {exc}") from None
-        return cls(tok, encoder=encoder, cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
+        return cls(tok, encoder=encoder, cache_bytes=cache_bytes)
 
     @property
     def tokenizer(self) -> Any:

@@ -253,7 +253,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     elif verdict is not None:  # passthrough, reserved
                         headers = self._routing_headers(verdict.address, None, None, s.hdrs.get("x-request-id"))
                         # GET /v1/models: its answer gets the aliases (not in full duplex: no mode override there).
-                        s.models_list = not self.full_duplex and bool(self._pipeline.aliases) and is_models_list(s.hdrs.get(":method", ""), s.hdrs.get(":path", ""))
+                        s.models_list = not self.full_duplex and is_models_list(s.hdrs.get(":method", ""), s.hdrs.get(":path", "")) and bool(self._pipeline.aliases)
                         mode = responses.MODELS_LIST_MODE if s.models_list else None
                         yield responses.route_in_headers(headers, skip_body=not msg.request_headers.end_of_stream, mode=mode)
                     else:

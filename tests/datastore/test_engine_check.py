@@ -261,3 +261,27 @@ async def test_hostile_engine_answers_are_unverified_not_fatal(stack):
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_start_returns_before_the_router_counts_its_texts():
+    """Counting the check texts (a chat template's first use: tens of ms per model) happens in
+    the background: start-up, and so serving, does not wait for it."""
+    import threading
+
+    from extproc.datastore.engine_check import EngineChecker
+
+    release = threading.Event()
+
+    class SlowCounter:
+        has_chat_template = False
+
+        def count_text(self, text):
+            release.wait(5)
+            return type("Counted", (), {"count": 1})()
+
+    checker = EngineChecker({MODEL: (CONTEXT, "warn")}, CollectorRegistry())
+    try:
+        await asyncio.wait_for(checker.start({MODEL: SlowCounter()}), timeout=1.0)
+    finally:
+        release.set()
+        await checker.aclose()

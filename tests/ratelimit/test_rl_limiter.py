@@ -35,6 +35,14 @@ def _limiter(backend=None, registry=None, **cfg) -> RateLimiter:
     )
 
 
+def _impatient_redis_limiter(redis_server, registry, **default) -> RateLimiter:
+    """A limiter on `redis_server` whose backend gives up after 100 ms (the backend's timeout and
+    the config's the same), `default` its default limits."""
+    return _limiter(
+        redis_backend(redis_server, timeout_ms=100), registry, default=default, redis={"url": redis_server.url, "timeout_ms": 100}
+    )
+
+
 def _req(prompt=10, max_tokens=None, n=1, body_bytes=100) -> LLMRequest:
     return LLMRequest(
         kind=RequestKind.CHAT, model=MODEL, served_model=MODEL, prompt_tokens=TokenCount(prompt), max_tokens=max_tokens, n=n,
@@ -419,12 +427,7 @@ async def test_a_settlement_redis_cannot_take_waits_and_is_delivered_before_the_
     settlement is kept (counted, not lost) and delivered before the next decision once Redis
     answers, so a cap-1 tenant's next request is admitted rather than refused for the lease."""
     registry = CollectorRegistry()
-    lim = _limiter(
-        redis_backend(redis_server, timeout_ms=100),
-        registry,
-        default={"tokens_per_minute": 100_000, "max_concurrent_requests": 1},
-        redis={"url": redis_server.url, "timeout_ms": 100},
-    )
+    lim = _impatient_redis_limiter(redis_server, registry, tokens_per_minute=100_000, max_concurrent_requests=1)
     t = lim.tenant({"authorization": "Bearer sk-anything"})
     scopes = lim.scopes(t, MODEL)
     admin = aioredis.Redis.from_url(redis_server.url)
@@ -455,12 +458,7 @@ async def test_a_redis_stall_holds_no_slot_after_it_ends_and_no_request_is_neede
     flight and only the settled request's tokens count (before: the late acquires held the
     tenant's slots for the 900 s lease and the settlement waited for the next admit)."""
     registry = CollectorRegistry()
-    lim = _limiter(
-        redis_backend(redis_server, timeout_ms=100),
-        registry,
-        default={"tokens_per_minute": 1_000_000, "max_concurrent_requests": 4},
-        redis={"url": redis_server.url, "timeout_ms": 100},
-    )
+    lim = _impatient_redis_limiter(redis_server, registry, tokens_per_minute=1_000_000, max_concurrent_requests=4)
     t = lim.tenant({"authorization": "Bearer sk-anything"})
     scopes = lim.scopes(t, MODEL)
     loop = asyncio.get_running_loop()

@@ -31,7 +31,8 @@ Exploration (decision 0295): an endpoint nobody routes to is never measured agai
 pessimistic fit (a few slow first tokens while the host was busy) or a cold prefix cache kept a
 re-added endpoint identical to the others at 0 of ~11,000 requests over 55 s. With probability
 `explore_share`, a pick goes instead to a random candidate whose TTFT fit has fewer than
-`explore_min_samples` fresh samples (`PrefillFit.fresh_samples`: none older than a minute),
+`explore_min_samples` fresh samples (`PrefillFit.fresh_samples`: those since the fit last
+started over, none once its newest is more than a minute old),
 while some other candidate is learned; once it has them it competes on its fit like the rest.
 Only candidates are explored: the filters already removed unhealthy, ejected and KV-full
 endpoints, and one an operator override zeroes (total 0) is never explored.
