@@ -140,7 +140,7 @@ def _common(
     from extproc.bench.policies import PolicyError, parse_policies
     from extproc.bench.stacks import PortBusyError, StackSettings, check_port_free
     from extproc.sim.profiles import PROFILES
-    from extproc.stack.fleet import parse_fleet
+    from extproc.stack.fleet import NAMED_FLEETS
 
     try:
         policies = parse_policies(policy_names)
@@ -149,17 +149,25 @@ def _common(
         raise _fail(str(exc)) from None
     if not speed > 0:
         raise _fail(f"--speed must be > 0, got {speed}")
-    try:
-        chosen_fleet = parse_fleet(fleet)
-    except ValueError as exc:
-        raise _fail(f"--fleet: {exc}") from None
-    profiles = chosen_fleet.profiles
+    roles = None
+    named = NAMED_FLEETS.get(fleet.strip())
+    if fleet.strip() == "pd":  # two prefill + two decode H100 engines, decode behind pd-sidecar
+        from extproc.stack.fleet import PD_FLEET
+
+        profiles, roles = tuple(p for p, _ in PD_FLEET), tuple(r for _, r in PD_FLEET)
+    else:
+        profiles = named[0] if named else tuple(p.strip() for p in fleet.split(",") if p.strip())
+    unknown = [p for p in profiles if p not in PROFILES]
+    if not profiles or unknown:
+        raise _fail(
+            f"--fleet: unknown simulator profile(s) {unknown or fleet!r}; known: {', '.join(PROFILES)} (or a named fleet: {', '.join(NAMED_FLEETS)})"
+        )
     models = {PROFILES[p].model for p in profiles}
     if len(models) > 1:
         raise _fail(f"--fleet: every endpoint must serve the same model, got {sorted(models)}")
     settings = StackSettings(
-        profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port, roles=chosen_fleet.roles,
-        lora=chosen_fleet.lora,
+        profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port, roles=roles,
+        lora=named[1] if named else None,
     )
     return policies, settings
 

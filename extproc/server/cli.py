@@ -173,14 +173,15 @@ def _overlaid(overlay: str, fleet: str) -> Config:
     from pathlib import Path
 
     from extproc.bench.overlay import OverlayError, check_overlay
-    from extproc.stack.fleet import DEFAULT_FLEET, parse_fleet
+    from extproc.sim.profiles import PROFILES
+    from extproc.stack.fleet import DEFAULT_FLEET, NAMED_FLEETS
 
+    named = NAMED_FLEETS.get(fleet.strip())
+    profiles = named[0] if named else tuple(p.strip() for p in fleet.split(",") if p.strip()) or DEFAULT_FLEET
+    unknown = [p for p in profiles if p not in PROFILES]
     try:
-        profiles = parse_fleet(fleet).profiles if fleet.strip() else DEFAULT_FLEET
-    except ValueError as exc:
-        typer.echo(f"error: --fleet: {exc}", err=True)
-        raise typer.Exit(2) from None
-    try:
+        if unknown:
+            raise OverlayError(f"--fleet: unknown simulator profile(s) {unknown}; known: {', '.join(PROFILES)}")
         _, cfg = check_overlay(Path(overlay), profiles)
     except OverlayError as exc:
         typer.echo(f"error: {exc}", err=True)

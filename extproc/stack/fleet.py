@@ -27,7 +27,7 @@ import httpx
 from extproc.sim.profiles import PROFILES
 from extproc.stack.procs import ChildHandle, ManagedProcess, ProcessError, wait_until
 
-__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "FleetSpec", "LoraFleet", "NAMED_FLEETS", "SimProcess", "SIM_ROLES", "adapter_names", "parse_fleet"]
+__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "LoraFleet", "NAMED_FLEETS", "SimProcess", "SIM_ROLES", "adapter_names"]
 
 DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-8b", "a100-qwen3-8b")
 """The demo and bench fleet: two H100 and two A100 engines serving Qwen3-8B (mixed speeds)."""
@@ -78,39 +78,6 @@ NAMED_FLEETS: dict[str, tuple[tuple[str, ...], LoraFleet | None]] = {
 """Fleets `--fleet` accepts by name: simulator profiles and the LoRA adapters they serve. `lora`:
 four H100 engines serving Qwen3-8B with 32 rank-16 adapters, 4 GPU slots and 8 host-cached each
 (the issue's measurement setting)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FleetSpec:
-    """What `--fleet` names: simulator profiles (one endpoint each), their P/D roles (None: a
-    unified fleet) and the LoRA adapters they serve (None: none)."""
-
-    profiles: tuple[str, ...]
-    roles: tuple[str, ...] | None = None
-    lora: LoraFleet | None = None
-
-
-def parse_fleet(spec: str) -> FleetSpec:
-    """`--fleet` for every command that takes it (up, demo, bench, check-config --overlay):
-    `pd` (`PD_FLEET`), a name of `NAMED_FLEETS`, or simulator profiles comma-separated.
-
-    Raises:
-        ValueError: empty, or a profile the simulator does not know (the message lists them).
-    """
-    name = spec.strip()
-    if name == "pd":
-        return FleetSpec(tuple(p for p, _ in PD_FLEET), tuple(r for _, r in PD_FLEET))
-    if name in NAMED_FLEETS:
-        profiles, lora = NAMED_FLEETS[name]
-        return FleetSpec(profiles, lora=lora)
-    profiles = tuple(p.strip() for p in spec.split(",") if p.strip())
-    unknown = [p for p in profiles if p not in PROFILES]
-    if not profiles or unknown:
-        raise ValueError(
-            f"unknown simulator profile(s) {unknown or spec!r}; known: {', '.join(PROFILES)} "
-            f"(or a named fleet: pd, {', '.join(NAMED_FLEETS)})"
-        )
-    return FleetSpec(profiles)
 
 _READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) (.*)$", re.MULTILINE)
 _KV_EVENTS = re.compile(r"\bkv_events=(tcp://\S+)")

@@ -166,18 +166,6 @@ def test_an_overlay_is_checked_as_up_and_bench_lay_it(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "profile 'nope' is not defined" in result.output
 
 
-@pytest.mark.parametrize("fleet", ["pd", "lora"])
-def test_an_overlay_is_checked_over_every_named_fleet_up_accepts(tmp_path: Path, fleet: str) -> None:
-    """`up --fleet pd` ran while `check-config --overlay --fleet pd` said 'unknown simulator
-    profile(s) ['pd']': both now read --fleet through one parser (`extproc.stack.fleet.parse_fleet`)."""
-    path = tmp_path / "overlay.yaml"
-    path.write_text("scheduling: {explain_header: true}\n")
-    result = CliRunner().invoke(app, ["check-config", "--overlay", str(path), "--fleet", fleet], env={})
-    assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(app, ["check-config", "--overlay", str(path), "--fleet", "nope"], env={})
-    assert result.exit_code == 2 and "named fleet: pd, lora" in result.output
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [([], "give --config FILE"), (["--config", "a.yaml", "--overlay", "b.yaml"], "one of them"), (["--config", "a.yaml", "--fleet", "x"], "--fleet only applies with --overlay")],
