@@ -98,6 +98,18 @@ def _error(status: int, message: str, code: str, headers: dict[str, str] | None 
     return web.Response(status=status, body=orjson.dumps({"error": body, **body}), content_type="application/json", headers=headers)
 
 
+async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole of `stream`, or None once it passes `limit` bytes (what was read is dropped)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class PDSidecar:
     """The sidecar's HTTP server (module doc).
 
@@ -110,6 +122,8 @@ class PDSidecar:
         prefill_timeout_s: time limit of one prefill attempt (seconds).
         local_fallback: after a failed prefill, decode locally without the transfer (counted
             and logged) instead of answering 502.
+        max_prefill_answer_bytes: the largest prefill answer read (bytes); a longer one fails
+            the prefill (a `max_tokens=1` answer is a few KiB, its block ids included).
 
     Raises:
         ValueError: a negative retry count or a timeout that is not > 0.
@@ -126,6 +140,7 @@ class PDSidecar:
         retry_backoff_s: float = 0.05,
         prefill_timeout_s: float = 60.0,
         local_fallback: bool = False,
+        max_prefill_answer_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         if prefill_retries < 0:
             raise ValueError(f"prefill_retries must be ≥ 0, got {prefill_retries}")
@@ -138,6 +153,7 @@ class PDSidecar:
         self.retry_backoff_s = retry_backoff_s
         self.prefill_timeout_s = prefill_timeout_s
         self.local_fallback = local_fallback
+        self.max_prefill_answer_bytes = max_prefill_answer_bytes
         self.counts: dict[str, int] = {"passthrough": 0, "disaggregated": 0, "forbidden": 0, "prefill_failed": 0, "local_fallback": 0, "prefill_retries": 0}
         """Requests by outcome, and prefill retries (counts)."""
         self._http: aiohttp.ClientSession | None = None
@@ -208,7 +224,9 @@ class PDSidecar:
         data = orjson.dumps(prefill)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers["content-type"] = "application/json"
-        url = f"http://{prefiller}{request.path}"
+        # The allow-list matched the canonical spelling: reach that one (an unbracketed IPv6
+        # `::1:8000` passes the check but is no URL authority).
+        url = f"http://{canonical_address(prefiller)}{request.path}"
         why = "not attempted"
         for attempt in range(self.prefill_retries + 1):
             if attempt:
@@ -216,8 +234,11 @@ class PDSidecar:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 async with self._http.post(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=self.prefill_timeout_s)) as resp:
-                    payload = await resp.read()
                     status = resp.status
+                    # Bounded: the prefill engine's answer is read whole, into this process.
+                    payload = await _read_at_most(resp.content, self.max_prefill_answer_bytes)
+                    if payload is None:
+                        return f"the answer is over {self.max_prefill_answer_bytes} bytes"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 why = f"{type(exc).__name__}"
                 continue
@@ -233,9 +254,10 @@ class PDSidecar:
             kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             if not isinstance(kv, dict):
                 return "the answer has no kv_transfer_params (is the engine's KV connector configured?)"
-            details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+            usage = answer.get("usage")
+            details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            return kv, cached if isinstance(cached, int) else 0
+            return kv, cached if type(cached) is int and cached >= 0 else 0
         return why
 
     async def _forward(self, request: web.Request, base: str, data: bytes, *, cached_tokens: int | None = None) -> web.StreamResponse:
@@ -256,7 +278,8 @@ class PDSidecar:
                     answer = orjson.loads(payload)
                     usage = answer.get("usage")
                     if isinstance(usage, dict):
-                        usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached_tokens}
+                        details = usage.get("prompt_tokens_details")
+                        usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached_tokens}
                         payload = orjson.dumps(answer)
                 except (orjson.JSONDecodeError, AttributeError):
                     pass  # not the JSON we know: passed on as it came
