@@ -76,6 +76,9 @@ def test_sent_counts_decay_and_stay_bounded():
     for i in range(300):
         sent.note(f"x{i}", 1.0)
     assert len(sent.entries) == 256 and "a" not in sent.entries
+    # The running total is the remembered adapters' rates summed, evictions and decay included.
+    for t in (1.0, 45.0, 600.0):
+        assert sent.total(t) == pytest.approx(sum(sent.rate(n, t) for n in sent.entries), rel=1e-9)
 
 
 def test_adapter_names_configured_learned_and_bounded_labels():
