@@ -13,7 +13,9 @@ listening where the router's destination points and forwarding to the local deco
 3. Sends the prefill, vLLM NIXL connector's way: the body with `max_tokens=1`, `stream=false`,
    `n=1` and `kv_transfer_params={do_remote_decode: true, do_remote_prefill: false,
    remote_engine_id/remote_block_ids/remote_host/remote_port: null}`. A 502/503/504 or a
-   connection failure is retried `prefill_retries` times (bounded).
+   connection failure is retried `prefill_retries` times (bounded); a prefill with no answer
+   within `prefill_timeout_s` is not (it may still be running there: a retry doubles the load
+   of an engine already too slow, and the client's wait).
 4. Sends the decode to the local engine: the client's body plus the returned
    `kv_transfer_params`. A streamed answer passes through untouched; a whole one gets
    `usage.prompt_tokens_details.cached_tokens` rewritten to the prefill side's count (the
@@ -117,7 +119,8 @@ class PDSidecar:
         decode_url: the local decode engine, `http://host:port`.
         allows: the prefill allow-list check (`discovered_prefillers`, `static_prefillers`).
         host, port: where to listen (port 0: any free port; `.port` after `start`).
-        prefill_retries: retries of a prefill answered 502/503/504 or not reached (count ≥ 0).
+        prefill_retries: retries of a prefill answered 502/503/504, not reached or cut off (count
+            ≥ 0); one that timed out is not retried.
         retry_backoff_s: wait before the first retry, doubled each time (seconds).
         prefill_timeout_s: time limit of one prefill attempt (seconds).
         local_fallback: after a failed prefill, decode locally without the transfer (counted
@@ -239,9 +242,11 @@ class PDSidecar:
                     payload = await _read_at_most(resp.content, self.max_prefill_answer_bytes)
                     if payload is None:
                         return f"the answer is over {self.max_prefill_answer_bytes} bytes"
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except aiohttp.ClientError as exc:  # not reached, or the connection broke (retried)
                 why = f"{type(exc).__name__}"
                 continue
+            except TimeoutError:
+                return f"no answer within {self.prefill_timeout_s:g} s"
             if status in RETRY_STATUSES:
                 why = f"status {status}"
                 continue

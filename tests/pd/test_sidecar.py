@@ -3,6 +3,8 @@ protocol, the port-exact allow-list, bounded prefill retries, no silent local re
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -110,16 +112,17 @@ def test_static_allow_list_needs_ports():
 @pytest.fixture
 async def fake_engine():
     """A stand-in engine on `host` (127.0.0.1 or ::1): answers every POST with the `answer`
-    bytes given, and records the bodies it got."""
+    bytes given, after `delay_s` seconds, and records the bodies it got."""
     from aiohttp import web
 
     runners: list[web.AppRunner] = []
 
-    async def start(answer: bytes, host: str = "127.0.0.1"):
+    async def start(answer: bytes, host: str = "127.0.0.1", delay_s: float = 0.0):
         seen: list[bytes] = []
 
         async def handle(request: web.Request) -> web.Response:
             seen.append(await request.read())
+            await asyncio.sleep(delay_s)
             return web.Response(body=answer, content_type="application/json")
 
         app = web.Application()
@@ -165,3 +168,13 @@ async def test_an_unbracketed_ipv6_prefiller_reaches_the_allowed_address(http, s
     status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"::1:{pport}")
     assert status == 200, raw
     assert len(prefilled) == 1
+
+
+async def test_a_prefill_that_hangs_is_not_retried(http, sidecars, fake_engine):
+    """A retry would double the load of an engine already too slow, and the client's wait."""
+    pport, prefilled = await fake_engine(orjson.dumps({"kv_transfer_params": {}}), delay_s=5.0)
+    dport, decoded = await fake_engine(DECODED)
+    side = await sidecars(f"http://127.0.0.1:{dport}", static_prefillers([f"127.0.0.1:{pport}"]), prefill_retries=2, prefill_timeout_s=0.2)
+    status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"127.0.0.1:{pport}")
+    assert status == 502 and b"no answer within 0.2 s" in raw
+    assert len(prefilled) == 1 and side.counts["prefill_retries"] == 0 and not decoded
