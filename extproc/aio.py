@@ -22,14 +22,17 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
             pass
 
 
-async def start_site(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+async def start_site(
+    app: web.Application, host: str, port: int, *, reuse_port: bool = False, handler_cancellation: bool = False
+) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (port 0: any free port); returns the runner and the bound port.
-    `reuse_port` sets SO_REUSEPORT (another process of the same user may listen there too).
+    `reuse_port` sets SO_REUSEPORT (another process of the same user may listen there too);
+    `handler_cancellation` cancels a handler whose client went away (aiohttp's option).
 
     Raises:
         OSError: the address cannot be bound (the runner is cleaned up first).
     """
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     try:

@@ -38,6 +38,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from extproc.aio import start_site
 from extproc.config.schema import parse_host_port
 from extproc.datastore.endpoints import Datastore, canonical_address
 from extproc.scheduling.pd import PREFILL_ROLES
@@ -163,16 +164,15 @@ class PDSidecar:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        """Listen (the client session and the server)."""
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False)
+        """Listen (the server, then the client session).
+
+        Raises:
+            OSError: the address cannot be bound (nothing is left open).
+        """
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        if self.port == 0:
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await start_site(app, self.host, self.port, handler_cancellation=True)
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False)
 
     async def aclose(self) -> None:
         """Stop listening and close the client session. Idempotent."""

@@ -178,3 +178,11 @@ async def test_a_prefill_that_hangs_is_not_retried(http, sidecars, fake_engine):
     status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"127.0.0.1:{pport}")
     assert status == 502 and b"no answer within 0.2 s" in raw
     assert len(prefilled) == 1 and side.counts["prefill_retries"] == 0 and not decoded
+
+
+async def test_a_port_in_use_leaves_nothing_open(sidecars):
+    first = await sidecars("http://127.0.0.1:1", static_prefillers(["127.0.0.1:2"]))
+    second = PDSidecar("http://127.0.0.1:1", static_prefillers(["127.0.0.1:2"]), port=first.port)
+    with pytest.raises(OSError):
+        await second.start()
+    assert second._runner is None and second._http is None  # no runner, no client session to close
