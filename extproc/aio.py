@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+import aiohttp
 from aiohttp import web
 
-__all__ = ["cancel_and_wait", "listener_at", "start_site"]
+__all__ = ["cancel_and_wait", "listener_at", "read_at_most", "start_site"]
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
@@ -20,6 +21,23 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
             await t
         except asyncio.CancelledError:
             pass
+
+
+async def read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole of `stream` (an HTTP answer's body), or None once it passes `limit` bytes: not
+    read past that, what was read dropped.
+
+    Raises:
+        aiohttp.ClientError, TimeoutError: as reading the stream raises them.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def start_site(

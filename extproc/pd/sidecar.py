@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from extproc.aio import start_site
+from extproc.aio import read_at_most, start_site
 from extproc.config.schema import parse_host_port
 from extproc.datastore.endpoints import Datastore, canonical_address
 from extproc.scheduling.pd import PREFILL_ROLES
@@ -99,18 +99,6 @@ def static_prefillers(addresses: Iterable[str]) -> Callable[[str], bool]:
 def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
     body = {"object": "error", "message": message, "type": "BadRequestError" if status < 500 else "ServiceUnavailableError", "param": None, "code": code}
     return web.Response(status=status, body=orjson.dumps({"error": body, **body}), content_type="application/json", headers=headers)
-
-
-async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The whole of `stream`, or None once it passes `limit` bytes (what was read is dropped)."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in stream.iter_any():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class PDSidecar:
@@ -239,7 +227,7 @@ class PDSidecar:
                 async with self._http.post(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=self.prefill_timeout_s)) as resp:
                     status = resp.status
                     # Bounded: the prefill engine's answer is read whole, into this process.
-                    payload = await _read_at_most(resp.content, self.max_prefill_answer_bytes)
+                    payload = await read_at_most(resp.content, self.max_prefill_answer_bytes)
                     if payload is None:
                         return f"the answer is over {self.max_prefill_answer_bytes} bytes"
             except aiohttp.ClientError as exc:  # not reached, or the connection broke (retried)
