@@ -628,7 +628,7 @@ class SimServer:
         try:
             raw = await request.read()
             params = parse_generation(raw, kind)
-            transfer = self._transfer_of(raw)
+            transfer = self._transfer_of(params.model_extra)
             external = await self._pull_kv(transfer) if transfer is not None and transfer.role == "decode" else 0
             reqs = await self._enqueue(params, kind, hold_kv=transfer is not None and transfer.role == "prefill", external_tokens=external)
         except SimAPIError as err:
@@ -652,14 +652,16 @@ class SimServer:
                 body = self._with_transfer_params(body, reqs[0])
             return web.Response(body=body, content_type="application/json")
 
-    def _transfer_of(self, raw: bytes) -> TransferRequest | None:
-        """The request's P/D part (`extproc.sim.pd.parse_kv_transfer`), checked against the role.
+    def _transfer_of(self, extra: dict[str, Any] | None) -> TransferRequest | None:
+        """The request's P/D part (`extproc.sim.pd.parse_kv_transfer` over the body's fields the
+        generation parameters do not declare, `kv_transfer_params` among them), checked against
+        the role.
 
         Raises:
             SimAPIError: 400 for malformed `kv_transfer_params` or a side this role does not take.
         """
         try:
-            transfer = parse_kv_transfer(orjson.loads(raw))
+            transfer = parse_kv_transfer(extra)
         except ValueError as exc:
             raise SimAPIError(400, str(exc), param="kv_transfer_params") from None
         if transfer is not None and self.role not in (transfer.role, "both"):
