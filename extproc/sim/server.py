@@ -681,8 +681,9 @@ class SimServer:
         prompt tokens (now computed here).
 
         Raises:
-            SimAPIError: 500 when the prefill engine no longer holds the blocks or cannot be
-                reached (`kv_load_failure_policy=fail`: never recomputed here).
+            SimAPIError: 500 when the prefill engine no longer holds the blocks, cannot be
+                reached or answers no token count in 1..max_model_len
+                (`kv_load_failure_policy=fail`: never recomputed here).
         """
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
@@ -692,14 +693,16 @@ class SimServer:
                 answer = await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             answer = None
-        if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), int):
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        # A count no prompt here could have (a bool, ≤ 0, past the context) is a failed pull: it
+        # would be charged as a transfer of that size (a huge one never ends).
+        if type(tokens) is not int or not 0 < tokens <= self.config.max_model_len:
             self.nixl.failed_transfers += 1
             raise SimAPIError(
                 500,
                 f"KV transfer failed: {transfer.remote_host}:{transfer.remote_port} no longer holds request "
                 f"{transfer.remote_request_id}'s blocks (kv_load_failure_policy=fail)",
             )
-        tokens = answer["tokens"]
         nbytes = tokens * self.profile.kv_bytes_per_token()
         seconds = nbytes / self.kv_link_bytes_per_s
         self.nixl.bytes_transferred.observe(nbytes)
