@@ -214,6 +214,12 @@ class AdapterNames:
         self._max_learned = max_learned
         self.learned: dict[str, str] = {}
 
+    @property
+    def can_learn(self) -> bool:
+        """Whether `learn` may still take a name: a model learns adapters and the bound is not
+        reached."""
+        return bool(self._learning) and len(self.learned) < self._max_learned
+
     def base_of(self, name: str) -> str | None:
         """The base model of adapter `name`, or None when it is no known adapter."""
         return self.configured.get(name) or self.learned.get(name)

@@ -86,7 +86,9 @@ def test_adapter_names_configured_learned_and_bounded_labels():
     assert names.base_of("sql") == "base" and names.base_of("x") is None
     assert not names.learn("alias", "base")  # a model name is never an adapter
     assert not names.learn("y", "other-model")  # that model does not learn
+    assert names.can_learn and not AdapterNames({}, reserved=set(), learning=set()).can_learn
     assert names.learn("x", "base") and names.learn("y", "base") and not names.learn("z", "base")
+    assert not names.can_learn  # full: an unknown name no longer scans the endpoints
     assert names.base_of("x") == "base"
     assert [names.label(a) for a in ("sql", "x", None)] == ["sql", "other", ""]
 
