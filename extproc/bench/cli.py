@@ -448,14 +448,15 @@ def _bench_tenants(text: str, *, policies: str, fleet: str, seed: int, speed: st
     raise typer.Exit(asyncio.run(run_tenant_bench(spec, options, prepared, json_path, console)))
 
 
-def _server_overrides(path: Path, settings) -> dict:  # type: ignore[no-untyped-def]
+def _server_overrides(path: Path, fleet) -> dict:  # type: ignore[no-untyped-def]
     """`--extproc-config`: a YAML mapping that makes a valid llm-extproc config once merged into
-    the one generated for `settings`' fleet (`extproc.bench.overlay.check_overlay`); anything
-    else exits 2 with the reason."""
+    the one generated for `fleet` (its `profiles`, `roles` and `lora`: a `StackSettings` or an
+    `extproc.stack.fleet.NamedFleet`; `extproc.bench.overlay.check_overlay`); anything else
+    exits 2 with the reason."""
     from extproc.bench.overlay import OverlayError, check_overlay
 
     try:
-        overrides, _ = check_overlay(path, settings.profiles, roles=settings.roles, lora=settings.lora)
+        overrides, _ = check_overlay(path, fleet.profiles, roles=fleet.roles, lora=fleet.lora)
     except OverlayError as exc:
         raise _fail(f"--extproc-config: {exc}") from None
     _console().print(f"--extproc-config: {path} laid over llm-extproc's config for the llm-extproc policies", highlight=False)
