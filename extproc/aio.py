@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+import aiohttp
 from aiohttp import web
 
-__all__ = ["cancel_and_wait", "listener_at", "start_site"]
+__all__ = ["cancel_and_wait", "listener_at", "read_at_most", "start_site"]
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
@@ -22,14 +23,34 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | None]) -> None:
             pass
 
 
-async def start_site(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+async def read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole of `stream` (an HTTP answer's body), or None once it passes `limit` bytes: not
+    read past that, what was read dropped.
+
+    Raises:
+        aiohttp.ClientError, TimeoutError: as reading the stream raises them.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def start_site(
+    app: web.Application, host: str, port: int, *, reuse_port: bool = False, handler_cancellation: bool = False
+) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (port 0: any free port); returns the runner and the bound port.
-    `reuse_port` sets SO_REUSEPORT (another process of the same user may listen there too).
+    `reuse_port` sets SO_REUSEPORT (another process of the same user may listen there too);
+    `handler_cancellation` cancels a handler whose client went away (aiohttp's option).
 
     Raises:
         OSError: the address cannot be bound (the runner is cleaned up first).
     """
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     try:

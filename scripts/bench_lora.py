@@ -101,7 +101,7 @@ def main() -> None:
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profiles = NAMED_FLEETS["lora"][0]
+    profiles = NAMED_FLEETS["lora"].profiles
     lora = LoraFleet(tuple(adapter_names(args.adapters)), max_loras=args.max_loras, max_cpu_loras=2 * args.max_loras, metrics=args.lora_metrics)
     prompts = PromptSynthesizer(TokenCounter.from_source("builtin:qwen3"))
     slo = SLO(ttft_ms=args.slo_ttft_ms)

@@ -192,9 +192,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:
 
     from extproc.bench.cli import _server_overrides
     from extproc.bench.stacks import merge_config
+    from extproc.stack.fleet import NamedFleet
 
     try:
-        out: dict[str, Any] = _server_overrides(Path(args.extproc_config), DEFAULT_FLEET) if args.extproc_config else {}
+        out: dict[str, Any] = _server_overrides(Path(args.extproc_config), NamedFleet(DEFAULT_FLEET)) if args.extproc_config else {}
     except typer.Exit as exc:  # the CLI's exit, raised here outside a CLI: no traceback
         raise SystemExit(exc.exit_code) from None
     if args.route_debug:

@@ -140,7 +140,7 @@ def _common(
     from extproc.bench.policies import PolicyError, parse_policies
     from extproc.bench.stacks import PortBusyError, StackSettings, check_port_free
     from extproc.sim.profiles import PROFILES
-    from extproc.stack.fleet import NAMED_FLEETS
+    from extproc.stack.fleet import NAMED_FLEETS, fleet_spec
 
     try:
         policies = parse_policies(policy_names)
@@ -149,14 +149,8 @@ def _common(
         raise _fail(str(exc)) from None
     if not speed > 0:
         raise _fail(f"--speed must be > 0, got {speed}")
-    roles = None
-    named = NAMED_FLEETS.get(fleet.strip())
-    if fleet.strip() == "pd":  # two prefill + two decode H100 engines, decode behind pd-sidecar
-        from extproc.stack.fleet import PD_FLEET
-
-        profiles, roles = tuple(p for p, _ in PD_FLEET), tuple(r for _, r in PD_FLEET)
-    else:
-        profiles = named[0] if named else tuple(p.strip() for p in fleet.split(",") if p.strip())
+    named = fleet_spec(fleet)
+    profiles = named.profiles
     unknown = [p for p in profiles if p not in PROFILES]
     if not profiles or unknown:
         raise _fail(
@@ -166,8 +160,8 @@ def _common(
     if len(models) > 1:
         raise _fail(f"--fleet: every endpoint must serve the same model, got {sorted(models)}")
     settings = StackSettings(
-        profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port, roles=roles,
-        lora=named[1] if named else None,
+        profiles=profiles, speed=speed, stream_interval=stream_interval, seed=seed, port=port, roles=named.roles,
+        lora=named.lora,
     )
     return policies, settings
 
@@ -242,7 +236,7 @@ def demo(
     if trace is None and requests is None and duration is None:
         requests = DEMO_REQUESTS
     if extproc_config is not None:
-        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings))
     console = _console()
     workload = _workload(trace, format, requests, duration, rate_scale, rate, seed, settings, console)
     options = DemoOptions(
@@ -276,7 +270,7 @@ def up(
     if policies[0].unavailable():
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
     if extproc_config is not None:
-        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings))
     raise typer.Exit(asyncio.run(run_up(policies[0], settings, _console())))
 
 
@@ -358,7 +352,7 @@ def bench(
     if not (0 < request_timeout < float("inf")):  # also refuses NaN
         raise _fail(f"--request-timeout must be a finite number > 0, got {request_timeout}")
     if extproc_config is not None:
-        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings))
     if not auto_load > 0:
         raise _fail(f"--auto-load must be > 0, got {auto_load}")
     workload = _workload(trace, format, requests, None, 1.0, rate, seed, settings, console)
@@ -434,7 +428,7 @@ def _bench_tenants(text: str, *, policies: str, fleet: str, seed: int, speed: st
     if not (0 < request_timeout < float("inf")):
         raise _fail(f"--request-timeout must be a finite number > 0, got {request_timeout}")
     if extproc_config is not None:
-        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings.profiles))
+        settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings))
     sample = {f"127.0.0.1:{8000 + i}": p for i, p in enumerate(settings.profiles)}
     try:  # the tenants' limits and the spec's extproc_config, checked before anything starts
         merged = tenant_server_overrides(spec, settings.server_overrides)
@@ -454,13 +448,15 @@ def _bench_tenants(text: str, *, policies: str, fleet: str, seed: int, speed: st
     raise typer.Exit(asyncio.run(run_tenant_bench(spec, options, prepared, json_path, console)))
 
 
-def _server_overrides(path: Path, profiles) -> dict:  # type: ignore[no-untyped-def]
+def _server_overrides(path: Path, fleet) -> dict:  # type: ignore[no-untyped-def]
     """`--extproc-config`: a YAML mapping that makes a valid llm-extproc config once merged into
-    the generated one (`extproc.bench.overlay.check_overlay`); anything else exits 2 with the reason."""
+    the one generated for `fleet` (its `profiles`, `roles` and `lora`: a `StackSettings` or an
+    `extproc.stack.fleet.NamedFleet`; `extproc.bench.overlay.check_overlay`); anything else
+    exits 2 with the reason."""
     from extproc.bench.overlay import OverlayError, check_overlay
 
     try:
-        overrides, _ = check_overlay(path, profiles)
+        overrides, _ = check_overlay(path, fleet.profiles, roles=fleet.roles, lora=fleet.lora)
     except OverlayError as exc:
         raise _fail(f"--extproc-config: {exc}") from None
     _console().print(f"--extproc-config: {path} laid over llm-extproc's config for the llm-extproc policies", highlight=False)

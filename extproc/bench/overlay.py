@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.config.schema import Config
+
+if TYPE_CHECKING:
+    from extproc.stack.fleet import LoraFleet
 
 __all__ = ["MAX_OVERLAY_BYTES", "OWNED_KEYS", "OverlayError", "accepted_keys", "check_overlay"]
 
@@ -30,8 +33,11 @@ def accepted_keys() -> list[str]:
     return sorted(set(Config.model_fields) - OWNED_KEYS)
 
 
-def check_overlay(path: Path, profiles: Sequence[str]) -> tuple[dict[str, Any], Config]:
-    """Read `path` and lay it over the config generated for a fleet of simulator `profiles`.
+def check_overlay(
+    path: Path, profiles: Sequence[str], *, roles: Sequence[str] | None = None, lora: LoraFleet | None = None
+) -> tuple[dict[str, Any], Config]:
+    """Read `path` and lay it over the config generated for a fleet of simulator `profiles`
+    (with their P/D `roles` and `lora` adapters, as `extproc.stack.fleet.NamedFleet` has them).
 
     `models` entries are laid over the fleet's model of the same name (aliases, truncation,
     `max_model_len`, ...; `extproc.bench.stacks.merge_models`); mappings merge key by key.
@@ -64,7 +70,9 @@ def check_overlay(path: Path, profiles: Sequence[str]) -> tuple[dict[str, Any], 
             f"{path} sets {', '.join(owned)}, which the stack owns (its fleet and ports); an overlay may set "
             f"{', '.join(accepted_keys())} (models: entries by name, laid over the fleet's models)"
         )
-    sample = server_config({f"127.0.0.1:{8000 + i}": p for i, p in enumerate(profiles)}, profile="load-aware")
+    addresses = {f"127.0.0.1:{8000 + i}": p for i, p in enumerate(profiles)}
+    by_address = dict(zip(addresses, roles)) if roles else None
+    sample = server_config(addresses, profile="load-aware", roles=by_address, lora=lora)
     try:
         cfg = config_from_mapping(merge_config(sample, overrides), source=str(path))
     except ValueError as exc:  # ConfigError, or a models entry naming no model of the fleet

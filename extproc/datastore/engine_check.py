@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from extproc.aio import cancel_and_wait
+from extproc.aio import cancel_and_wait, read_at_most
 from extproc.datastore.endpoints import Endpoint
 from extproc.datastore.overrides import MAX_DURATION_S, set_override
 
@@ -289,11 +289,9 @@ class EngineChecker:
             async with call as resp:
                 if resp.status >= 500 and resp.status != 501:
                     raise _Unreachable(f"HTTP {resp.status} from {url}")
-                raw = bytearray()
-                async for chunk in resp.content.iter_any():
-                    raw += chunk
-                    if len(raw) > MAX_ANSWER_BYTES:
-                        raise _Hostile(f"{url} answered more than {MAX_ANSWER_BYTES} bytes")
+                raw = await read_at_most(resp.content, MAX_ANSWER_BYTES)
+                if raw is None:
+                    raise _Hostile(f"{url} answered more than {MAX_ANSWER_BYTES} bytes")
                 try:
                     data = orjson.loads(raw)  # nesting past 1,024 levels: a JSONDecodeError, not a RecursionError
                 except orjson.JSONDecodeError:

@@ -106,6 +106,8 @@ class SentAdapters:
     `MAX_SENT_ADAPTERS` adapters."""
 
     entries: OrderedDict[str, _Sent] = field(default_factory=OrderedDict)
+    _sum: _Sent = field(default_factory=lambda: _Sent(0.0, 0.0, 0.0))
+    """Every entry's weights summed, decayed alike (one half-life): `total` in O(1)."""
 
     def note(self, adapter: str, now: float) -> None:
         """One request of `adapter` routed here at `now` (monotonic seconds)."""
@@ -115,8 +117,15 @@ class SentAdapters:
         e.weight = self.weight_of(e, now) + 1.0
         e.weighed_at = e.last_s = now
         self.entries[adapter] = e
+        self._add(1.0, now)
         while len(self.entries) > MAX_SENT_ADAPTERS:
-            self.entries.popitem(last=False)
+            _, gone = self.entries.popitem(last=False)
+            self._add(-self.weight_of(gone, now), now)
+
+    def _add(self, weight: float, now: float) -> None:
+        t = self._sum
+        t.weight = max(0.0, self.weight_of(t, now) + weight)
+        t.weighed_at = max(t.weighed_at, now)
 
     @staticmethod
     def weight_of(e: _Sent, now: float) -> float:
@@ -128,8 +137,9 @@ class SentAdapters:
         return 0.0 if e is None else self.weight_of(e, now)
 
     def total(self, now: float) -> float:
-        """Every adapter's decayed request count here (requests)."""
-        return sum(self.weight_of(e, now) for e in self.entries.values())
+        """Every adapter's decayed request count here (requests): the sum of `rate` over the
+        remembered adapters, kept as it goes (read per endpoint per LoRA request)."""
+        return self.weight_of(self._sum, now)
 
     def recent(self, now: float, slots: int, within_s: float = ADAPTER_RECENT_S) -> list[str]:
         """The `slots` adapters sent here most recently, each within `within_s` seconds of
@@ -203,6 +213,12 @@ class AdapterNames:
         self._learning = set(learning)
         self._max_learned = max_learned
         self.learned: dict[str, str] = {}
+
+    @property
+    def can_learn(self) -> bool:
+        """Whether `learn` may still take a name: a model learns adapters and the bound is not
+        reached."""
+        return bool(self._learning) and len(self.learned) < self._max_learned
 
     def base_of(self, name: str) -> str | None:
         """The base model of adapter `name`, or None when it is no known adapter."""

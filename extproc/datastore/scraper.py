@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.aio import cancel_and_wait
+from extproc.aio import cancel_and_wait, read_at_most
 from extproc.datastore.endpoints import Datastore, Endpoint
 from extproc.datastore.lora import LoraMetrics, adapter_list
 
-__all__ = ["EngineMetrics", "MetricsScraper", "parse_vllm_metrics", "histogram_quantile"]
+__all__ = ["EngineMetrics", "MAX_METRICS_BYTES", "MetricsScraper", "parse_vllm_metrics", "histogram_quantile"]
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,10 @@ class _LoraParse:
         return None
 
 
+MAX_METRICS_BYTES = 16 * 1024 * 1024
+"""The largest exposition `MetricsScraper` reads (bytes): an engine's is tens of KB."""
+
+
 class MetricsScraper:
     """Scrapes every endpoint of a datastore concurrently every `interval_s` seconds.
 
@@ -266,6 +270,8 @@ class MetricsScraper:
         path: metrics path (`/metrics`).
         interval_s: period (seconds). timeout_s: per-scrape timeout (seconds).
         on_scrape: optional callback(endpoint, ok: bool, seconds: float) for metrics.
+        max_bytes: the largest exposition read (bytes); a longer one fails the scrape (vLLM's
+            is tens of KB, a series per LoRA adapter included).
     """
 
     def __init__(
@@ -276,8 +282,10 @@ class MetricsScraper:
         interval_s: float = 0.1,
         timeout_s: float = 0.5,
         on_scrape: Callable[[Endpoint, bool, float], None] | None = None,
+        max_bytes: int = MAX_METRICS_BYTES,
     ) -> None:
         self._store = store
+        self._max_bytes = max_bytes
         self._path = path
         self._interval = interval_s
         self._timeout = timeout_s
@@ -329,9 +337,11 @@ class MetricsScraper:
         ok = False
         try:
             async with self._session.get(f"http://{ep.address}{self._path}") as resp:
-                if resp.status == 200:
-                    text = await resp.text()
-                    ep.engine = parse_vllm_metrics(text, ep.engine)
+                raw = await read_at_most(resp.content, self._max_bytes) if resp.status == 200 else None
+                if raw is None:
+                    log.debug("scrape of %s: status %d or over %d bytes", ep.address, resp.status, self._max_bytes)
+                else:
+                    ep.engine = parse_vllm_metrics(raw.decode(), ep.engine)  # the text format is UTF-8
                     ep.engine.scraped_at = time.monotonic()
                     ep.routed_at_scrape = mark
                     ok = True

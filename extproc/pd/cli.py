@@ -20,7 +20,7 @@ def pd_sidecar(
     ),
     allow: list[str] = typer.Option([], help="an allowed prefill endpoint host:port (repeatable; instead of --config)"),
     prefill_retries: int = typer.Option(2, min=0, help="retries of a prefill answered 502/503/504 or unreachable"),
-    prefill_timeout_s: float = typer.Option(60.0, help="time limit of one prefill attempt (seconds)"),
+    prefill_timeout_s: float = typer.Option(60.0, help="time limit of one prefill attempt (seconds); one that runs out is not retried"),
     local_fallback: bool = typer.Option(False, help="after a failed prefill, decode locally instead of answering 502"),
 ) -> None:
     """Run the two-step prefill/decode protocol (vLLM NIXL connector) in front of a decode engine."""

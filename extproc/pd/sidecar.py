@@ -13,7 +13,9 @@ listening where the router's destination points and forwarding to the local deco
 3. Sends the prefill, vLLM NIXL connector's way: the body with `max_tokens=1`, `stream=false`,
    `n=1` and `kv_transfer_params={do_remote_decode: true, do_remote_prefill: false,
    remote_engine_id/remote_block_ids/remote_host/remote_port: null}`. A 502/503/504 or a
-   connection failure is retried `prefill_retries` times (bounded).
+   connection failure is retried `prefill_retries` times (bounded); a prefill with no answer
+   within `prefill_timeout_s` is not (it may still be running there: a retry doubles the load
+   of an engine already too slow, and the client's wait).
 4. Sends the decode to the local engine: the client's body plus the returned
    `kv_transfer_params`. A streamed answer passes through untouched; a whole one gets
    `usage.prompt_tokens_details.cached_tokens` rewritten to the prefill side's count (the
@@ -36,6 +38,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from extproc.aio import read_at_most, start_site
 from extproc.config.schema import parse_host_port
 from extproc.datastore.endpoints import Datastore, canonical_address
 from extproc.scheduling.pd import PREFILL_ROLES
@@ -105,11 +108,14 @@ class PDSidecar:
         decode_url: the local decode engine, `http://host:port`.
         allows: the prefill allow-list check (`discovered_prefillers`, `static_prefillers`).
         host, port: where to listen (port 0: any free port; `.port` after `start`).
-        prefill_retries: retries of a prefill answered 502/503/504 or not reached (count ≥ 0).
+        prefill_retries: retries of a prefill answered 502/503/504, not reached or cut off (count
+            ≥ 0); one that timed out is not retried.
         retry_backoff_s: wait before the first retry, doubled each time (seconds).
         prefill_timeout_s: time limit of one prefill attempt (seconds).
         local_fallback: after a failed prefill, decode locally without the transfer (counted
             and logged) instead of answering 502.
+        max_prefill_answer_bytes: the largest prefill answer read (bytes); a longer one fails
+            the prefill (a `max_tokens=1` answer is a few KiB, its block ids included).
 
     Raises:
         ValueError: a negative retry count or a timeout that is not > 0.
@@ -126,6 +132,7 @@ class PDSidecar:
         retry_backoff_s: float = 0.05,
         prefill_timeout_s: float = 60.0,
         local_fallback: bool = False,
+        max_prefill_answer_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         if prefill_retries < 0:
             raise ValueError(f"prefill_retries must be ≥ 0, got {prefill_retries}")
@@ -138,22 +145,22 @@ class PDSidecar:
         self.retry_backoff_s = retry_backoff_s
         self.prefill_timeout_s = prefill_timeout_s
         self.local_fallback = local_fallback
+        self.max_prefill_answer_bytes = max_prefill_answer_bytes
         self.counts: dict[str, int] = {"passthrough": 0, "disaggregated": 0, "forbidden": 0, "prefill_failed": 0, "local_fallback": 0, "prefill_retries": 0}
         """Requests by outcome, and prefill retries (counts)."""
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        """Listen (the client session and the server)."""
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False)
+        """Listen (the server, then the client session).
+
+        Raises:
+            OSError: the address cannot be bound (nothing is left open).
+        """
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        if self.port == 0:
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await start_site(app, self.host, self.port, handler_cancellation=True)
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False)
 
     async def aclose(self) -> None:
         """Stop listening and close the client session. Idempotent."""
@@ -208,7 +215,9 @@ class PDSidecar:
         data = orjson.dumps(prefill)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers["content-type"] = "application/json"
-        url = f"http://{prefiller}{request.path}"
+        # The allow-list matched the canonical spelling: reach that one (an unbracketed IPv6
+        # `::1:8000` passes the check but is no URL authority).
+        url = f"http://{canonical_address(prefiller)}{request.path}"
         why = "not attempted"
         for attempt in range(self.prefill_retries + 1):
             if attempt:
@@ -216,11 +225,16 @@ class PDSidecar:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 async with self._http.post(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=self.prefill_timeout_s)) as resp:
-                    payload = await resp.read()
                     status = resp.status
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                    # Bounded: the prefill engine's answer is read whole, into this process.
+                    payload = await read_at_most(resp.content, self.max_prefill_answer_bytes)
+                    if payload is None:
+                        return f"the answer is over {self.max_prefill_answer_bytes} bytes"
+            except aiohttp.ClientError as exc:  # not reached, or the connection broke (retried)
                 why = f"{type(exc).__name__}"
                 continue
+            except TimeoutError:
+                return f"no answer within {self.prefill_timeout_s:g} s"
             if status in RETRY_STATUSES:
                 why = f"status {status}"
                 continue
@@ -233,9 +247,10 @@ class PDSidecar:
             kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             if not isinstance(kv, dict):
                 return "the answer has no kv_transfer_params (is the engine's KV connector configured?)"
-            details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+            usage = answer.get("usage")
+            details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            return kv, cached if isinstance(cached, int) else 0
+            return kv, cached if type(cached) is int and cached >= 0 else 0
         return why
 
     async def _forward(self, request: web.Request, base: str, data: bytes, *, cached_tokens: int | None = None) -> web.StreamResponse:
@@ -256,7 +271,8 @@ class PDSidecar:
                     answer = orjson.loads(payload)
                     usage = answer.get("usage")
                     if isinstance(usage, dict):
-                        usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached_tokens}
+                        details = usage.get("prompt_tokens_details")
+                        usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached_tokens}
                         payload = orjson.dumps(answer)
                 except (orjson.JSONDecodeError, AttributeError):
                     pass  # not the JSON we know: passed on as it came

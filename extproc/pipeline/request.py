@@ -465,8 +465,11 @@ class RequestPipeline:
         (`ModelConfig.learn_adapters`): `/v1/models` entries with a `parent`
         (`Endpoint.listed_adapters`) and the names in their LoRA metrics (for an endpoint
         serving one model). Returns how many names were new. O(endpoints); runs only for a
-        name that is no known model or adapter."""
+        name that is no known model or adapter, and not at all once nothing more can be learned
+        (no model learns, or the bound is reached)."""
         new = 0
+        if not self.adapters.can_learn:
+            return 0
         for ep in self._store.all():
             for adapter, parent in ep.listed_adapters.items():
                 new += self.adapters.learn(adapter, self._aliases.get(parent, parent))

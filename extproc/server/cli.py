@@ -123,7 +123,7 @@ def check_config(
         help="instead: the YAML `up`, `demo` and `bench --extproc-config` lay over their generated config, checked as they lay it",
     ),
     fleet: str = typer.Option(
-        "", "--fleet", help="with --overlay: the simulator profiles of that stack, comma-separated, or a named fleet (lora); default: the demo's"
+        "", "--fleet", help="with --overlay: the simulator profiles of that stack, comma-separated, or a named fleet (pd, lora); default: the demo's"
     ),
 ) -> None:
     """Check a configuration without starting anything: loaded as `serve` loads it (the same
@@ -174,15 +174,14 @@ def _overlaid(overlay: str, fleet: str) -> Config:
 
     from extproc.bench.overlay import OverlayError, check_overlay
     from extproc.sim.profiles import PROFILES
-    from extproc.stack.fleet import DEFAULT_FLEET, NAMED_FLEETS
+    from extproc.stack.fleet import DEFAULT_FLEET, fleet_spec
 
-    named = NAMED_FLEETS.get(fleet.strip())
-    profiles = named[0] if named else tuple(p.strip() for p in fleet.split(",") if p.strip()) or DEFAULT_FLEET
-    unknown = [p for p in profiles if p not in PROFILES]
+    named = fleet_spec(fleet, DEFAULT_FLEET)
+    unknown = [p for p in named.profiles if p not in PROFILES]
     try:
         if unknown:
             raise OverlayError(f"--fleet: unknown simulator profile(s) {unknown}; known: {', '.join(PROFILES)}")
-        _, cfg = check_overlay(Path(overlay), profiles)
+        _, cfg = check_overlay(Path(overlay), named.profiles, roles=named.roles, lora=named.lora)
     except OverlayError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -628,7 +628,7 @@ class SimServer:
         try:
             raw = await request.read()
             params = parse_generation(raw, kind)
-            transfer = self._transfer_of(raw)
+            transfer = self._transfer_of(params.model_extra)
             external = await self._pull_kv(transfer) if transfer is not None and transfer.role == "decode" else 0
             reqs = await self._enqueue(params, kind, hold_kv=transfer is not None and transfer.role == "prefill", external_tokens=external)
         except SimAPIError as err:
@@ -652,14 +652,16 @@ class SimServer:
                 body = self._with_transfer_params(body, reqs[0])
             return web.Response(body=body, content_type="application/json")
 
-    def _transfer_of(self, raw: bytes) -> TransferRequest | None:
-        """The request's P/D part (`extproc.sim.pd.parse_kv_transfer`), checked against the role.
+    def _transfer_of(self, extra: dict[str, Any] | None) -> TransferRequest | None:
+        """The request's P/D part (`extproc.sim.pd.parse_kv_transfer` over the body's fields the
+        generation parameters do not declare, `kv_transfer_params` among them), checked against
+        the role.
 
         Raises:
             SimAPIError: 400 for malformed `kv_transfer_params` or a side this role does not take.
         """
         try:
-            transfer = parse_kv_transfer(orjson.loads(raw))
+            transfer = parse_kv_transfer(extra)
         except ValueError as exc:
             raise SimAPIError(400, str(exc), param="kv_transfer_params") from None
         if transfer is not None and self.role not in (transfer.role, "both"):
@@ -679,8 +681,9 @@ class SimServer:
         prompt tokens (now computed here).
 
         Raises:
-            SimAPIError: 500 when the prefill engine no longer holds the blocks or cannot be
-                reached (`kv_load_failure_policy=fail`: never recomputed here).
+            SimAPIError: 500 when the prefill engine no longer holds the blocks, cannot be
+                reached or answers no token count in 1..max_model_len
+                (`kv_load_failure_policy=fail`: never recomputed here).
         """
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
@@ -690,14 +693,16 @@ class SimServer:
                 answer = await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             answer = None
-        if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), int):
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        # A count no prompt here could have (a bool, ≤ 0, past the context) is a failed pull: it
+        # would be charged as a transfer of that size (a huge one never ends).
+        if type(tokens) is not int or not 0 < tokens <= self.config.max_model_len:
             self.nixl.failed_transfers += 1
             raise SimAPIError(
                 500,
                 f"KV transfer failed: {transfer.remote_host}:{transfer.remote_port} no longer holds request "
                 f"{transfer.remote_request_id}'s blocks (kv_load_failure_policy=fail)",
             )
-        tokens = answer["tokens"]
         nbytes = tokens * self.profile.kv_bytes_per_token()
         seconds = nbytes / self.kv_link_bytes_per_s
         self.nixl.bytes_transferred.observe(nbytes)

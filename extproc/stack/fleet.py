@@ -27,7 +27,7 @@ import httpx
 from extproc.sim.profiles import PROFILES
 from extproc.stack.procs import ChildHandle, ManagedProcess, ProcessError, wait_until
 
-__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "LoraFleet", "NAMED_FLEETS", "SimProcess", "SIM_ROLES", "adapter_names"]
+__all__ = ["DEFAULT_FLEET", "PD_FLEET", "Fleet", "LoraFleet", "NamedFleet", "NAMED_FLEETS", "SimProcess", "SIM_ROLES", "adapter_names", "fleet_spec"]
 
 DEFAULT_FLEET: tuple[str, ...] = ("h100-qwen3-8b", "h100-qwen3-8b", "a100-qwen3-8b", "a100-qwen3-8b")
 """The demo and bench fleet: two H100 and two A100 engines serving Qwen3-8B (mixed speeds)."""
@@ -40,6 +40,7 @@ each; the decode ones behind `llm-extproc pd-sidecar` (`extproc.stack.pd`)."""
 
 SIM_ROLES = ("prefill", "decode", "both")
 """A simulator's P/D roles (`sim --role`)."""
+
 
 def adapter_names(n: int) -> list[str]:
     """Adapter names of a simulated LoRA fleet: `adapter-00` … (at least two digits)."""
@@ -72,12 +73,37 @@ class LoraFleet:
         ]  # fmt: skip
 
 
-NAMED_FLEETS: dict[str, tuple[tuple[str, ...], LoraFleet | None]] = {
-    "lora": (("h100-qwen3-8b",) * 4, LoraFleet(tuple(adapter_names(32)))),
+@dataclass(frozen=True, slots=True)
+class NamedFleet:
+    """What a `--fleet` value names: simulator profiles, their P/D roles and LoRA adapters.
+
+    Attributes:
+        profiles: one simulator profile per engine.
+        roles: P/D role per engine (same length as `profiles`), or None: every one `both`.
+        lora: the adapters every engine serves, or None.
+    """
+
+    profiles: tuple[str, ...]
+    roles: tuple[str, ...] | None = None
+    lora: LoraFleet | None = None
+
+
+NAMED_FLEETS: dict[str, NamedFleet] = {
+    "pd": NamedFleet(tuple(p for p, _ in PD_FLEET), tuple(r for _, r in PD_FLEET)),
+    "lora": NamedFleet(("h100-qwen3-8b",) * 4, lora=LoraFleet(tuple(adapter_names(32)))),
 }
-"""Fleets `--fleet` accepts by name: simulator profiles and the LoRA adapters they serve. `lora`:
-four H100 engines serving Qwen3-8B with 32 rank-16 adapters, 4 GPU slots and 8 host-cached each
-(the issue's measurement setting)."""
+"""Fleets `--fleet` accepts by name. `pd`: `PD_FLEET`. `lora`: four H100 engines serving
+Qwen3-8B with 32 rank-16 adapters, 4 GPU slots and 8 host-cached each (the issue's measurement
+setting)."""
+
+
+def fleet_spec(value: str, default: Sequence[str] = ()) -> NamedFleet:
+    """A `--fleet` value: a name of `NAMED_FLEETS`, else simulator profiles separated by commas
+    (`default` when it names none). The profiles are not checked against `PROFILES` here."""
+    named = NAMED_FLEETS.get(value.strip())
+    if named is not None:
+        return named
+    return NamedFleet(tuple(p.strip() for p in value.split(",") if p.strip()) or tuple(default))
 
 _READY = re.compile(r"^sim listening on (http://([0-9.]+):(\d+)) (.*)$", re.MULTILINE)
 _KV_EVENTS = re.compile(r"\bkv_events=(tcp://\S+)")

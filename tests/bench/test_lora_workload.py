@@ -40,7 +40,7 @@ def test_requests_name_their_adapter_and_carry_its_own_system_prompt(qwen_counte
 
 
 def test_lora_fleet_configures_simulators_and_the_router(tmp_path: Path):
-    profiles, lora = NAMED_FLEETS["lora"]
+    profiles, lora = NAMED_FLEETS["lora"].profiles, NAMED_FLEETS["lora"].lora
     assert lora is not None and len(lora.adapters) == 32 and lora.max_loras == 4
     fleet = Fleet(profiles, workdir=tmp_path, lora=lora)
     argv = fleet.sims[0].argv()

@@ -76,6 +76,9 @@ def test_sent_counts_decay_and_stay_bounded():
     for i in range(300):
         sent.note(f"x{i}", 1.0)
     assert len(sent.entries) == 256 and "a" not in sent.entries
+    # The running total is the remembered adapters' rates summed, evictions and decay included.
+    for t in (1.0, 45.0, 600.0):
+        assert sent.total(t) == pytest.approx(sum(sent.rate(n, t) for n in sent.entries), rel=1e-9)
 
 
 def test_adapter_names_configured_learned_and_bounded_labels():
@@ -83,7 +86,9 @@ def test_adapter_names_configured_learned_and_bounded_labels():
     assert names.base_of("sql") == "base" and names.base_of("x") is None
     assert not names.learn("alias", "base")  # a model name is never an adapter
     assert not names.learn("y", "other-model")  # that model does not learn
+    assert names.can_learn and not AdapterNames({}, reserved=set(), learning=set()).can_learn
     assert names.learn("x", "base") and names.learn("y", "base") and not names.learn("z", "base")
+    assert not names.can_learn  # full: an unknown name no longer scans the endpoints
     assert names.base_of("x") == "base"
     assert [names.label(a) for a in ("sql", "x", None)] == ["sql", "other", ""]
 

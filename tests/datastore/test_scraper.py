@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -144,3 +145,25 @@ def test_kv_usage_that_is_not_a_fraction_fails_the_scrape(bad):
 
 def test_kv_usage_a_hair_above_one_is_full():
     assert parse_vllm_metrics("vllm:kv_cache_usage_perc 1.0000001\n").kv_usage == 1.0
+
+
+async def test_an_exposition_past_max_bytes_fails_the_scrape_unread():
+    """An engine's /metrics was read whole into memory and parsed, whatever its size: one
+    series per LoRA adapter name it chose to report, say."""
+    lora = "".join(f'vllm:lora_adapter_loaded{{adapter_name="junk-{i:07d}",level="gpu"}} 1\n' for i in range(20_000))
+
+    async def metrics(request):
+        return web.Response(text=MODERN + lora)
+
+    runner, port = await serve_get("/metrics", metrics)
+    store = Datastore([EndpointConfig(address=f"127.0.0.1:{port}", models=["m"])])
+    ep = store.all()[0]
+    scraper = MetricsScraper(store, timeout_s=5.0, max_bytes=len(MODERN) + 1000)
+    try:
+        scraper._session = aiohttp.ClientSession()  # scrape() alone: no background loops
+        assert await scraper.scrape(ep) is False and ep.engine is None
+        scraper._max_bytes = 10 * len(lora)
+        assert await scraper.scrape(ep) is True and len(ep.engine.lora.gpu) == 20_000
+    finally:
+        await scraper.aclose()
+        await runner.cleanup()

@@ -3,6 +3,8 @@ protocol, the port-exact allow-list, bounded prefill retries, no silent local re
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -105,3 +107,82 @@ def test_static_allow_list_needs_ports():
     assert not static_prefillers(["10.0.0.1:8000"])("10.0.0.1:8001")
     with pytest.raises(ValueError):
         static_prefillers(["10.0.0.1"])
+
+
+@pytest.fixture
+async def fake_engine():
+    """A stand-in engine on `host` (127.0.0.1 or ::1): answers every POST with the `answer`
+    bytes given, after `delay_s` seconds, and records the bodies it got."""
+    from aiohttp import web
+
+    runners: list[web.AppRunner] = []
+
+    async def start(answer: bytes, host: str = "127.0.0.1", delay_s: float = 0.0):
+        seen: list[bytes] = []
+
+        async def handle(request: web.Request) -> web.Response:
+            seen.append(await request.read())
+            await asyncio.sleep(delay_s)
+            return web.Response(body=answer, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+        runners.append(runner)
+        return site._server.sockets[0].getsockname()[1], seen  # type: ignore[union-attr]
+
+    yield start
+    for r in runners:
+        await r.cleanup()
+
+
+DECODED = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": [1]}})
+
+
+@pytest.mark.parametrize("usage", ["text", [1], {"prompt_tokens_details": "x"}, {"prompt_tokens_details": {"cached_tokens": True}}])
+async def test_a_prefill_answer_with_odd_usage_still_decodes(http, sidecars, fake_engine, usage):
+    pport, _ = await fake_engine(orjson.dumps({"kv_transfer_params": {"remote_block_ids": [1]}, "usage": usage}))
+    dport, decoded = await fake_engine(DECODED)
+    side = await sidecars(f"http://127.0.0.1:{dport}", static_prefillers([f"127.0.0.1:{pport}"]))
+    status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"127.0.0.1:{pport}")
+    assert status == 200, raw
+    assert orjson.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert orjson.loads(decoded[0])["kv_transfer_params"] == {"remote_block_ids": [1]}
+
+
+async def test_a_huge_prefill_answer_fails_the_prefill_without_being_read_whole(http, sidecars, fake_engine):
+    pport, _ = await fake_engine(orjson.dumps({"kv_transfer_params": {"pad": "x" * 300_000}}))
+    dport, decoded = await fake_engine(DECODED)
+    side = await sidecars(f"http://127.0.0.1:{dport}", static_prefillers([f"127.0.0.1:{pport}"]), max_prefill_answer_bytes=100_000)
+    status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"127.0.0.1:{pport}")
+    assert status == 502 and b"over 100000 bytes" in raw and not decoded
+
+
+async def test_an_unbracketed_ipv6_prefiller_reaches_the_allowed_address(http, sidecars, fake_engine):
+    pport, prefilled = await fake_engine(orjson.dumps({"kv_transfer_params": {}}), host="::1")
+    dport, _ = await fake_engine(DECODED)
+    side = await sidecars(f"http://127.0.0.1:{dport}", static_prefillers([f"[::1]:{pport}"]))
+    status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"::1:{pport}")
+    assert status == 200, raw
+    assert len(prefilled) == 1
+
+
+async def test_a_prefill_that_hangs_is_not_retried(http, sidecars, fake_engine):
+    """A retry would double the load of an engine already too slow, and the client's wait."""
+    pport, prefilled = await fake_engine(orjson.dumps({"kv_transfer_params": {}}), delay_s=5.0)
+    dport, decoded = await fake_engine(DECODED)
+    side = await sidecars(f"http://127.0.0.1:{dport}", static_prefillers([f"127.0.0.1:{pport}"]), prefill_retries=2, prefill_timeout_s=0.2)
+    status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, f"127.0.0.1:{pport}")
+    assert status == 502 and b"no answer within 0.2 s" in raw
+    assert len(prefilled) == 1 and side.counts["prefill_retries"] == 0 and not decoded
+
+
+async def test_a_port_in_use_leaves_nothing_open(sidecars):
+    first = await sidecars("http://127.0.0.1:1", static_prefillers(["127.0.0.1:2"]))
+    second = PDSidecar("http://127.0.0.1:1", static_prefillers(["127.0.0.1:2"]), port=first.port)
+    with pytest.raises(OSError):
+        await second.start()
+    assert second._runner is None and second._http is None  # no runner, no client session to close

@@ -174,3 +174,18 @@ def test_an_overlay_is_checked_as_up_and_bench_lay_it(tmp_path: Path) -> None:
 def test_check_config_takes_a_config_or_an_overlay(args: list[str], message: str) -> None:
     result = CliRunner().invoke(app, ["check-config", *args], env={})
     assert result.exit_code == 2 and message in result.output
+
+
+def test_an_overlay_on_a_named_fleet_is_checked_over_its_roles_and_adapters(tmp_path: Path) -> None:
+    """`--fleet pd` was refused as an unknown profile (bench's CLI special-cased it beside the
+    named fleets), and `--fleet lora` checked the overlay over a config without the adapters
+    and GPU slots `up --fleet lora` generates."""
+    from extproc.server.cli import _overlaid
+
+    path = tmp_path / "overlay.yaml"
+    path.write_text("scheduling: {profile: least-inflight}\n")
+    result = CliRunner().invoke(app, ["check-config", "--overlay", str(path), "--fleet", "pd"], env={})
+    assert result.exit_code == 0, result.output
+    assert sorted(e.role for e in _overlaid(str(path), "pd").endpoints) == ["decode", "decode", "prefill", "prefill"]
+    lora = _overlaid(str(path), "lora")
+    assert len(lora.models[0].adapters) == 32 and lora.scheduling.lora_max_loras == 4

@@ -86,3 +86,27 @@ async def test_unpulled_blocks_expire_and_roles_are_enforced(start_sim, http):
     assert status == 400 and b"role is decode" in raw
     status, raw, _ = await post(http, f"{p.url}/v1/chat/completions", {"messages": PROMPT, "kv_transfer_params": {**kv, "remote_port": "x"}})
     assert status == 400 and b"remote_port" in raw
+
+
+async def test_a_pull_answered_with_an_impossible_token_count_fails_fast(start_sim, http):
+    """A prefill side claiming 10^12 tokens had the decode engine sleep out that transfer."""
+    from aiohttp import web
+
+    async def pull(request: web.Request) -> web.Response:
+        return web.json_response({"tokens": 10**12})
+
+    app = web.Application()
+    app.router.add_post("/sim/kv/pull", pull)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        d = await start_sim(role="decode")
+        kv = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "x"}
+        body = {"messages": PROMPT, "max_tokens": 2, "kv_transfer_params": kv}
+        status, raw, _ = await asyncio.wait_for(post(http, f"{d.url}/v1/chat/completions", body), 10)
+        assert status == 500 and b"kv_load_failure_policy=fail" in raw
+    finally:
+        await runner.cleanup()
