@@ -257,8 +257,13 @@ def up(
         None, "--extproc-config", help="YAML merged into llm-extproc's config for the llm-extproc policies "
         "(e.g. scheduling.profiles.load-aware with other scorer weights)",
     ),
+    logs: Path | None = typer.Option(
+        None, "--logs", help="write every child's log to this directory and keep it (default: a temp directory, "
+        "removed on a clean stop)", file_okay=False,
+    ),
 ) -> None:
-    """The demo's stack, kept running for your own OpenAI clients; prints every URL. Ctrl-C stops it."""
+    """The demo's stack, kept running for your own OpenAI clients; prints every URL. Ctrl-C stops it;
+    so does a child (simulator, llm-extproc, Envoy) that exits on its own, named with its log tail."""
     import asyncio
     import dataclasses
 
@@ -271,7 +276,7 @@ def up(
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
     if extproc_config is not None:
         settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings))
-    raise typer.Exit(asyncio.run(run_up(policies[0], settings, _console())))
+    raise typer.Exit(asyncio.run(run_up(policies[0], settings, _console(), logs)))
 
 
 def bench(

@@ -75,11 +75,15 @@ class BenchOptions:
 
 
 class _Logs:
-    """A temp dir for child logs: removed when all went well, kept (and named) otherwise."""
+    """A dir for child logs: a temp dir removed when all went well and kept (and named)
+    otherwise, or the directory given (`path`), created if missing and never removed."""
 
-    def __init__(self, prefix: str) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix=prefix))
-        self.keep = False
+    def __init__(self, prefix: str, path: Path | None = None) -> None:
+        self.given = path is not None
+        if path is not None:
+            path.mkdir(parents=True, exist_ok=True)
+        self.path = path if path is not None else Path(tempfile.mkdtemp(prefix=prefix))
+        self.keep = self.given
 
     def finish(self, console: Console) -> None:
         if self.keep:
@@ -226,11 +230,17 @@ def _label_endpoints(run: LabeledRun, profiles: dict[str, str]) -> LabeledRun:
     return replace(run, record=replace(run.record, results=results))
 
 
-async def run_up(policy: Policy, settings: StackSettings, console: Console) -> int:
-    """Start the stack, print its URLs, and keep it running until SIGINT/SIGTERM (exit 0). The
-    children's logs are in a temp directory it prints: removed when the stack stops cleanly
-    (every `up` left one in /tmp before), kept and named when something failed."""
-    logs = _Logs("llm-extproc-up-")
+UP_WATCH_S = 1.0
+"""How often `up` checks that every child still runs (seconds)."""
+
+
+async def run_up(policy: Policy, settings: StackSettings, console: Console, logs_dir: Path | None = None) -> int:
+    """Start the stack, print its URLs, and keep it running until SIGINT/SIGTERM (exit 0) or
+    until a child exits on its own (exit 1, naming it with its log tail; the rest is stopped).
+    The children's logs go to `logs_dir` when given (kept), else to a temp directory it prints:
+    removed when the stack stops cleanly (every `up` left one in /tmp before), kept and named
+    when something failed."""
+    logs = _Logs("llm-extproc-up-", logs_dir)
     stack = PolicyStack(policy, settings, workdir=logs.path)
 
     async def work(interrupts: Interrupts) -> None:
@@ -238,14 +248,19 @@ async def run_up(policy: Policy, settings: StackSettings, console: Console) -> i
             await _start(stack, console)
             console.print("ready:", highlight=False)
             _print_services(stack, console)
-            console.print(f"  logs: {logs.path} (removed when it stops; kept if something fails)", highlight=False, soft_wrap=True)
+            kept = "kept" if logs.given else "removed when it stops; kept if something fails; --logs DIR keeps them"
+            console.print(f"  logs: {logs.path} ({kept})", highlight=False, soft_wrap=True)
             console.print(
                 f"try: curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' "
                 f"-d '{{\"model\": \"{_model(settings)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 20}}'",
                 highlight=False, soft_wrap=True,
             )
             console.print("Ctrl-C stops everything.", highlight=False)
-            await asyncio.Event().wait()  # until a signal cancels us
+            while True:  # until a signal cancels us, or a child dies
+                await asyncio.sleep(UP_WATCH_S)
+                dead = stack.exited_child()
+                if dead is not None:
+                    raise dead.failure("exited while the stack was up; stopping the rest")
         finally:
             await stack.aclose()
 

@@ -38,7 +38,7 @@ from extproc.stack.envoy import FALLBACK_CLUSTER, EnvoyError, EnvoyProcess, RunS
 from extproc.stack.fleet import DEFAULT_FLEET, Fleet, LoraFleet
 from extproc.stack.pd import SidecarProcess
 from extproc.stack.ports import free_ports
-from extproc.stack.procs import ManagedProcess, wait_until
+from extproc.stack.procs import ChildHandle, ManagedProcess, wait_until
 from extproc.stack.server import ExtProcServerProcess
 
 __all__ = [
@@ -380,6 +380,18 @@ class PolicyStack:
                 procs.append(owner.process if owner is not None else None)
         procs += [side._proc for side in self.sidecars.values()]
         return [*self.fleet.pids, *(p.pid for p in procs if p is not None and p.pid is not None)]
+
+    def exited_child(self) -> ManagedProcess | None:
+        """The first child started that is no longer running (a simulator, a sidecar,
+        llm-extproc, Envoy or the peer router), else None: `up` watches it, so a stack whose
+        child died says so instead of answering 503s with nothing on its console."""
+        handles: list[ChildHandle | None] = [*self.fleet.sims, *self.sidecars.values(), self.server, self.envoy]
+        for handle in handles:
+            if handle is not None and handle.exited:
+                return handle.process
+        if self.peer is not None and self.peer.pid is not None and not self.peer.running:
+            return self.peer
+        return None
 
     async def start(self) -> None:
         """Start the fleet, then the front; on any failure stop what started and raise.

@@ -216,6 +216,11 @@ class ChildHandle:
             raise self.not_started_error(f"{self.name} is not started")
         return self._proc
 
+    @property
+    def exited(self) -> bool:
+        """Started once and no longer running (it died, or was stopped)."""
+        return self._proc is not None and self._proc.pid is not None and not self._proc.running
+
     async def aclose(self, timeout_s: float = 10.0) -> None:
         """SIGTERM by PID, wait up to `timeout_s` seconds, then SIGKILL. Safe to call twice."""
         if self._proc is not None:

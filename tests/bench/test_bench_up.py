@@ -3,6 +3,7 @@ stops every child (checked by PID)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -53,3 +54,21 @@ def test_up_serves_through_envoy_and_stops_cleanly(tmp_path: Path) -> None:
         assert not logs.exists() and "child logs kept" not in cmd.stdout, cmd.stdout
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def test_up_stops_and_says_so_when_a_child_dies(tmp_path: Path) -> None:
+    """A simulator killed under `up` ends it (exit 1) naming the simulator, every other child
+    stopped, and the logs in `--logs DIR` kept."""
+    logs = tmp_path / "logs"
+    with Command(["up", "--port", "0", "--fleet", FLEET_1, "--speed", "10", "--logs", str(logs)], tmp_path) as cmd:
+        cmd.wait_for("Ctrl-C stops everything", timeout_s=90, children_at_least=3)
+        assert f"logs: {logs} (kept)" in cmd.stdout, cmd.stdout
+        argv = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in cmd.seen}
+        sims = [pid for pid, args in argv.items() if b"sim" in args]  # `python -m extproc sim --port ...`
+        assert len(sims) == 1, argv
+        os.kill(sims[0], signal.SIGKILL)
+        rc = cmd.wait(timeout_s=60)
+    cmd.assert_clean_exit(rc, 1, children_at_least=3)
+    out = cmd.stdout + cmd.stderr
+    assert "sim-0: exited while the stack was up" in out and "(exited with -9)" in out, out
+    assert (logs / "sim-0.log").is_file() and (logs / "envoy.log").is_file()
