@@ -276,7 +276,27 @@ def up(
         raise _fail(f"{policies[0].name}: {policies[0].unavailable()}")
     if extproc_config is not None:
         settings = dataclasses.replace(settings, server_overrides=_server_overrides(extproc_config, settings))
-    raise typer.Exit(asyncio.run(run_up(policies[0], settings, _console(), logs)))
+    console = _console()
+    hint = _fleet_hint(policies[0], settings)
+    if hint:
+        console.print(hint, style="yellow", markup=False, highlight=False)
+    raise typer.Exit(asyncio.run(run_up(policies[0], settings, console, logs)))
+
+
+def _fleet_hint(policy, settings) -> str | None:  # type: ignore[no-untyped-def]
+    """A line for a fleet the policy ignores half of: the LoRA fleet under an llm-extproc
+    profile without an adapter scorer (it runs, adapter-blind), else None."""
+    if settings.lora is None or policy.kind != "extproc":
+        return None
+    from extproc.config.schema import BUILTIN_PROFILES
+
+    profile = BUILTIN_PROFILES.get(policy.profile or "")
+    if profile is not None and any(s.type.startswith("lora-") for s in profile.scorers):
+        return None
+    return (
+        f"note: the lora fleet under {policy.name} routes without regard to adapters "
+        "(profile " + repr(policy.profile) + "); --policy llm-extproc-lora routes by adapter residency"
+    )
 
 
 def bench(

@@ -96,3 +96,17 @@ def test_lora_activity_policy_differs_from_the_lora_profile_only_in_its_lora_sco
     assert [(s["type"], s["weight"]) for s in scorers] == [
         ("lora-activity-scorer" if t == "lora-affinity-scorer" else t, w) for t, w in builtin
     ]
+
+
+def test_up_hints_at_the_lora_profile_when_the_lora_fleet_runs_adapter_blind() -> None:
+    from extproc.bench.cli import _common, _fleet_hint
+
+    hints = {}
+    for name in ("llm-extproc", "llm-extproc-lora", "llm-extproc-lora-activity", "envoy-least-request"):
+        policies, settings = _common(policy_names=name, fleet="lora", speed=1.0, stream_interval=1, seed=0, port=0)
+        hints[name] = _fleet_hint(policies[0], settings)
+    assert "--policy llm-extproc-lora" in hints["llm-extproc"]
+    assert hints["llm-extproc-lora"] is None and hints["llm-extproc-lora-activity"] is None
+    assert hints["envoy-least-request"] is None  # Envoy alone has no profile to choose
+    policies, settings = _common(policy_names="llm-extproc", fleet="h100-qwen3-8b", speed=1.0, stream_interval=1, seed=0, port=0)
+    assert _fleet_hint(policies[0], settings) is None
