@@ -1325,6 +1325,24 @@ class Config(Strict):
                 f"the longest queue wait ({fc.max_wait_s:g} s) must be below ratelimit.inflight_lease_s "
                 f"({self.ratelimit.inflight_lease_s:g} s): a queued request holds its tenant's in-flight slot",
             )
+        if fc.enabled and fc.weights and not fc.fairness_header.trusted:
+            # Flows are the rate limiter's tenants unless a trusted fairness header names them:
+            # a weight for a name no tenant carries never applies (every such request would be
+            # `anonymous`, or its key's hash), silently.
+            if not self.ratelimit.enabled:
+                yield ConfigProblem(
+                    "flow_control.weights",
+                    "weights apply to tenants, and tenants are identified by the rate limiter (ratelimit.enabled is "
+                    "false, so every request is one flow, `anonymous`): enable ratelimit with its tenants, or trust "
+                    f"flow_control.fairness_header ({fc.fairness_header.name}) from a gateway that sets it",
+                )
+            else:
+                for name in sorted(set(fc.weights) - set(self.ratelimit.tenants) - {"anonymous"}):
+                    yield ConfigProblem(
+                        f"flow_control.weights{key_text(name)}",
+                        f"names no tenant in ratelimit.tenants (known: {', '.join(sorted(self.ratelimit.tenants)) or 'none'}); "
+                        "its weight would never apply",
+                    )
         if fc.enabled and fc.gate.mode == "utilization" and not self.scheduling.metrics.enabled:
             yield ConfigProblem(
                 "flow_control.gate.mode",

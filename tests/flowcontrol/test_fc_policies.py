@@ -228,6 +228,22 @@ def test_config_errors_name_the_problem():
         config_from_mapping({**base, "scheduling": {"metrics": {"enabled": False}}, "flow_control": {"enabled": True, "gate": {"mode": "utilization"}}})
 
 
+def test_weights_must_name_a_flow_that_exists():
+    """A weight for a name no flow carries never applies: refused at load, not ignored."""
+    from extproc.config.loader import ConfigError, config_from_mapping
+
+    base = {"models": [{"name": "m", "path": "builtin:qwen3-8b", "max_model_len": 4096}], "endpoints": [{"address": "127.0.0.1:1", "models": ["m"]}]}
+    fc = {"enabled": True, "weights": {"acme": 4}}
+    with pytest.raises(ConfigError, match="tenants are identified by the rate limiter"):
+        config_from_mapping({**base, "flow_control": fc})  # rate limiting off: one flow, anonymous
+    ratelimit = {"enabled": True, "default": {"tokens_per_minute": 100000}, "tenants": {"acme": {"api_key_sha256": ["ab" * 32]}}}
+    with pytest.raises(ConfigError, match=r"weights\.acmee.*names no tenant.*known: acme"):
+        config_from_mapping({**base, "ratelimit": ratelimit, "flow_control": {"enabled": True, "weights": {"acmee": 4}}})
+    assert config_from_mapping({**base, "ratelimit": ratelimit, "flow_control": fc}).flow_control.weights == {"acme": 4}
+    trusted = {**fc, "fairness_header": {"name": "x-llm-d-inference-fairness-id", "trusted": True}}
+    assert config_from_mapping({**base, "flow_control": trusted}).flow_control.weights == {"acme": 4}  # the gateway names flows
+
+
 class Stream:
     evict = False
 
