@@ -22,6 +22,7 @@ import ipaddress
 import os
 import ssl
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -333,6 +334,15 @@ def model_sources(name: str, path: Any, tokenizer: Any, architecture: Any) -> di
         raise ValueError(f"path must be a model directory (a string), got {type(path).__name__}")
     elif isinstance(path, str):
         implied = {"tokenizer": path, "architecture": path}
+        where = Path(path).expanduser()
+        if (tokenizer is None or architecture is None) and not where.is_dir():
+            # One clear line, not an architecture error whose cause is the directory (and a
+            # tokenizer error the architecture's hid).
+            relative = "" if where.is_absolute() else f" (relative to {Path.cwd()})"
+            raise ValueError(
+                f"path {path!r}: no such directory{relative}; `path` is the engines' model directory, "
+                "holding config.json and the tokenizer files — or set `tokenizer` and `architecture` instead"
+            )
     else:
         entry = builtin_model(name)
         implied = {"tokenizer": entry.tokenizer, "architecture": entry.architecture} if entry else {"tokenizer": None, "architecture": None}

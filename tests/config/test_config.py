@@ -605,3 +605,7 @@ def test_a_model_directory_supplies_both_tokenizer_and_architecture(tmp_path):
     assert (m.tokenizer, m.architecture, m.path) == (str(model_dir), str(model_dir), str(model_dir))
     (model_dir / "config.json").unlink()
     assert "No such file" in "\n".join(problem_lines(_model(name="acme/house-model", path=str(model_dir))))
+    # A directory that is not there: one line naming `path` and what it should hold.
+    missing = problem_lines(_model(name="acme/house-model", path=str(tmp_path / "typo")))
+    assert len(missing) == 1 and f"path '{tmp_path / 'typo'}': no such directory;" in missing[0], missing
+    assert "config.json" in missing[0] and "`tokenizer` and `architecture`" in missing[0]
