@@ -96,8 +96,14 @@ def static_prefillers(addresses: Iterable[str]) -> Callable[[str], bool]:
     return lambda address: canonical_address(address) in allowed
 
 
+_ERROR_TYPES = {400: "BadRequestError", 403: "PermissionDeniedError", 502: "BadGatewayError"}
+"""vLLM's `ErrorResponse.type` names its exception class; 403 and 502 are ours (the OpenAI SDK's
+names for those statuses)."""
+
+
 def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = {"object": "error", "message": message, "type": "BadRequestError" if status < 500 else "ServiceUnavailableError", "param": None, "code": code}
+    kind = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServiceUnavailableError")
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": code}
     return web.Response(status=status, body=orjson.dumps({"error": body, **body}), content_type="application/json", headers=headers)
 
 

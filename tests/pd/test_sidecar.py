@@ -81,7 +81,7 @@ async def test_only_listed_prefill_host_port_pairs_are_reached(start_sim, http, 
     # Same IP, another port (llm-d-router #979); a decode-only endpoint; metadata; garbage.
     for forged in (f"127.0.0.1:{p.port + 1}", f"127.0.0.1:{d.port}", "169.254.169.254:80", "not-a-host-port"):
         status, raw = await send(http, side, body, forged)
-        assert status == 403 and b"prefiller_not_allowed" in raw, forged
+        assert status == 403 and b"prefiller_not_allowed" in raw and b'"PermissionDeniedError"' in raw, forged
     assert side.counts["forbidden"] == 4 and await requests_seen(http, p) == 0 and await requests_seen(http, d) == 0
     # The listed pair works; once discovery drains it, it is refused again.
     assert (await send(http, side, body, f"127.0.0.1:{p.port}"))[0] == 200
@@ -94,7 +94,7 @@ async def test_a_failed_prefill_is_retried_a_bounded_number_of_times_and_never_r
     dead = f"127.0.0.1:{free_port()}"  # allowed, but nothing listens there
     side = await sidecars(d.url, static_prefillers([dead]), prefill_retries=2, retry_backoff_s=0.01)
     status, raw = await send(http, side, {"messages": PROMPT, "max_tokens": 2}, dead)
-    assert status == 502 and b"prefill_failed" in raw
+    assert status == 502 and b"prefill_failed" in raw and b'"BadGatewayError"' in raw
     assert side.counts["prefill_retries"] == 2 and await requests_seen(http, d) == 0
     # Configured to, it decodes locally instead (counted).
     fallback = await sidecars(d.url, static_prefillers([dead]), prefill_retries=0, local_fallback=True)
